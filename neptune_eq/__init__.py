@@ -1,0 +1,4 @@
+"""neptune_eq: an equality-saturation superoptimizer for chains of GPU reductions."""
+from .dsl import (placeholder, reduce_axis, compute, sum, max, min, exp, exp2, log, tanh,  # noqa: A004
+                  sqrt, rsqrt, abs, maximum, minimum, where, cast, build_program)
+from .ir import ProgramError

@@ -1,0 +1,145 @@
+"""Loading rule files (``rules/*.egg``).
+
+A rule file holds ``rewrite``, ``birewrite`` and ``rule`` commands written against the
+constructors of ``terms.py``.  Every rule needs a unique kebab-case ``:name``; it joins
+the ruleset named after the file (``rules/algebra.egg`` -> ``algebra``).  A file is
+checked on a scratch e-graph first, so a bad file is rejected with ``file:line``, the
+rule name and the reason, and leaves the real e-graph untouched.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import egglog.bindings as bindings
+from egglog import EGraph
+
+from . import terms
+from .structural import analysis_rules, substitution_rules
+
+RULES_DIR = Path(__file__).resolve().parents[2] / "rules"
+_NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+_POS = re.compile(r"In (\d+):(\d+)")
+
+
+class RuleFileError(ValueError):
+    """A rule file that cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class RuleInfo:
+    """Where a rule comes from and what it says."""
+    name: str
+    ruleset: str
+    file: str
+    line: int
+    comment: str
+    source: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def shipped_rule_files() -> list[Path]:
+    """The rule files that ship with neptune_eq, in load order."""
+    return sorted(RULES_DIR.glob("*.egg"))
+
+
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def _comment_above(lines: list[str], line: int) -> str:
+    out = []
+    k = line - 2
+    while k >= 0 and lines[k].strip().startswith(";"):
+        out.append(lines[k].strip().lstrip(";").strip())
+        k -= 1
+    return " ".join(reversed(out))
+
+
+def _error(path: Path, text: str, msg: str, rule: str | None = None) -> RuleFileError:
+    m = _POS.search(msg)
+    line = int(m.group(1)) if m else 0
+    where = f"{path}:{line}" if line else str(path)
+    first = msg.strip().splitlines()[-1] if msg.strip() else msg
+    named = f" (rule {rule!r})" if rule else ""
+    return RuleFileError(f"{where}{named}: {first}")
+
+
+def new_egraph() -> EGraph:
+    """An e-graph with every constructor and the structural rules declared."""
+    eg = EGraph()
+    terms.declare(eg)
+    low = eg._egraph
+    for text, name in ((analysis_rules(), "<analysis>"), (substitution_rules(), "<subst>")):
+        low.run_program(*low.parse_program(text, filename=name))
+    return eg
+
+
+def parse_rule_file(path: Path | str, taken: set[str] | None = None,
+                    ruleset: str | None = None) -> tuple[list, list[RuleInfo]]:
+    """Parse and check one rule file; returns its commands (bound to its ruleset) and
+    one ``RuleInfo`` per rule.  Raises ``RuleFileError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise RuleFileError(f"Expected a rule file (.egg), got {str(path)!r} which does not exist.")
+    text = path.read_text()
+    ruleset = ruleset or re.sub(r"[^a-z0-9]+", "-", path.stem.lower()).strip("-")
+    taken = set() if taken is None else taken
+    scratch = new_egraph()
+    low = scratch._egraph
+    try:
+        cmds = low.parse_program(text, filename=str(path))
+    except Exception as e:  # egglog raises EggSmolError
+        raise _error(path, text, str(e)) from None
+    lines = text.splitlines()
+    out, infos, names = [], [], set()
+    for c in cmds:
+        if isinstance(c, bindings.RewriteCommand):
+            rw = c.rewrite
+            span, name = rw.span, rw.name
+            new = bindings.RewriteCommand(ruleset, rw, c.subsume)
+        elif isinstance(c, bindings.BiRewriteCommand):
+            rw = c.rewrite
+            span, name = rw.span, rw.name
+            new = bindings.BiRewriteCommand(ruleset, rw)
+        elif isinstance(c, bindings.RuleCommand):
+            r = c.rule
+            span, name = r.span, r.name
+            new = bindings.RuleCommand(bindings.Rule(r.span, r.head, r.body, r.name, ruleset))
+        else:
+            span = getattr(c, "span", None)
+            line = _line_of(text, span.i) if span is not None else 0
+            raise RuleFileError(f"{path}:{line}: only rewrite, birewrite and rule commands may "
+                                f"appear in a rule file, got {type(c).__name__}; declare "
+                                "constructors in neptune_eq/egraph/terms.py instead.")
+        line = _line_of(text, span.i)
+        if not name:
+            raise RuleFileError(f"{path}:{line}: every rule needs a name; add "
+                                ':name "what-it-does" (kebab-case).')
+        if not _NAME.match(name):
+            raise RuleFileError(f"{path}:{line} (rule {name!r}): expected a kebab-case name like "
+                                "'exp-sub-split'.")
+        if name in names or name in taken:
+            raise RuleFileError(f"{path}:{line} (rule {name!r}): duplicate rule name; rule names "
+                                "must be unique across all loaded rule files.")
+        names.add(name)
+        src = text[span.i:span.j]
+        infos.append(RuleInfo(name, ruleset, str(path), line, _comment_above(lines, line), src))
+        out.append(new)
+    # Type-check on the scratch e-graph: unknown constructors, unbound variables, bad sorts.
+    try:
+        low.run_program(*low.parse_program(f"(ruleset {ruleset})", filename="<ruleset>"))
+        for c, info in zip(out, infos):
+            try:
+                low.run_program(c)
+            except Exception as e:
+                raise _error(path, text, str(e), info.name) from None
+    except BaseException as e:  # egglog panics derive from BaseException
+        if isinstance(e, (RuleFileError, KeyboardInterrupt)):
+            raise
+        raise RuleFileError(f"{path}: rejected by egglog: {e}") from None
+    return out, infos

@@ -1,0 +1,223 @@
+"""Program -> e-graph, saturation under a schedule with limits, and the rewrite trace.
+
+Each outer iteration first saturates the structural rules (analyses, substitution), then
+runs every rule file's ruleset once, in load order.  Growth is bounded from Python: the
+e-graph is pushed before an iteration and popped if the iteration pushes the row count
+past the budget (egglog has no node limit).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..ir import Definition, Program, ProgramError, Term, free_axes
+from .rulefiles import RuleFileError, RuleInfo, new_egraph, parse_rule_file, shipped_rule_files
+from .structural import ANALYSIS, SUBST
+from .table import EGG_NAME, CONSTRUCTORS
+
+
+# ----------------------------------------------------------------------------------
+# Program -> egglog terms
+# ----------------------------------------------------------------------------------
+def _fmt_float(v: float) -> str:
+    if not math.isfinite(v):
+        raise ProgramError(f"Constant {v} is not finite; use a large finite value (e.g. -1e30) "
+                           "for masked scores.")
+    s = repr(float(v))
+    if "e" in s and "." not in s.split("e")[0]:
+        a, b = s.split("e")
+        s = f"{a}.0e{b}"
+    return s
+
+
+def _substitute_axes(t: Term, m: dict[str, Term]) -> Term:
+    if t.op == "var" and t.val in m:
+        return m[t.val]
+    return t.map_args(lambda a: _substitute_axes(a, m))
+
+
+class ProgramEncoder:
+    """Turns definitions into egglog s-expressions.
+
+    A read ``R[idx]`` of a producer (a definition that needs a reduction) stays a
+    by-name ``Acc`` when ``idx`` is free of the enclosing reduction axes -- that is the
+    "g with a hole" the rolling rules need.  Pointwise definitions, and producers read at
+    an index that moves with an enclosing reduction (a score tile ``s[i, j]``), are
+    inlined: their value is recomputed per element, as a fused kernel would."""
+
+    def __init__(self, program: Program):
+        self.p = program
+        self.reductions = {d.name for d in program.defs if d.is_reduction}
+
+    def inline_refs(self, t: Term, bound: frozenset[str] = frozenset()) -> Term:
+        if t.op == "ref":
+            idx = tuple(self.inline_refs(a, bound) for a in t.args)
+            d = self.p.definition(t.val)
+            moves = set().union(*(free_axes(a) for a in idx)) & bound if idx else set()
+            if d.name not in self.reductions or moves:
+                return self.inline_refs(_substitute_axes(d.body, dict(zip(d.axes, idx))), bound)
+            return Term("ref", idx, t.val)
+        if t.kind in ("reduce", "fold"):
+            return t.map_args(lambda a: self.inline_refs(a, bound | {t.val}))
+        return t.map_args(lambda a: self.inline_refs(a, bound))
+
+    def sexpr(self, t: Term) -> str:
+        name = EGG_NAME[t.op]
+        kinds = CONSTRUCTORS[name][1]
+        parts = []
+        if t.op == "var":
+            parts.append(json.dumps(t.val))
+        elif t.op == "int":
+            parts.append(str(int(t.val)))
+        elif t.op == "flt":
+            parts.append(_fmt_float(t.val))
+        elif t.kind == "access":
+            idx = "(INil)"
+            for a in reversed(t.args):
+                idx = f"(ICons {self.sexpr(a)} {idx})"
+            parts += [json.dumps(t.val), idx]
+        else:
+            if kinds.startswith("S"):
+                parts.append(json.dumps(t.val))
+            parts += [self.sexpr(a) for a in t.args]
+        return f"({name} {' '.join(parts)})"
+
+    def encode(self) -> dict[str, str]:
+        return {d.name: self.sexpr(self.inline_refs(d.body)) for d in self.p.defs}
+
+
+def root_var(def_name: str) -> str:
+    return f"$def_{def_name}"
+
+
+# ----------------------------------------------------------------------------------
+# Trace
+# ----------------------------------------------------------------------------------
+@dataclass
+class IterationRecord:
+    iteration: int
+    stage: str
+    matches: dict[str, int]
+    rows: int
+    seconds: float
+
+
+@dataclass
+class Trace:
+    """What saturation did: per iteration and ruleset, the rules that matched, the
+    e-graph size and the time; why it stopped; and where each rule comes from."""
+    iterations: list[IterationRecord] = field(default_factory=list)
+    stop_reason: str = "not run"
+    rules: dict[str, RuleInfo] = field(default_factory=dict)
+
+    def fired(self) -> dict[str, int]:
+        """Total matches per rule over the whole run (rules that matched at least once)."""
+        tot: dict[str, int] = {}
+        for it in self.iterations:
+            for r, n in it.matches.items():
+                if n:
+                    tot[r] = tot.get(r, 0) + n
+        return tot
+
+    def __str__(self) -> str:
+        lines = [f"saturation: {len(self.iterations)} iteration(s), stop reason: {self.stop_reason}"]
+        for it in self.iterations:
+            fired = {r: n for r, n in it.matches.items() if n}
+            body = ", ".join(f"{r}×{n}" for r, n in sorted(fired.items())) or "(nothing new)"
+            lines.append(f"  iter {it.iteration:>2} [{it.stage}] rows={it.rows:<6} "
+                         f"{it.seconds * 1e3:7.1f} ms  {body}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------
+# The e-graph stage
+# ----------------------------------------------------------------------------------
+@dataclass
+class Limits:
+    iterations: int = 24
+    rows: int = 200_000
+    seconds: float = 60.0
+
+
+class EGraphStage:
+    """Holds one e-graph for one program."""
+
+    def __init__(self, program: Program, rule_files: list[Path | str] | None = None,
+                 extra_rule_files: list[Path | str] = ()):
+        self.program = program
+        self.eg = new_egraph()
+        self.low = self.eg._egraph
+        self.trace = Trace()
+        self.rulesets: list[str] = []
+        files = shipped_rule_files() if rule_files is None else [Path(f) for f in rule_files]
+        for f in list(files) + [Path(f) for f in extra_rule_files]:
+            self.load_rules(f)
+        self.roots: dict[str, str] = {}
+        for name, sx in ProgramEncoder(program).encode().items():
+            self._run(f"(let {root_var(name)} {sx})", "<program>")
+            self.roots[name] = root_var(name)
+
+    def _run(self, text: str, filename: str):
+        return self.low.run_program(*self.low.parse_program(text, filename=filename))
+
+    def load_rules(self, path: Path | str) -> list[RuleInfo]:
+        """Add a rule file; raises RuleFileError (and changes nothing) if it is bad."""
+        cmds, infos = parse_rule_file(path, set(self.trace.rules))
+        rs = infos[0].ruleset if infos else None
+        if rs is None:
+            return []
+        if rs in self.rulesets:
+            raise RuleFileError(f"{path}: a rule file named {rs!r} is already loaded; rename it.")
+        self._run(f"(ruleset {rs})", "<ruleset>")
+        self.low.run_program(*cmds)
+        self.rulesets.append(rs)
+        for i in infos:
+            self.trace.rules[i.name] = i
+        return infos
+
+    def rows(self) -> int:
+        return sum(n for _, n in self.eg.all_function_sizes())
+
+    def saturate(self, limits: Limits = Limits()) -> Trace:
+        t0 = time.perf_counter()
+        reason = "iteration limit"
+        for it in range(1, limits.iterations + 1):
+            if time.perf_counter() - t0 > limits.seconds:
+                reason = "time limit"
+                break
+            before = self.rows()
+            self.eg.push()
+            t1 = time.perf_counter()
+            self._run(f"(run-schedule (saturate (run {ANALYSIS}) (run {SUBST})))", "<schedule>")
+            matches: dict[str, int] = {}
+            for rs in self.rulesets:
+                for report in self._run(f"(run-schedule (run {rs}))", "<schedule>"):
+                    for r, n in report.report.num_matches_per_rule.items():
+                        matches[r] = matches.get(r, 0) + n
+            self._run(f"(run-schedule (saturate (run {ANALYSIS}) (run {SUBST})))", "<schedule>")
+            rows = self.rows()
+            if rows > limits.rows:
+                self.eg.pop()
+                reason = "row limit"
+                self.trace.iterations.append(IterationRecord(it, "rules (rolled back)", matches,
+                                                             rows, time.perf_counter() - t1))
+                break
+            # egglog has no "drop snapshot": the copy stays on its stack until the stage is
+            # discarded (bounded by iterations x rows).
+            self.trace.iterations.append(IterationRecord(it, "rules", matches, rows,
+                                                         time.perf_counter() - t1))
+            if rows == before:
+                reason = "saturated"
+                break
+        self.trace.stop_reason = reason
+        return self.trace
+
+    def serialize(self) -> dict:
+        """The whole e-graph as egraph-serialize JSON (nodes, classes, let-bound roots)."""
+        return json.loads(self.low.serialize([]).to_json())
+
+    def dot(self) -> str:
+        return self.low.serialize([]).to_dot()

@@ -1,0 +1,197 @@
+"""Extraction: rank the e-graph's programs with a cost model and decode the winner.
+
+Works on the e-graph's serialized form (egraph-serialize JSON), so it needs no egglog:
+classes, their member nodes, and the ``free``/``uses`` analyses the rules computed.
+
+The first cost model counts work weighted by iteration domain (the product of the
+extents an e-class depends on), with transcendental ops dearer than arithmetic, and
+charges a *pass over memory* for every reduction whose body reads a producer by name
+(that producer must be complete first, so the data is read again).  A fused fold
+(``RollSum``) reads running values instead and pays no pass.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from .egraph.table import CONSTRUCTORS
+from .ir import Definition, Program, Term, accessed
+
+INF = math.inf
+
+# Per-element weights (arithmetic = 1).  SFU ops cost more; memory reads more still.
+OP_WEIGHT = {"exp": 4.0, "exp2": 3.0, "log": 4.0, "tanh": 6.0, "sqrt": 4.0, "rsqrt": 4.0,
+             "div": 2.0, "load": 8.0, "ref": 1.0, "run": 1.0, "prev": 1.0,
+             "sum": 1.0, "max": 1.0, "min": 1.0, "rollsum": 1.5}
+LEAF = {"var", "int", "flt"}
+PASS_WEIGHT = 64.0  # re-reading the loop's data once more (per element of the loop domain)
+
+
+@dataclass
+class Node:
+    op: str            # egglog constructor name
+    children: tuple    # child e-class ids
+
+
+@dataclass
+class EGraphView:
+    """A read-only view of a serialized e-graph."""
+    classes: dict[str, list[Node]]
+    literal: dict[str, object]          # primitive class -> python value
+    free: dict[str, frozenset]
+    uses: dict[str, frozenset]
+    roots: dict[str, str]               # let-bound name -> class
+    n_nodes: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict | str) -> "EGraphView":
+        data = json.loads(data) if isinstance(data, str) else data
+        nodes = data["nodes"]
+        cls_of = {nid: n["eclass"] for nid, n in nodes.items()}
+        classes: dict[str, list[Node]] = {}
+        literal: dict[str, object] = {}
+        sets: dict[str, frozenset] = {}
+        analyses: dict[str, dict[str, str]] = {"free": {}, "uses": {}}
+        for nid, n in nodes.items():
+            op, kids = n["op"], [cls_of[c] for c in n["children"]]
+            if n["eclass"].startswith(("String-", "i64-", "f64-")):
+                literal[n["eclass"]] = _literal(n["eclass"], op)
+            elif op == "set-of":
+                sets[n["eclass"]] = kids  # resolved below
+            elif op in analyses:
+                analyses[op][kids[0]] = n["eclass"]
+            elif op in CONSTRUCTORS or op in ("AtRun", "AtPrev", "INil", "ICons"):
+                classes.setdefault(n["eclass"], []).append(Node(op, tuple(kids)))
+        def as_set(c):
+            return frozenset(literal[k] for k in sets.get(c, ()))
+        free = {t: as_set(s) for t, s in analyses["free"].items()}
+        uses = {t: as_set(s) for t, s in analyses["uses"].items()}
+        roots = {v["let"].lstrip("$"): k for k, v in data.get("class_data", {}).items() if "let" in v}
+        return cls(classes, literal, free, uses, roots, len(nodes))
+
+
+def _literal(eclass: str, op: str):
+    if eclass.startswith("String-"):
+        return json.loads(op)
+    if eclass.startswith("i64-"):
+        return int(op)
+    return float(op)
+
+
+class CostModel:
+    """Work weighted by iteration domain, plus one pass penalty per unfused reduction."""
+
+    def __init__(self, program: Program):
+        self.extents = program.extents
+
+    def domain(self, view: EGraphView, cls: str) -> float:
+        return float(math.prod(self.extents.get(a, 1) for a in view.free.get(cls, ())))
+
+    def node_cost(self, view: EGraphView, cls: str, node: Node) -> float:
+        if node.op in ("AtRun", "AtPrev"):
+            return INF
+        if node.op in ("INil", "ICons"):
+            return 0.0
+        op = CONSTRUCTORS[node.op][0]
+        if op in LEAF:
+            return 0.0
+        cost = OP_WEIGHT.get(op, 1.0) * self.domain(view, cls)
+        if op in ("sum", "max", "min"):
+            body = node.children[-1]
+            if view.uses.get(body):
+                cost += PASS_WEIGHT * self.domain(view, body)
+        return cost
+
+
+@dataclass
+class Extraction:
+    """The cheapest term of every e-class under a cost model."""
+    view: EGraphView
+    best: dict[str, tuple[float, Node]] = field(default_factory=dict)
+
+    @classmethod
+    def run(cls, view: EGraphView, model: CostModel) -> "Extraction":
+        ex = cls(view)
+        changed = True
+        while changed:
+            changed = False
+            for c, nodes in view.classes.items():
+                for n in nodes:
+                    cost = model.node_cost(view, c, n)
+                    if cost == INF:
+                        continue
+                    for k in n.children:
+                        if k in view.literal:
+                            continue
+                        kb = ex.best.get(k)
+                        if kb is None:
+                            cost = INF
+                            break
+                        cost += kb[0]
+                    if cost < ex.best.get(c, (INF, None))[0]:
+                        ex.best[c] = (cost, n)
+                        changed = True
+        return ex
+
+    def cost(self, cls: str) -> float:
+        return self.best.get(cls, (INF, None))[0]
+
+    def term(self, cls: str, memo: dict | None = None) -> Term:
+        """Decode the cheapest term of ``cls`` back to the loop IR."""
+        memo = {} if memo is None else memo
+        if cls in memo:
+            return memo[cls]
+        if cls not in self.best:
+            raise ValueError(f"e-class {cls} has no finite-cost term")
+        node = self.best[cls][1]
+        op, kinds = CONSTRUCTORS[node.op]
+        lits = [self.view.literal[k] for k, kind in zip(node.children, kinds) if kind in "SIF"]
+        subs = [k for k, kind in zip(node.children, kinds) if kind == "T"]
+        idx = [k for k, kind in zip(node.children, kinds) if kind == "X"]
+        if op in LEAF:
+            out = Term(op, (), lits[0])
+        elif idx:
+            out = Term(op, tuple(self._idx(idx[0], memo)), lits[0])
+        else:
+            out = Term(op, tuple(self.term(k, memo) for k in subs), lits[0] if lits else None)
+        memo[cls] = out
+        return out
+
+    def _idx(self, cls: str, memo) -> list[Term]:
+        out = []
+        while True:
+            node = self.best[cls][1]
+            if node.op == "INil":
+                return out
+            out.append(self.term(node.children[0], memo))
+            cls = node.children[1]
+
+
+@dataclass
+class Candidate:
+    """One extracted program with its predicted cost."""
+    program: Program
+    cost: float
+    description: str
+
+
+def extract_program(view: EGraphView, program: Program, model: CostModel | None = None) -> Candidate:
+    """Cheapest program: every output, and every producer it reads, at its best term."""
+    model = model or CostModel(program)
+    ex = Extraction.run(view, model)
+    memo: dict = {}
+    bodies = {d.name: ex.term(view.roots[f"def_{d.name}"], memo) for d in program.defs}
+    needed, stack = set(), list(program.outputs)
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(accessed(bodies[n]))
+    defs = [Definition(d.name, d.axes, bodies[d.name], d.dtype) for d in program.defs
+            if d.name in needed]
+    cost = sum(ex.cost(view.roots[f"def_{d.name}"]) for d in defs)
+    folds = sum(1 for d in defs for n in d.body.walk() if n.op == "rollsum")
+    desc = f"{folds} rolling fold(s)" if folds else "plain (no fused folds)"
+    return Candidate(program.with_defs(defs), cost, desc)

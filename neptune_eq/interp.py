@@ -1,0 +1,228 @@
+"""Reference interpreter: evaluates any program (plain or fused) on torch CPU.
+
+It is the correctness oracle for every later stage.  Values are dense tensors whose
+dimensions are named by index variables; operations broadcast by name.  Fused folds
+(``rollsum``) are evaluated *as folds*, block by block, with producers' running values
+(``run``/``prev``) recomputed over the processed prefix -- so a wrong correction factor
+gives a wrong answer here, exactly as it would in a kernel.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .ir import Program, ProgramError, Term
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
+                 "bool": torch.bool}
+
+
+@dataclass
+class Val:
+    """A tensor with one named index variable per dimension."""
+    t: torch.Tensor
+    axes: tuple[str, ...]
+
+    def expand_to(self, axes: tuple[str, ...]) -> torch.Tensor:
+        src = self.t
+        perm = [self.axes.index(a) for a in axes if a in self.axes]
+        src = src.permute(*perm) if perm else src
+        present = [a for a in axes if a in self.axes]
+        shape, k = [], 0
+        for a in axes:
+            if a in self.axes:
+                shape.append(src.shape[k])
+                k += 1
+            else:
+                shape.append(1)
+        return src.reshape(shape) if present or not axes else src.reshape([1] * len(axes))
+
+
+def _align(*vals: Val) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+    axes: list[str] = []
+    for v in vals:
+        for a in v.axes:
+            if a not in axes:
+                axes.append(a)
+    tup = tuple(axes)
+    return tup, [v.expand_to(tup) for v in vals]
+
+
+_UNARY = {"neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log,
+          "tanh": torch.tanh, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "abs": torch.abs,
+          "not": torch.logical_not}
+_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+           "maximum": torch.maximum, "minimum": torch.minimum,
+           "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"),
+           "mod": torch.remainder, "lt": torch.lt, "le": torch.le, "gt": torch.gt,
+           "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+           "and": torch.logical_and, "or": torch.logical_or}
+_IDENTITY = {"sum": 0.0, "rollsum": 0.0, "max": -math.inf, "min": math.inf}
+
+
+class Interpreter:
+    """Evaluate ``program`` on ``inputs`` (name -> tensor).
+
+    ``dtype`` is the float type all arithmetic runs in (float64 for an oracle);
+    ``block`` is the block length folds are evaluated with."""
+
+    def __init__(self, program: Program, inputs: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float64, block: int = 4):
+        self.p, self.dtype, self.block = program, dtype, max(1, int(block))
+        self.inputs = {}
+        for ph in program.inputs:
+            if ph.name not in inputs:
+                raise ProgramError(f"Missing input {ph.name!r}; expected tensors for "
+                                   f"{[q.name for q in program.inputs]}.")
+            t = torch.as_tensor(inputs[ph.name]).cpu()
+            if tuple(t.shape) != ph.shape:
+                raise ProgramError(f"Expected {ph.name} with shape {ph.shape}, got "
+                                   f"{tuple(t.shape)}.")
+            self.inputs[ph.name] = t.to(dtype) if t.is_floating_point() else t
+        self.values: dict[str, Val] = {}
+        self._prefix_cache: dict[tuple[str, int], Val] = {}
+
+    # -- public ------------------------------------------------------------------------
+    def run(self) -> dict[str, torch.Tensor]:
+        for d in self.p.defs:
+            self.values[d.name] = self._full_value(d.name)
+        return {d.name: self.values[d.name].expand_to(d.axes).expand(
+            *[self.p.extents[a] for a in d.axes]).contiguous() for d in self.p.defs}
+
+    # -- definitions ---------------------------------------------------------------------
+    def _full_value(self, name: str) -> Val:
+        d = self.p.definition(name)
+        return self.eval(d.body, {a: self._arange(a) for a in d.axes}, {})
+
+    def _arange(self, axis: str, limit: int | None = None) -> Val:
+        n = self.p.extents[axis] if limit is None else limit
+        return Val(torch.arange(n), (axis,))
+
+    def prefix_value(self, name: str, end: int) -> Val:
+        """Value of producer ``name`` with its top-level reduction restricted to the
+        first ``end`` positions of its axis (its running value after ``end`` steps)."""
+        key = (name, end)
+        if key not in self._prefix_cache:
+            d = self.p.definition(name)
+            if d.body.kind not in ("reduce", "fold"):
+                raise ProgramError(f"run/prev of {name!r}: expected a definition whose body is "
+                                   f"a reduction, got {d.body.op}.")
+            env = {a: self._arange(a) for a in d.axes}
+            self._prefix_cache[key] = self.eval(d.body, env, {d.body.val: end})
+        return self._prefix_cache[key]
+
+    # -- terms ---------------------------------------------------------------------------
+    def eval(self, t: Term, env: dict[str, Val], limits: dict[str, int],
+             step: tuple[int, int] | None = None) -> Val:
+        """``limits`` truncates reduction axes (prefix evaluation); ``step`` is the
+        (previous end, current end) of the enclosing fold's block, for run/prev."""
+        op = t.op
+        if op == "var":
+            if t.val not in env:
+                raise ProgramError(f"Unbound index variable {t.val!r}.")
+            return env[t.val]
+        if op == "int":
+            return Val(torch.tensor(t.val), ())
+        if op == "flt":
+            return Val(torch.tensor(t.val, dtype=self.dtype), ())
+        if op in ("load", "ref"):
+            src = self.inputs[t.val] if op == "load" else self._ref_value(t.val)
+            return self._gather(src, t.args, env, limits, step)
+        if op in ("run", "prev"):
+            if step is None:
+                raise ProgramError(f"{op}:{t.val} used outside a fold.")
+            end = step[1] if op == "run" else step[0]
+            pv = self.prefix_value(t.val, end)
+            d = self.p.definition(t.val)
+            return self._gather(pv.expand_to(d.axes).expand(
+                *[self.p.extents[a] for a in d.axes]), t.args, env, limits, step)
+        if op in _UNARY:
+            v = self.eval(t.args[0], env, limits, step)
+            return Val(_UNARY[op](v.t), v.axes)
+        if op == "cast":
+            v = self.eval(t.args[0], env, limits, step)
+            want = _TORCH_DTYPES[t.val]
+            return Val(v.t.to(self.dtype if want.is_floating_point else want), v.axes)
+        if op in _BINARY:
+            axes, (a, b) = _align(self.eval(t.args[0], env, limits, step),
+                                  self.eval(t.args[1], env, limits, step))
+            return Val(_BINARY[op](a, b), axes)
+        if op == "where":
+            axes, (c, a, b) = _align(*(self.eval(x, env, limits, step) for x in t.args))
+            return Val(torch.where(c.bool(), a, b), axes)
+        if t.kind == "reduce":
+            return self._reduce(t, env, limits, step)
+        if op == "rollsum":
+            return self._fold(t, env, limits)
+        raise ProgramError(f"The interpreter cannot evaluate op {op!r}.")
+
+    def _ref_value(self, name: str) -> torch.Tensor:
+        if name not in self.values:
+            self.values[name] = self._full_value(name)
+        d = self.p.definition(name)
+        return self.values[name].expand_to(d.axes).expand(*[self.p.extents[a] for a in d.axes])
+
+    def _gather(self, src: torch.Tensor, idx: tuple[Term, ...], env, limits, step) -> Val:
+        ivals = [self.eval(i, env, limits, step) for i in idx]
+        axes, its = _align(*ivals) if ivals else ((), [])
+        its = [i.long() for i in its]
+        for k, i in enumerate(its):
+            if i.numel() and (int(i.min()) < 0 or int(i.max()) >= src.shape[k]):
+                raise ProgramError(f"Index {k} of a read of shape {tuple(src.shape)} goes out of "
+                                   f"range [{int(i.min())}, {int(i.max())}]; clamp it or mask "
+                                   "the read with ne.where.")
+        out = src[tuple(its)] if its else src
+        return Val(out, axes)
+
+    def _reduce(self, t: Term, env, limits, step) -> Val:
+        ax = t.val
+        n = limits.get(ax, self.p.extents[ax])
+        if n == 0:
+            body_axes = self.eval(t.args[0], {**env, ax: self._arange(ax, 1)}, limits, step).axes
+            rest = tuple(a for a in body_axes if a != ax)
+            shape = [env[a].t.numel() if a in env else self.p.extents[a] for a in rest]
+            return Val(torch.full(shape, _IDENTITY[t.op], dtype=self.dtype), rest)
+        body = self.eval(t.args[0], {**env, ax: self._arange(ax, n)}, limits, step)
+        if ax not in body.axes:  # constant along the axis
+            return Val(body.t * n, body.axes) if t.op == "sum" else body
+        dim = body.axes.index(ax)
+        rest = body.axes[:dim] + body.axes[dim + 1:]
+        f = {"sum": lambda x: x.sum(dim), "max": lambda x: x.amax(dim),
+             "min": lambda x: x.amin(dim)}[t.op]
+        return Val(f(body.t.to(self.dtype) if not body.t.is_floating_point() else body.t), rest)
+
+    def _fold(self, t: Term, env, limits) -> Val:
+        """``t <- t * corr + sum_{j in block} body`` with run/prev bound per block."""
+        ax = t.val
+        n = limits.get(ax, self.p.extents[ax])
+        body, corr = t.args
+        acc: Val | None = None
+        prev_end = 0
+        while prev_end < n:
+            end = min(n, prev_end + self.block)
+            blk = Val(torch.arange(prev_end, end), (ax,))
+            part = self.eval(body, {**env, ax: blk}, limits, (prev_end, end))
+            if ax in part.axes:
+                dim = part.axes.index(ax)
+                part = Val(part.t.sum(dim), part.axes[:dim] + part.axes[dim + 1:])
+            else:
+                part = Val(part.t * (end - prev_end), part.axes)
+            if acc is None:
+                acc = part
+            else:
+                c = self.eval(corr, env, limits, (prev_end, end))
+                axes, (a, cc, p_) = _align(acc, c, part)
+                acc = Val(a * cc + p_, axes)
+            prev_end = end
+        if acc is None:
+            return Val(torch.zeros(()), ())
+        return acc
+
+
+def evaluate(program: Program, inputs: dict[str, torch.Tensor], dtype=torch.float64,
+             block: int = 4) -> dict[str, torch.Tensor]:
+    """Evaluate every definition; returns name -> tensor in each definition's axis order."""
+    return Interpreter(program, inputs, dtype, block).run()
