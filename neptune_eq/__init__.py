@@ -2,3 +2,5 @@
 from .dsl import (placeholder, reduce_axis, compute, sum, max, min, exp, exp2, log, tanh,  # noqa: A004
                   sqrt, rsqrt, abs, maximum, minimum, where, cast, build_program)
 from .ir import ProgramError
+from .api import Kernel, superoptimize
+from .egraph.saturate import Limits

@@ -93,6 +93,7 @@ class _Capture:
 
 
 _CAPTURES: list[_Capture] = []
+_CREATED = itertools.count()
 
 
 class Tensor:
@@ -103,6 +104,7 @@ class Tensor:
                  capture: "_Capture | None" = None):
         self.name, self.shape, self.dtype = name, shape, dtype
         self._definition = definition  # None for placeholders
+        self._order = next(_CREATED)  # placeholders keep the order they were declared in
         self._capture = capture or _Capture()
 
     @property
@@ -267,7 +269,7 @@ def build_program(outputs: "Tensor | Sequence[Tensor]") -> ir.Program:
 
 def _assemble(tensors: dict[str, Tensor], outputs: list[str]) -> ir.Program:
     inputs, defs, extents = [], [], {}
-    for t in tensors.values():
+    for t in sorted(tensors.values(), key=lambda t: t._order):
         if t._definition is None:
             inputs.append(ir.Placeholder(t.name, t.shape, t.dtype))
     for t in tensors.values():

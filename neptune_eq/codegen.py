@@ -1,0 +1,431 @@
+"""Codegen: tile plan -> Triton source text.
+
+Every value is a tile whose dimensions are named by kernel axes, kept in one canonical
+order (block axis, the pass's loop axis, whole axes, epilogue loop axis), so broadcasting
+is `[:, None]` indexing decided by name.  A sum over an axis of a product of two 2-D tiles
+that share only that axis becomes ``tl.dot`` (the QKᵀ and P·V contractions of attention);
+everything else is elementwise math and ``tl.sum``/``tl.max``.  Loop-invariant terms are
+hoisted before the loops; common subterms are emitted once per scope.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .ir import FLOAT_DTYPES, Term, free_axes
+from .lower import Fold, LoweringError, TilePlan, next_pow2
+
+NEG = "-1.0e30"   # masked / initial max: a large finite negative, never -inf
+POS = "1.0e30"
+LOOP = "L"        # tile axis of the current pass's loop
+ECOL = "C"        # tile axis of the epilogue's column loop
+_TL_DTYPE = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
+             "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1"}
+_UNARY = {"exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})",
+          "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})", "abs": "tl.abs({})",
+          "neg": "-({})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({})) - 1.0)", "not": "({} == 0)"}
+_BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
+           "maximum": "tl.maximum({}, {})", "minimum": "tl.minimum({}, {})",
+           "floordiv": "{} // {}", "mod": "{} % {}", "lt": "{} < {}", "le": "{} <= {}",
+           "gt": "{} > {}", "ge": "{} >= {}", "eq": "{} == {}", "ne": "{} != {}",
+           "and": "{} & {}", "or": "{} | {}"}
+_SIMPLE = re.compile(r"^(-?[0-9.e+-]+|[A-Za-z_][A-Za-z_0-9]*)$")
+_ARITH = {"add", "sub", "mul", "div", "maximum", "minimum"}
+
+
+@dataclass(frozen=True)
+class Tile:
+    code: str                 # a variable name or literal
+    axes: tuple[str, ...]     # kernel axes, canonical order
+    kind: str                 # "f32", "int", "bool", or a storage dtype of a raw load
+
+
+@dataclass
+class KernelSource:
+    name: str
+    source: str
+    params: list[str]                 # pointer parameters, in call order
+    stride_params: list[tuple[str, int]]
+    tunables: dict[str, int]          # constexpr block sizes with defaults
+    grid_axes: tuple[str, ...]
+    block_axis: str
+
+
+class Emitter:
+    def __init__(self, plan: TilePlan, name: str):
+        self.plan, self.p, self.name = plan, plan.program, name
+        self.lines: list[str] = []
+        self.scopes: list[tuple[list[str], dict, str]] = []  # (lines, cache, indent)
+        self.tmp = 0
+        self.order = [plan.block_axis, LOOP, *plan.whole_axes, ECOL]
+        self.env: dict[str, str] = {}     # IR index variable -> kernel axis or scalar code
+        self.states: dict[str, Tile] = {}  # fold state name -> tile
+        self.running: dict[str, tuple[str, str]] = {}  # fold -> (old var, new var) in a pass
+
+    # -- scopes --------------------------------------------------------------------------
+    def push(self, indent: str):
+        self.scopes.append(([], {}, indent))
+
+    def pop(self) -> list[str]:
+        return self.scopes.pop()[0]
+
+    def emit(self, line: str, scope: int = -1):
+        lines, _, indent = self.scopes[scope]
+        lines.append(indent + line)
+
+    def new(self, prefix="t") -> str:
+        self.tmp += 1
+        return f"{prefix}{self.tmp}"
+
+    # -- tiles ---------------------------------------------------------------------------
+    def canon(self, axes) -> tuple[str, ...]:
+        present = set(axes)
+        return tuple(a for a in self.order if a in present)
+
+    def bcast(self, t: Tile, axes: tuple[str, ...]) -> str:
+        if t.axes == axes or not t.axes:
+            return t.code
+        return f"{t.code}[{', '.join(':' if a in t.axes else 'None' for a in axes)}]"
+
+    def f32(self, t: Tile) -> Tile:
+        if t.kind in ("f32", "int", "bool"):
+            return t
+        return Tile(f"{t.code}.to(tl.float32)", t.axes, "f32")
+
+    def block(self, axis: str) -> str:
+        return f"B_{axis}"
+
+    def shape(self, axes) -> str:
+        return "[" + ", ".join(self.block(a) for a in axes) + "]"
+
+    def mask(self, axes) -> str | None:
+        ms = [f"mask_{a}" for a in axes]
+        if not ms:
+            return None
+        parts = [self.bcast(Tile(m, (a,), "bool"), tuple(axes)) for m, a in zip(ms, axes)]
+        return " & ".join(parts)
+
+    # -- expressions ---------------------------------------------------------------------
+    def expr(self, t: Term) -> Tile:
+        key = t
+        for lines, cache, _ in reversed(self.scopes):
+            if key in cache:
+                return cache[key]
+        scope = self._scope_for(t)
+        tile = self._expr(t, scope)
+        self.scopes[scope][1][key] = tile
+        return tile
+
+    def _scope_for(self, t: Term) -> int:
+        """Hoist to the prologue (scope 0) when the term reads no fold state and does
+        not move with a loop."""
+        if any(n.kind == "access" and n.op != "load" for n in t.walk()):
+            return -1
+        loop_vars = {v for v, ax in self.env.items() if ax in (LOOP, ECOL)}
+        return 0 if not (free_axes(t) & loop_vars) else -1
+
+    def bind(self, code: str, axes, kind: str, scope: int) -> Tile:
+        if _SIMPLE.match(code):
+            return Tile(code, axes, kind)
+        v = self.new()
+        self.emit(f"{v} = {code}", scope)
+        return Tile(v, axes, kind)
+
+    def _expr(self, t: Term, scope: int) -> Tile:
+        op = t.op
+        if op == "var":
+            role = self.env.get(t.val)
+            if role is None:
+                raise LoweringError(f"Index variable {t.val!r} has no kernel axis here.")
+            if role in self.order:
+                return Tile(f"offs_{role}", (role,), "int")
+            return Tile(role, (), "int")
+        if op == "int":
+            return Tile(str(int(t.val)), (), "int")
+        if op == "flt":
+            return Tile(repr(float(t.val)), (), "f32")
+        if op == "load":
+            return self._load(t, scope)
+        if op in ("ref", "run", "prev"):
+            return self._state(t)
+        if op in _UNARY:
+            a = self.expr(t.args[0])
+            if op == "not":
+                return self.bind(_UNARY[op].format(a.code), a.axes, "bool", scope)
+            if not (op in ("neg", "abs") and a.kind == "int"):
+                a = self.f32(a)
+            return self.bind(_UNARY[op].format(a.code), a.axes, a.kind, scope)
+        if op == "cast":
+            a = self.expr(t.args[0])
+            kind = "f32" if t.val in FLOAT_DTYPES else ("bool" if t.val == "bool" else "int")
+            target = "tl.float32" if kind == "f32" else _TL_DTYPE[t.val]
+            return self.bind(f"{a.code}.to({target})", a.axes, kind, scope)
+        if op in _BINARY:
+            a, b = (self.expr(x) for x in t.args)
+            if op in _ARITH or op in ("lt", "le", "gt", "ge", "eq", "ne"):
+                if "f32" in (a.kind, b.kind) or a.kind not in ("int", "bool") or b.kind not in ("int", "bool"):
+                    a, b = self.f32(a), self.f32(b)
+            axes = self.canon(a.axes + b.axes)
+            kind = ("bool" if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or")
+                    else "int" if a.kind == b.kind == "int" else "f32")
+            if op == "div" and kind == "int":
+                kind = "f32"
+                a, b = Tile(f"{a.code}.to(tl.float32)", a.axes, "f32"), self.f32(b)
+            code = _BINARY[op].format(self.bcast(a, axes), self.bcast(b, axes))
+            return self.bind(code, axes, kind, scope)
+        if op == "where":
+            c, a, b = (self.expr(x) for x in t.args)
+            a, b = self.f32(a), self.f32(b)
+            axes = self.canon(c.axes + a.axes + b.axes)
+            code = f"tl.where({self.bcast(c, axes)}, {self.bcast(a, axes)}, {self.bcast(b, axes)})"
+            return self.bind(code, axes, "f32", scope)
+        if t.kind == "reduce":
+            return self._inner_reduce(t, scope)
+        raise LoweringError(f"Codegen cannot emit {op!r} here (a fold nested in a fold?).")
+
+    def _load(self, t: Term, scope: int) -> Tile:
+        idx = [self.expr(a) for a in t.args]
+        axes = self.canon(sum((i.axes for i in idx), ()))
+        strides = [f"{t.val}_s{k}" for k in range(len(idx))]
+        off = " + ".join(f"{self.bcast(i, axes)} * {s}" for i, s in zip(idx, strides)) or "0"
+        m = self.mask(axes)
+        mask = f", mask={m}, other=0.0" if m else ""
+        dtype = self.p.dtype_of(t.val)
+        return self.bind(f"tl.load({t.val}_ptr + {off}{mask})", axes, dtype, scope)
+
+    def _state(self, t: Term) -> Tile:
+        if not t.args and t.op == "ref" and t.val in self.states:
+            return self.states[t.val]  # a nested fold's state, after its pass
+        d = self.p.definition(t.val)
+        want = tuple(Term("var", (), a) for a in d.axes)
+        if t.args != want:
+            raise LoweringError(f"A read of {t.val} at [{', '.join(map(str, t.args))}] must use "
+                                f"its own axes [{', '.join(d.axes)}]; name the axes alike.")
+        st = self.states[t.val]
+        if t.op == "ref":
+            return st
+        old, new = self.running[t.val]
+        return Tile(new if t.op == "run" else old, st.axes, "f32")
+
+    def reduce_tile(self, op: str, body_term: Term, axis_var: str, kaxis: str, scope: int,
+                    extent: int) -> Tile:
+        """``op`` over kernel axis ``kaxis`` of ``body_term``, masking padding."""
+        if op in ("sum", "rollsum") and body_term.op == "mul":
+            dot = self._try_dot(body_term, kaxis, scope)
+            if dot is not None:
+                return dot
+        body = self.f32(self.expr(body_term))
+        if kaxis not in body.axes:
+            if op in ("sum", "rollsum"):
+                return self.bind(f"{body.code} * {extent}.0", body.axes, "f32", scope)
+            return body
+        ident = {"sum": "0.0", "rollsum": "0.0", "max": NEG, "min": POS}[op]
+        pos = body.axes.index(kaxis)
+        masked = f"tl.where({self.bcast(Tile(f'mask_{kaxis}', (kaxis,), 'bool'), body.axes)}, {body.code}, {ident})"
+        fn = {"sum": "tl.sum", "rollsum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
+        rest = tuple(a for a in body.axes if a != kaxis)
+        return self.bind(f"{fn}({masked}, axis={pos})", rest, "f32", scope)
+
+    def _try_dot(self, t: Term, kaxis: str, scope: int) -> Tile | None:
+        a, b = (self.expr(x) for x in t.args)
+        if len(a.axes) != 2 or len(b.axes) != 2 or kaxis not in a.axes or kaxis not in b.axes:
+            return None
+        m = next(x for x in a.axes if x != kaxis)
+        n = next(x for x in b.axes if x != kaxis)
+        if m == n:
+            return None
+        lhs = a if a.axes == (m, kaxis) else Tile(f"tl.trans({a.code})", (m, kaxis), a.kind)
+        rhs = b if b.axes == (kaxis, n) else Tile(f"tl.trans({b.code})", (kaxis, n), b.kind)
+        # Padding along the contracted axis must contribute exactly zero: a masked load
+        # is zero there; any computed operand (which may be inf there) is masked.
+        kmask = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), (m, kaxis))
+        if t.args[0].op != "load":
+            lhs = Tile(f"tl.where({kmask}, {lhs.code}, 0.0)", lhs.axes, lhs.kind)
+        if t.args[1].op != "load":
+            kmask = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), (kaxis, n))
+            rhs = Tile(f"tl.where({kmask}, {rhs.code}, 0.0)", rhs.axes, rhs.kind)
+        low = [k for k in (lhs.kind, rhs.kind) if k in ("float16", "bfloat16")]
+        if low:
+            dt = _TL_DTYPE[low[0]]
+            lc = lhs.code if lhs.kind == low[0] else f"({lhs.code}).to({dt})"
+            rc = rhs.code if rhs.kind == low[0] else f"({rhs.code}).to({dt})"
+            code = f"tl.dot({lc}, {rc})"
+        else:
+            code = f"tl.dot({self.f32(lhs).code}, {self.f32(rhs).code}, input_precision=\"ieee\")"
+        out_axes = self.canon((m, n))
+        if out_axes != (m, n):
+            code = f"tl.trans({code})"
+        return self.bind(code, out_axes, "f32", scope)
+
+    def _inner_reduce(self, t: Term, scope: int) -> Tile:
+        ax = t.val
+        self.env[ax] = ax  # inner contraction axes are held whole
+        return self.reduce_tile(t.op, t.args[0], ax, ax, scope, self.p.extents[ax])
+
+    # -- state reads in the epilogue -----------------------------------------------------
+    def state_tile(self, name: str) -> Tile:
+        return self.states[name]
+
+
+def _fold_order(folds: list[Fold]) -> list[Fold]:
+    """Producers before the folds that read their running values."""
+    names = {f.name for f in folds}
+    done: list[Fold] = []
+    pending = list(folds)
+    while pending:
+        for f in pending:
+            deps = {n.val for n in f.term.walk() if n.op in ("run", "prev")} & names
+            if deps <= {d.name for d in done} | {f.name}:
+                done.append(f)
+                pending.remove(f)
+                break
+        else:
+            raise LoweringError("Folds read each other's running values in a cycle.")
+    return done
+
+
+def _rename_axis(t: Term, old: str, new: str) -> Term:
+    if t.op == "var" and t.val == old:
+        return Term("var", (), new)
+    if t.kind in ("reduce", "fold") and t.val == old:
+        return Term(t.op, tuple(_rename_axis(a, old, new) for a in t.args), new)
+    return t.map_args(lambda a: _rename_axis(a, old, new))
+
+
+def _replace_folds(t: Term, state_of: dict[Term, str]) -> Term:
+    if t in state_of:
+        return Term("ref", (), state_of[t])
+    return t.map_args(lambda a: _replace_folds(a, state_of))
+
+
+def generate(plan: TilePlan, name: str = "neptune_kernel") -> KernelSource:
+    """Emit one Triton kernel for the plan."""
+    em = Emitter(plan, name)
+    p = plan.program
+    defs = {d.name for d in p.defs}
+    em.push("    ")  # scope 0: prologue (axis set-up and hoisted loop invariants)
+    em.emit("pid_block = tl.program_id(0)")
+    em.emit("pid_grid = tl.program_id(1)")
+    rest = "pid_grid"
+    for a in reversed(plan.grid_axes):
+        em.emit(f"ax_{a} = {rest} % {p.extents[a]}")
+        em.emit(f"{rest}_{a} = {rest} // {p.extents[a]}")
+        rest = f"{rest}_{a}"
+        em.env[a] = f"ax_{a}"
+    ba = plan.block_axis
+    em.env[ba] = ba
+    em.emit(f"offs_{ba} = pid_block * B_{ba} + tl.arange(0, B_{ba})")
+    em.emit(f"mask_{ba} = offs_{ba} < {p.extents[ba]}")
+    for a in plan.whole_axes:
+        em.env.setdefault(a, a)
+        em.emit(f"offs_{a} = tl.arange(0, B_{a})")
+        em.emit(f"mask_{a} = offs_{a} < {p.extents[a]}")
+    em.push("    ")  # scope 1: the passes and the epilogue
+    all_folds = [f for ps in plan.passes for f in ps.folds]
+    for f in all_folds:
+        axes = em.canon(a for a in f.state_axes if a not in plan.grid_axes)
+        init = {"max": f"tl.full({em.shape(axes)}, {NEG}, tl.float32)",
+                "min": f"tl.full({em.shape(axes)}, {POS}, tl.float32)"}.get(
+                    f.op, f"tl.zeros({em.shape(axes)}, tl.float32)")
+        em.emit(f"{f.name} = {init}")
+        em.states[f.name] = Tile(f.name, axes, "f32")
+    for k, ps in enumerate(plan.passes):
+        em.emit(f"# pass {k + 1}: {', '.join(f'{f.name} ({f.op})' for f in ps.folds)}")
+        em.emit(f"for l0 in range(0, {ps.extent}, B_{LOOP}):")
+        em.push(em.scopes[0][2] + "    ")
+        em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
+        em.emit(f"mask_{LOOP} = offs_{LOOP} < {ps.extent}")
+        # One loop variable for every fold of the pass, so shared subterms (the score
+        # tile of attention) are computed once per block.
+        loop_var = f"loop{k}"
+        em.env[loop_var] = LOOP
+        folds = [Fold(f.name, _rename_axis(f.term, f.axis, loop_var), f.state_axes, f.owner,
+                      f.pass_index) for f in ps.folds]
+        ordered = _fold_order(folds)
+        for f in ordered:
+            em.running[f.name] = (f.name, f"{f.name}_new")
+        for f in ordered:
+            st = em.states[f.name]
+            part = em.reduce_tile(f.op, f.term.args[0], f.axis, LOOP, -1, ps.extent)
+            partc = em.bcast(part, st.axes)
+            if f.op == "max":
+                upd = f"tl.maximum({f.name}, {partc})"
+            elif f.op == "min":
+                upd = f"tl.minimum({f.name}, {partc})"
+            elif f.op == "sum":
+                upd = f"{f.name} + {partc}"
+            else:
+                corr = em.f32(em.expr(f.term.args[1]))
+                if not set(corr.axes) <= set(st.axes):
+                    raise LoweringError(f"The correction of {f.name} depends on the loop axis.")
+                upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
+            em.emit(f"{f.name}_new = {upd}")
+        for f in ordered:
+            em.emit(f"{f.name} = {f.name}_new")
+        body = em.pop()
+        em.scopes[1][0].extend(body)
+        em.env.pop(loop_var, None)
+        for f in ps.folds:
+            em.running.pop(f.name, None)
+    stores = [(f.owner, em.states[f.name], f.state_axes) for f in plan.fold_outputs]
+    for item in plan.epilogue:
+        expr = _replace_folds(item.expr, plan.state_of)
+        for a in item.axes:
+            em.env.setdefault(a, a)
+        if len(item.loop_axes) > 1:
+            raise LoweringError(f"{item.name}: more than one column axis to loop over.")
+        if item.loop_axes:
+            (ca,) = item.loop_axes
+            em.env[ca] = ECOL
+            ext = p.extents[ca]
+            em.emit(f"# epilogue pass over {ca} for {item.name}")
+            em.emit(f"for c0 in range(0, {ext}, B_{ECOL}):")
+            em.push(em.scopes[0][2] + "    ")
+            em.emit(f"offs_{ECOL} = c0 + tl.arange(0, B_{ECOL})")
+            em.emit(f"mask_{ECOL} = offs_{ECOL} < {ext}")
+            _store(em, item.name, em.expr(expr), item.axes)
+            em.scopes[1][0].extend(em.pop())
+            em.env.pop(ca)
+        else:
+            _store(em, item.name, em.expr(expr), item.axes)
+    for name_, tile, axes in stores:
+        _store(em, name_, tile, axes)
+    body = em.pop()
+    body = em.pop() + body
+    tensors = [ph.name for ph in p.inputs] + list(p.outputs)
+    strides = [(t, k) for t in tensors for k in range(len(p.shape_of(t)))]
+    tunables = {f"B_{ba}": 16, f"B_{LOOP}": 16}
+    if any(e.loop_axes for e in plan.epilogue):
+        tunables[f"B_{ECOL}"] = 16
+    fixed = {f"B_{a}": n for a, n in plan.whole_axes.items()}
+    sig = ([f"{t}_ptr" for t in tensors] + [f"{t}_s{k}" for t, k in strides]
+           + [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed)])
+    header = [
+        f"# generated by neptune_eq from the program:",
+        *[f"#   {line}" for line in str(p).splitlines()],
+        "import triton",
+        "import triton.language as tl",
+        "",
+        "",
+        "@triton.jit",
+        f"def {name}(",
+        *[f"    {s}," for s in sig],
+        "):",
+    ]
+    del defs
+    return KernelSource(name, "\n".join(header + body) + "\n", [f"{t}_ptr" for t in tensors],
+                        strides, {**tunables, **fixed}, plan.grid_axes, ba)
+
+
+def _store(em: Emitter, name: str, tile: Tile, axes: tuple[str, ...]) -> None:
+    p = em.p
+    idx = [em.expr(Term("var", (), a)) for a in axes]
+    taxes = em.canon(sum((i.axes for i in idx), ()))
+    off = " + ".join(f"{em.bcast(i, taxes)} * {name}_s{k}" for k, i in enumerate(idx)) or "0"
+    val = em.f32(tile)
+    code = em.bcast(val, taxes)
+    if set(val.axes) != set(taxes):
+        code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
+    dt = _TL_DTYPE[p.dtype_of(name)]
+    m = em.mask(taxes)
+    em.emit(f"tl.store({name}_ptr + {off}, ({code}).to({dt}){', mask=' + m if m else ''})")

@@ -1,0 +1,208 @@
+"""Lowering: an extracted program -> a tile plan (grid, blocks, loops, folds, epilogue).
+
+The plan is derived from the IR, never from a per-operator template:
+
+* every *loop-level* reduction (the outermost ``sum``/``max``/``min``/``rollsum`` of a
+  definition) becomes a fold with a state tile; its free axes are its state axes;
+* the **row axes** are the axes every fold keeps (e.g. ``b, h, i``); the last one is
+  split into blocks of ``BLOCK_<axis>``, the others are one program each;
+* axes a fold keeps beyond the rows are **column** axes held whole in registers
+  (the head dimension of an attention accumulator);
+* folds are grouped into **passes**: a fold that reads a producer by name (``ref``)
+  needs it complete and goes one pass later; a fold that reads running values
+  (``run``/``prev``) shares its producer's pass -- that is what rolling update buys;
+* outputs that are not folds form the **epilogue**, computed after the last pass, in
+  one more pass over any column axis not already held in registers (softmax's
+  normalisation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .ir import Program, ProgramError, Term, accessed, free_axes
+
+MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
+
+
+class LoweringError(ProgramError):
+    """The program has a shape this lowering does not handle (yet)."""
+
+
+def next_pow2(n: int, floor: int = 16) -> int:
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+@dataclass
+class Fold:
+    """A loop-level reduction with a state tile: ``state = op_{axis} body``."""
+    name: str              # state variable; the definition's name for a top-level fold
+    term: Term             # the reduce/rollsum term
+    state_axes: tuple[str, ...]
+    owner: str             # definition it belongs to
+    pass_index: int = 0
+
+    @property
+    def op(self) -> str:
+        return self.term.op
+
+    @property
+    def axis(self) -> str:
+        return self.term.val
+
+
+@dataclass
+class Pass:
+    """One loop over the reduced extent, updating several folds per block."""
+    extent: int
+    folds: list[Fold]
+
+
+@dataclass
+class EpilogueItem:
+    """An output computed after the passes: ``expr`` with folds replaced by states."""
+    name: str
+    axes: tuple[str, ...]
+    expr: Term
+    loop_axes: tuple[str, ...]   # column axes not held in registers: one more pass
+
+
+@dataclass
+class TilePlan:
+    program: Program
+    row_axes: tuple[str, ...]
+    block_axis: str
+    grid_axes: tuple[str, ...]            # row axes with one program each
+    passes: list[Pass]
+    epilogue: list[EpilogueItem]
+    fold_outputs: list[Fold]              # folds that are outputs themselves
+    whole_axes: dict[str, int] = field(default_factory=dict)  # axis -> padded block
+    state_of: dict[Term, str] = field(default_factory=dict)   # fold term -> state var
+
+    @property
+    def n_passes(self) -> int:
+        return len(self.passes) + (1 if any(e.loop_axes for e in self.epilogue) else 0)
+
+    def describe(self) -> str:
+        lines = [f"grid: rows {list(self.row_axes)} (blocked: {self.block_axis}, one program per "
+                 f"{list(self.grid_axes) or 'nothing else'})"]
+        for k, p in enumerate(self.passes):
+            fs = ", ".join(f"{f.name}:{f.op}{list(f.state_axes)}" for f in p.folds)
+            lines.append(f"pass {k + 1}: loop over {p.extent} -> {fs}")
+        for e in self.epilogue:
+            how = f"pass over {list(e.loop_axes)}" if e.loop_axes else "from registers"
+            lines.append(f"epilogue: {e.name}[{', '.join(e.axes)}] ({how})")
+        return "\n".join(lines)
+
+
+def _loop_level(t: Term):
+    """Outermost reduce/fold nodes of a term."""
+    if t.kind in ("reduce", "fold"):
+        yield t
+        return
+    for a in t.args:
+        yield from _loop_level(a)
+
+
+def plan(program: Program) -> TilePlan:
+    defs = {d.name: d for d in program.defs}
+    folds: list[Fold] = []
+    state_of: dict[Term, str] = {}
+    for d in program.defs:
+        top = list(_loop_level(d.body))
+        if d.body.kind in ("reduce", "fold"):
+            f = Fold(d.name, d.body, d.axes, d.name)
+            folds.append(f)
+            state_of[d.body] = d.name
+            continue
+        if d.name not in program.outputs:
+            raise LoweringError(f"{d.name}: a non-output definition must be a reduction here.")
+        for k, t in enumerate(top):
+            if t in state_of:
+                continue
+            axes = tuple(a for a in d.axes if a in free_axes(t))
+            extra = free_axes(t) - set(axes)
+            if extra:
+                raise LoweringError(f"{d.name}: reduction depends on {sorted(extra)} which are "
+                                    "not axes of the definition.")
+            name = f"{d.name}_f{k}"
+            folds.append(Fold(name, t, axes, d.name))
+            state_of[t] = name
+    if not folds:
+        raise LoweringError("The program has no reduction; neptune_eq targets chains of "
+                            "reductions (use torch for purely elementwise code).")
+    # Row axes: kept by every fold, in the order of the first output's axes.
+    order = list(defs[program.outputs[0]].axes) + [a for d in program.defs for a in d.axes]
+    common = set.intersection(*(set(f.state_axes) for f in folds))
+    row_axes = tuple(dict.fromkeys(a for a in order if a in common))
+    if not row_axes:
+        raise LoweringError("The folds share no spatial axis to parallelise over; expected "
+                            "e.g. a row axis i shared by every reduction.")
+    for f in folds:
+        for a in f.state_axes:
+            if a not in row_axes:
+                _whole(program, a, f"column axis of {f.name}")
+    whole: dict[str, int] = {}
+    for f in folds:
+        for a in f.state_axes:
+            if a not in row_axes:
+                whole[a] = next_pow2(program.extents[a])
+        for n in f.term.args[0].walk():
+            if n.kind in ("reduce", "fold"):  # inner contraction: whole in registers
+                whole[n.val] = next_pow2(_whole(program, n.val, f"inner reduction in {f.name}"))
+    _assign_passes(program, folds, state_of)
+    passes: list[Pass] = []
+    for k in range(max(f.pass_index for f in folds) + 1):
+        members = [f for f in folds if f.pass_index == k]
+        extents = {program.extents[f.axis] for f in members}
+        if len(extents) != 1:
+            raise LoweringError(f"Pass {k + 1} mixes reduction extents {sorted(extents)}; "
+                                "folds fused into one loop must reduce over equal extents.")
+        passes.append(Pass(extents.pop(), members))
+    fold_names = {f.name for f in folds}
+    epilogue, fold_outputs = [], []
+    for name in program.outputs:
+        d = defs[name]
+        if name in fold_names:
+            fold_outputs.append(next(f for f in folds if f.name == name))
+            continue
+        covered = set(row_axes) | set(whole)
+        loop_axes = tuple(a for a in d.axes if a not in covered)
+        epilogue.append(EpilogueItem(name, d.axes, d.body, loop_axes))
+    return TilePlan(program, row_axes, row_axes[-1], row_axes[:-1], passes, epilogue,
+                    fold_outputs, whole, state_of)
+
+
+def _whole(program: Program, axis: str, what: str) -> int:
+    n = program.extents[axis]
+    if n > MAX_WHOLE_AXIS:
+        raise LoweringError(f"The {what} ({axis}, extent {n}) must fit in registers "
+                            f"(<= {MAX_WHOLE_AXIS}); split it or reorder the reduction.")
+    return n
+
+
+def _assign_passes(program: Program, folds: list[Fold], state_of: dict[Term, str]) -> None:
+    """pass(f) = max over producers p it reads: pass(p) + 1 for ``ref``, pass(p) for
+    ``run``/``prev``.  Folds read in order, so a simple fixpoint suffices."""
+    owner_fold = {f.owner: f for f in folds if f.name == f.owner}
+    for _ in range(len(folds) + 1):
+        changed = False
+        for f in folds:
+            want = 0
+            body_refs = accessed(f.term, ("ref",))
+            running = accessed(f.term, ("run", "prev"))
+            for r in body_refs:
+                if r in owner_fold:
+                    want = max(want, owner_fold[r].pass_index + 1)
+            for r in running:
+                if r not in owner_fold:
+                    raise LoweringError(f"{f.name} reads the running value of {r!r}, which is "
+                                        "not a fold.")
+                want = max(want, owner_fold[r].pass_index)
+            if want != f.pass_index:
+                f.pass_index, changed = want, True
+        if not changed:
+            return
+    raise LoweringError("Cyclic dependency between folds.")  # pragma: no cover

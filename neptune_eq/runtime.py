@@ -1,0 +1,181 @@
+"""Run: load generated Triton source, launch it on torch tensors, pick a tile config.
+
+``target="auto"`` runs on CUDA when a GPU is present, else through the Triton
+interpreter on CPU (slow; keep shapes small).  Tile configs are timed on the GPU only;
+without one the defaults are used.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .codegen import KernelSource
+from .ir import Program, ProgramError
+
+_DTYPE_NAMES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
+                "float64": "float64", "int32": "int32", "int64": "int64", "bool": "bool"}
+
+
+def resolve_target(target: str) -> str:
+    import torch
+    if target not in ("auto", "cuda", "interpreter"):
+        raise ValueError(f"Expected target 'auto', 'cuda' or 'interpreter', got {target!r}.")
+    if target == "auto":
+        return "cuda" if torch.cuda.is_available() else "interpreter"
+    if target == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("target='cuda' but torch sees no CUDA device; use target='auto' to "
+                           "fall back to the Triton interpreter on CPU.")
+    return target
+
+
+def _enable_interpreter() -> None:
+    """Triton reads TRITON_INTERPRET both when a kernel is defined and when it first
+    launches, so a process that interprets keeps it set."""
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("NEPTUNE_EQ_CACHE") or os.path.join(tempfile.gettempdir(), "neptune_eq")
+    d = Path(base) / "kernels"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load_kernel(ks: KernelSource, interpret: bool):
+    """Import the generated source as a module (Triton needs real source files)."""
+    digest = hashlib.sha256((ks.source + str(interpret)).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{ks.name}_{digest}.py"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(ks.source)
+        os.replace(tmp, path)
+    modname = f"neptune_eq_generated_{digest}"
+    if modname in sys.modules:
+        return getattr(sys.modules[modname], ks.name)
+    if interpret:
+        _enable_interpreter()
+    spec = importlib.util.spec_from_file_location(modname, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = mod
+    spec.loader.exec_module(mod)
+    return getattr(mod, ks.name)
+
+
+@dataclass
+class TileConfig:
+    blocks: dict[str, int]
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __str__(self):
+        b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
+        return f"{b} warps={self.num_warps} stages={self.num_stages}"
+
+
+def candidate_configs(ks: KernelSource, target: str) -> list[TileConfig]:
+    """Tile configs to try: one small config in the interpreter, a handful on the GPU."""
+    tun = [k for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"]
+    if target == "interpreter":
+        return [TileConfig({k: 16 for k in tun}, 4, 1)]
+    wide = max([v for k, v in ks.tunables.items() if k not in tun] or [16])
+    out = []
+    for bi, bl, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+                         (64, 128, 4, 2), (32, 128, 4, 3)):
+        if wide > 128 and bi * bl > 128 * 64:
+            continue
+        blocks = {}
+        for k in tun:
+            blocks[k] = bi if k == f"B_{ks.block_axis}" else bl
+        out.append(TileConfig(blocks, w, s))
+    return out
+
+
+@dataclass
+class Launcher:
+    """One compiled kernel with its argument order and grid."""
+    program: Program
+    ks: KernelSource
+    target: str
+    config: TileConfig
+    fn: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.fn = load_kernel(self.ks, self.target == "interpreter")
+
+    def grid(self) -> tuple[int, int]:
+        p = self.program
+        n = p.extents[self.ks.block_axis]
+        blk = self.config.blocks.get(f"B_{self.ks.block_axis}", self.ks.tunables[f"B_{self.ks.block_axis}"])
+        g1 = 1
+        for a in self.ks.grid_axes:
+            g1 *= p.extents[a]
+        return ((n + blk - 1) // blk, g1)
+
+    def __call__(self, tensors: dict):
+        args = [tensors[n[:-4]] for n in self.ks.params]
+        args += [tensors[t].stride(k) for t, k in self.ks.stride_params]
+        consts = {k: v for k, v in self.ks.tunables.items()}
+        consts.update(self.config.blocks)
+        kw = dict(num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+        self.fn[self.grid()](*args, **consts, **kw)
+
+
+def check_inputs(program: Program, args, kwargs, target: str) -> dict:
+    """Bind positional/keyword tensors to placeholders with clear errors."""
+    import torch
+    names = [ph.name for ph in program.inputs]
+    if len(args) > len(names):
+        raise TypeError(f"Expected at most {len(names)} positional tensors ({names}), got {len(args)}.")
+    bound = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names:
+            raise TypeError(f"Unknown input {k!r}; the program's inputs are {names}.")
+        if k in bound:
+            raise TypeError(f"Input {k!r} given twice (positionally and by name).")
+        bound[k] = v
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise TypeError(f"Missing input(s) {missing}; call with {', '.join(names)} in this order "
+                        "or by name.")
+    want_device = "cuda" if target == "cuda" else "cpu"
+    for ph in program.inputs:
+        t = bound[ph.name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"Expected {ph.name} to be a torch.Tensor, got {type(t).__name__}.")
+        if tuple(t.shape) != ph.shape:
+            raise ProgramError(f"Expected {ph.name} with shape {ph.shape}, got {tuple(t.shape)}; "
+                               "the kernel is specialised to the shapes it was built for — call "
+                               "ne.superoptimize again for new shapes.")
+        if str(t.dtype).replace("torch.", "") != _DTYPE_NAMES[ph.dtype]:
+            raise ProgramError(f"Expected {ph.name} with dtype {ph.dtype}, got "
+                               f"{str(t.dtype).replace('torch.', '')}; convert it with "
+                               f".to(torch.{ph.dtype}).")
+        if t.device.type != want_device:
+            raise ProgramError(f"Expected {ph.name} on {want_device} (target {target}), got "
+                               f"{t.device}; move it with .to('{want_device}').")
+    return bound
+
+
+def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
+                 configs: list[TileConfig]) -> list[tuple[TileConfig, float | None, str]]:
+    """Time every config on the GPU (median ms); failures are recorded, not raised."""
+    from triton.testing import do_bench
+    out = []
+    for cfg in configs:
+        try:
+            la = Launcher(program, ks, target, cfg)
+            la(tensors)
+            ms = do_bench(lambda: la(tensors), warmup=25, rep=100, return_mode="median")
+            out.append((cfg, float(ms), "ok"))
+        except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+            msg = str(e).strip().splitlines()
+            out.append((cfg, None, f"failed: {msg[-1] if msg else type(e).__name__}"))
+    if all(ms is None for _, ms, _ in out):
+        warnings.warn("No tile config compiled on the GPU: " + "; ".join(s for *_, s in out))
+    return out
