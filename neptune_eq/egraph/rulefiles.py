@@ -48,7 +48,8 @@ def shipped_rule_files() -> list[Path]:
 
 
 def _line_of(text: str, offset: int) -> int:
-    return text.count("\n", 0, offset) + 1
+    """egglog spans are byte offsets into the UTF-8 text."""
+    return text.encode()[:offset].count(b"\n") + 1
 
 
 def _comment_above(lines: list[str], line: int) -> str:
@@ -127,7 +128,7 @@ def parse_rule_file(path: Path | str, taken: set[str] | None = None,
             raise RuleFileError(f"{path}:{line} (rule {name!r}): duplicate rule name; rule names "
                                 "must be unique across all loaded rule files.")
         names.add(name)
-        src = text[span.i:span.j]
+        src = text.encode()[span.i:span.j].decode(errors="replace")
         infos.append(RuleInfo(name, ruleset, str(path), line, _comment_above(lines, line), src))
         out.append(new)
     # Type-check on the scratch e-graph: unknown constructors, unbound variables, bad sorts.
