@@ -88,7 +88,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     view = EGraphView.from_json(stage.serialize())
     chosen: Candidate = extract_program(view, program, CostModel(program))
     tile_plan = make_plan(chosen.program)
-    ks = generate(tile_plan)
+    ks = generate(tile_plan, bf16_dot_in_fp32=(target == "interpreter"))
     candidates = [{"rank": 1, "description": chosen.description,
                    "passes": tile_plan.n_passes, "predicted_cost": chosen.cost, "chosen": True}]
     configs = candidate_configs(ks, target)

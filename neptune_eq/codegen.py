@@ -52,8 +52,9 @@ class KernelSource:
 
 
 class Emitter:
-    def __init__(self, plan: TilePlan, name: str):
+    def __init__(self, plan: TilePlan, name: str, bf16_dot_in_fp32: bool = False):
         self.plan, self.p, self.name = plan, plan.program, name
+        self.bf16_dot_in_fp32 = bf16_dot_in_fp32
         self.lines: list[str] = []
         self.scopes: list[tuple[list[str], dict, str]] = []  # (lines, cache, indent)
         self.tmp = 0
@@ -245,6 +246,8 @@ class Emitter:
             kmask = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), (kaxis, n))
             rhs = Tile(f"tl.where({kmask}, {rhs.code}, 0.0)", rhs.axes, rhs.kind)
         low = [k for k in (lhs.kind, rhs.kind) if k in ("float16", "bfloat16")]
+        if low and low[0] == "bfloat16" and self.bf16_dot_in_fp32:
+            low = []  # see generate(): the interpreter's bf16 dot is wrong
         if low:
             dt = _TL_DTYPE[low[0]]
             lc = lhs.code if lhs.kind == low[0] else f"({lhs.code}).to({dt})"
@@ -298,9 +301,14 @@ def _replace_folds(t: Term, state_of: dict[Term, str]) -> Term:
     return t.map_args(lambda a: _replace_folds(a, state_of))
 
 
-def generate(plan: TilePlan, name: str = "neptune_kernel") -> KernelSource:
-    """Emit one Triton kernel for the plan."""
-    em = Emitter(plan, name)
+def generate(plan: TilePlan, name: str = "neptune_kernel",
+             bf16_dot_in_fp32: bool = False) -> KernelSource:
+    """Emit one Triton kernel for the plan.
+
+    ``bf16_dot_in_fp32`` upcasts bf16 contraction operands: the Triton CPU interpreter
+    (3.9) computes a bf16 ``tl.dot`` wrongly (a 16x16 product was off by 3e10), so the
+    interpreter target uses it; GPU kernels keep bf16 tensor-core dots."""
+    em = Emitter(plan, name, bf16_dot_in_fp32)
     p = plan.program
     defs = {d.name for d in p.defs}
     em.push("    ")  # scope 0: prologue (axis set-up and hoisted loop invariants)

@@ -1,0 +1,83 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq import examples
+from neptune_eq.egraph.rulefiles import RuleFileError, shipped_rule_files
+from neptune_eq.egraph.saturate import EGraphStage
+from neptune_eq.extract import EGraphView, extract_program
+from neptune_eq.interp import evaluate
+from neptune_eq.lower import plan
+
+
+def _optimize(out, rule_files=None):
+    p = ne.build_program(out)
+    st = EGraphStage(p, rule_files)
+    trace = st.saturate()
+    view = EGraphView.from_json(st.serialize())
+    return p, trace, view, extract_program(view, p)
+
+
+def _has_op(view, op):
+    return any(n.op == op for nodes in view.classes.values() for n in nodes)
+
+
+def test_softmax_rolling_update_fires_and_is_single_pass():
+    p, trace, view, cand = _optimize(examples.softmax(4, 9))
+    assert trace.fired().get("rolling-sum", 0) >= 1
+    assert trace.stop_reason == "saturated"
+    den = cand.program.definition("den").body
+    assert den.op == "rollsum"
+    assert str(den.args[1]) == "exp((prev:mx[i] - run:mx[i]))"  # h(t) = t·exp(m − m')
+    assert plan(cand.program).n_passes == 2  # online max+sum, then normalise
+
+
+def test_attention_derives_the_flashattention2_recurrence():
+    p, trace, view, cand = _optimize(examples.attention(1, 2, 5, 9, 8, "float32"))
+    o = cand.program.definition("o").body
+    # delayed normalisation: o = rollsum(exp(s - m')·v; corr = exp(m - m')) / l
+    assert o.op == "div" and o.args[0].op == "rollsum" and o.args[1].op == "ref"
+    assert str(o.args[0].args[1]) == "exp((prev:mx[z, y, i] - run:mx[z, y, i]))"
+    assert cand.program.definition("den").body.op == "rollsum"
+    tp = plan(cand.program)
+    assert tp.n_passes == 1 and len(tp.passes[0].folds) == 3
+    ins = {n: torch.randn(s, dtype=torch.float64) for n, s in
+           (("q", (1, 2, 5, 8)), ("k", (1, 2, 9, 8)), ("v", (1, 2, 9, 8)))}
+    for block in (1, 4):
+        assert torch.allclose(evaluate(cand.program, ins, block=block)["o"],
+                              evaluate(p, ins)["o"], atol=1e-10)
+
+
+def test_without_the_rolling_rule_file_no_single_pass_candidate_exists():
+    files = [f for f in shipped_rule_files() if f.stem != "rolling"]
+    p, trace, view, cand = _optimize(examples.attention(1, 1, 5, 9, 8, "float32"), files)
+    assert "rolling-sum" not in trace.rules
+    assert not _has_op(view, "RollSum")
+    assert plan(cand.program).n_passes == 2  # max first, then the sums
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    f = tmp_path / "user.egg"
+    f.write_text(text)
+    return f
+
+
+@pytest.mark.parametrize("text, message", [
+    ("; x\n(rewrite (Exp x) (Exp x) :name \"ok-rule\")\n(rewrite (Exp x) (Bogus x) :name \"bad-rule\")\n",
+     r"user.egg:3 \(rule 'bad-rule'\)"),
+    ("(rewrite (Exp x) (Exp x)\n", r"user.egg:2: parse error"),
+    ("(rewrite (Exp x) (Exp x))\n", "needs a name"),
+    ("(rewrite (Exp x) (Exp x) :name \"Bad_Name\")\n", "kebab-case"),
+    ("(rewrite (Exp x) (Exp x) :name \"mul-one-right\")\n", "duplicate"),
+    ("(rule ((= e (Exp x))) ((union e (Exp y))) :name \"unbound\")\n", r"user.egg:1"),
+    ("(datatype Foo (Bar))\n", "only rewrite, birewrite and rule"),
+])
+def test_bad_rule_files_are_rejected_with_file_line_and_reason(tmp_path, text, message):
+    p = ne.build_program(examples.softmax(2, 3))
+    st = EGraphStage(p)
+    before = st.rows()
+    with pytest.raises(RuleFileError, match=message):
+        st.load_rules(_write(tmp_path, text))
+    assert st.rows() == before and "user" not in st.rulesets
