@@ -23,7 +23,8 @@ INF = math.inf
 # Per-element weights (arithmetic = 1).  SFU ops cost more; memory reads more still.
 OP_WEIGHT = {"exp": 4.0, "exp2": 3.0, "log": 4.0, "tanh": 6.0, "sqrt": 4.0, "rsqrt": 4.0,
              "div": 2.0, "load": 8.0, "ref": 1.0, "run": 1.0, "prev": 1.0,
-             "sum": 1.0, "max": 1.0, "min": 1.0, "rollsum": 1.5}
+             "sum": 1.0, "max": 1.0, "min": 1.0, "rollsum": 1.5,
+             "rollmax": 1.5, "splitk": 2.0}
 LEAF = {"var", "int", "flt"}
 PASS_WEIGHT = 64.0  # re-reading the loop's data once more (per element of the loop domain)
 
@@ -80,16 +81,20 @@ def _literal(eclass: str, op: str):
 
 
 class CostModel:
-    """Work weighted by iteration domain, plus one pass penalty per unfused reduction."""
+    """Work weighted by iteration domain, plus one pass penalty per unfused reduction.
 
-    def __init__(self, program: Program):
+    ``allow_split_k`` prices split-k folds; while False they stay in the e-graph (and in
+    the candidate listing) but are never extracted."""
+
+    def __init__(self, program: Program, allow_split_k: bool = False):
         self.extents = program.extents
+        self.allow_split_k = allow_split_k
 
     def domain(self, view: EGraphView, cls: str) -> float:
         return float(math.prod(self.extents.get(a, 1) for a in view.free.get(cls, ())))
 
     def node_cost(self, view: EGraphView, cls: str, node: Node) -> float:
-        if node.op in ("AtRun", "AtPrev"):
+        if node.op in ("AtRun", "AtPrev") or (node.op == "SplitK" and not self.allow_split_k):
             return INF
         if node.op in ("INil", "ICons"):
             return 0.0
@@ -192,6 +197,6 @@ def extract_program(view: EGraphView, program: Program, model: CostModel | None 
     defs = [Definition(d.name, d.axes, bodies[d.name], d.dtype) for d in program.defs
             if d.name in needed]
     cost = sum(ex.cost(view.roots[f"def_{d.name}"]) for d in defs)
-    folds = sum(1 for d in defs for n in d.body.walk() if n.op == "rollsum")
+    folds = sum(1 for d in defs for n in d.body.walk() if n.kind == "fold")
     desc = f"{folds} rolling fold(s)" if folds else "plain (no fused folds)"
     return Candidate(program.with_defs(defs), cost, desc)

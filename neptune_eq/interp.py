@@ -60,18 +60,21 @@ _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.di
            "mod": torch.remainder, "lt": torch.lt, "le": torch.le, "gt": torch.gt,
            "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
            "and": torch.logical_and, "or": torch.logical_or}
-_IDENTITY = {"sum": 0.0, "rollsum": 0.0, "max": -math.inf, "min": math.inf}
+_IDENTITY = {"sum": 0.0, "rollsum": 0.0, "splitk": 0.0, "max": -math.inf, "rollmax": -math.inf,
+             "min": math.inf}
 
 
 class Interpreter:
     """Evaluate ``program`` on ``inputs`` (name -> tensor).
 
     ``dtype`` is the float type all arithmetic runs in (float64 for an oracle);
-    ``block`` is the block length folds are evaluated with."""
+    ``block`` is the block length folds are evaluated with, ``parts`` the number of
+    split-k partials."""
 
     def __init__(self, program: Program, inputs: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float64, block: int = 4):
+                 dtype: torch.dtype = torch.float64, block: int = 4, parts: int = 3):
         self.p, self.dtype, self.block = program, dtype, max(1, int(block))
+        self.parts = max(1, int(parts))
         self.inputs = {}
         for ph in program.inputs:
             if ph.name not in inputs:
@@ -101,24 +104,25 @@ class Interpreter:
         n = self.p.extents[axis] if limit is None else limit
         return Val(torch.arange(n), (axis,))
 
-    def prefix_value(self, name: str, end: int) -> Val:
+    def prefix_value(self, name: str, lo: int, hi: int) -> Val:
         """Value of producer ``name`` with its top-level reduction restricted to the
-        first ``end`` positions of its axis (its running value after ``end`` steps)."""
-        key = (name, end)
+        positions ``[lo, hi)`` of its axis: its running value inside a fold (or a split-k
+        partial) that started at ``lo`` and has processed up to ``hi``."""
+        key = (name, lo, hi)
         if key not in self._prefix_cache:
             d = self.p.definition(name)
             if d.body.kind not in ("reduce", "fold"):
                 raise ProgramError(f"run/prev of {name!r}: expected a definition whose body is "
                                    f"a reduction, got {d.body.op}.")
             env = {a: self._arange(a) for a in d.axes}
-            self._prefix_cache[key] = self.eval(d.body, env, {d.body.val: end})
+            self._prefix_cache[key] = self.eval(d.body, env, {d.body.val: (lo, hi)})
         return self._prefix_cache[key]
 
     # -- terms ---------------------------------------------------------------------------
-    def eval(self, t: Term, env: dict[str, Val], limits: dict[str, int],
-             step: tuple[int, int] | None = None) -> Val:
-        """``limits`` truncates reduction axes (prefix evaluation); ``step`` is the
-        (previous end, current end) of the enclosing fold's block, for run/prev."""
+    def eval(self, t: Term, env: dict[str, Val], limits: dict[str, tuple[int, int]],
+             step: tuple[tuple[int, int], tuple[int, int]] | None = None) -> Val:
+        """``limits`` restricts reduction axes to a range (running values); ``step`` holds
+        the ranges that ``prev`` and ``run`` reads see in the enclosing fold."""
         op = t.op
         if op == "var":
             if t.val not in env:
@@ -134,8 +138,8 @@ class Interpreter:
         if op in ("run", "prev"):
             if step is None:
                 raise ProgramError(f"{op}:{t.val} used outside a fold.")
-            end = step[1] if op == "run" else step[0]
-            pv = self.prefix_value(t.val, end)
+            lo, hi = step[1] if op == "run" else step[0]
+            pv = self.prefix_value(t.val, lo, hi)
             d = self.p.definition(t.val)
             return self._gather(pv.expand_to(d.axes).expand(
                 *[self.p.extents[a] for a in d.axes]), t.args, env, limits, step)
@@ -155,8 +159,11 @@ class Interpreter:
             return Val(torch.where(c.bool(), a, b), axes)
         if t.kind == "reduce":
             return self._reduce(t, env, limits, step)
-        if op == "rollsum":
-            return self._fold(t, env, limits)
+        if op in ("rollsum", "rollmax"):
+            lo, hi = limits.get(t.val, (0, self.p.extents[t.val]))
+            return self._fold(t, env, limits, lo, hi)
+        if op == "splitk":
+            return self._split(t, env, limits)
         raise ProgramError(f"The interpreter cannot evaluate op {op!r}.")
 
     def _ref_value(self, name: str) -> torch.Tensor:
@@ -179,13 +186,15 @@ class Interpreter:
 
     def _reduce(self, t: Term, env, limits, step) -> Val:
         ax = t.val
-        n = limits.get(ax, self.p.extents[ax])
-        if n == 0:
-            body_axes = self.eval(t.args[0], {**env, ax: self._arange(ax, 1)}, limits, step).axes
+        lo, hi = limits.get(ax, (0, self.p.extents[ax]))
+        n = hi - lo
+        rng = Val(torch.arange(lo, max(hi, lo + 1)), (ax,))
+        if n <= 0:
+            body_axes = self.eval(t.args[0], {**env, ax: rng}, limits, step).axes
             rest = tuple(a for a in body_axes if a != ax)
             shape = [env[a].t.numel() if a in env else self.p.extents[a] for a in rest]
             return Val(torch.full(shape, _IDENTITY[t.op], dtype=self.dtype), rest)
-        body = self.eval(t.args[0], {**env, ax: self._arange(ax, n)}, limits, step)
+        body = self.eval(t.args[0], {**env, ax: rng}, limits, step)
         if ax not in body.axes:  # constant along the axis
             return Val(body.t * n, body.axes) if t.op == "sum" else body
         dim = body.axes.index(ax)
@@ -194,35 +203,58 @@ class Interpreter:
              "min": lambda x: x.amin(dim)}[t.op]
         return Val(f(body.t.to(self.dtype) if not body.t.is_floating_point() else body.t), rest)
 
-    def _fold(self, t: Term, env, limits) -> Val:
-        """``t <- t * corr + sum_{j in block} body`` with run/prev bound per block."""
+    def _fold(self, t: Term, env, limits, lo: int, hi: int) -> Val:
+        """rollsum: ``t <- t*corr + sum_blk body``; rollmax: ``t <- max(t + corr, max_blk body)``;
+        run/prev see the producers' values over ``[lo, end)`` / ``[lo, previous end)``."""
         ax = t.val
-        n = limits.get(ax, self.p.extents[ax])
         body, corr = t.args
         acc: Val | None = None
-        prev_end = 0
-        while prev_end < n:
-            end = min(n, prev_end + self.block)
+        prev_end = lo
+        while prev_end < hi:
+            end = min(hi, prev_end + self.block)
             blk = Val(torch.arange(prev_end, end), (ax,))
-            part = self.eval(body, {**env, ax: blk}, limits, (prev_end, end))
+            step = ((lo, prev_end), (lo, end))
+            part = self.eval(body, {**env, ax: blk}, limits, step)
             if ax in part.axes:
                 dim = part.axes.index(ax)
-                part = Val(part.t.sum(dim), part.axes[:dim] + part.axes[dim + 1:])
-            else:
+                red = part.t.sum(dim) if t.op == "rollsum" else part.t.amax(dim)
+                part = Val(red, part.axes[:dim] + part.axes[dim + 1:])
+            elif t.op == "rollsum":
                 part = Val(part.t * (end - prev_end), part.axes)
             if acc is None:
                 acc = part
             else:
-                c = self.eval(corr, env, limits, (prev_end, end))
+                c = self.eval(corr, env, limits, step)
                 axes, (a, cc, p_) = _align(acc, c, part)
-                acc = Val(a * cc + p_, axes)
+                acc = Val(a * cc + p_ if t.op == "rollsum" else torch.maximum(a + cc, p_), axes)
             prev_end = end
         if acc is None:
-            return Val(torch.zeros(()), ())
+            return Val(torch.tensor(_IDENTITY[t.op], dtype=self.dtype), ())
         return acc
+
+    def _split(self, t: Term, env, limits) -> Val:
+        """Split-k: partial folds over ``parts`` chunks, each with its own running
+        producers, combined as ``sum_p t_p * corr[prev := R over chunk p, run := R]``."""
+        ax = t.val
+        lo, hi = limits.get(ax, (0, self.p.extents[ax]))
+        size = max(1, -(-(hi - lo) // self.parts))
+        fold = Term("rollsum", t.args, ax)
+        total: Val | None = None
+        for a in range(lo, hi, size):
+            b = min(hi, a + size)
+            part = self._fold(fold, env, {**limits, ax: (a, b)}, a, b)
+            c = self.eval(t.args[1], env, limits, ((a, b), (lo, hi)))
+            axes, (pp, cc) = _align(part, c)
+            term = Val(pp * cc, axes)
+            if total is None:
+                total = term
+            else:
+                axes, (x, y) = _align(total, term)
+                total = Val(x + y, axes)
+        return total if total is not None else Val(torch.tensor(0.0, dtype=self.dtype), ())
 
 
 def evaluate(program: Program, inputs: dict[str, torch.Tensor], dtype=torch.float64,
-             block: int = 4) -> dict[str, torch.Tensor]:
+             block: int = 4, parts: int = 3) -> dict[str, torch.Tensor]:
     """Evaluate every definition; returns name -> tensor in each definition's axis order."""
-    return Interpreter(program, inputs, dtype, block).run()
+    return Interpreter(program, inputs, dtype, block, parts).run()

@@ -8,6 +8,9 @@ The same ``Term`` type carries the fused forms the rules derive:
 
 * ``rollsum(axis; body, corr)`` -- a fold ``t <- t*corr + sum_{blk} body`` evaluated in
   blocks along ``axis`` together with the producers it reads;
+* ``rollmax(axis; body, corr)`` -- a fold ``t <- max(t + corr, max_{blk} body)``;
+* ``splitk(axis; body, corr)`` -- the rollsum computed as parallel partial folds over
+  chunks of ``axis`` and a combine ``t = sum_p t_p * corr[prev := R_p, run := R]``;
 * ``run(name)`` / ``prev(name)`` -- a producer's running value after / before the current
   block of that fold.
 """
@@ -35,7 +38,7 @@ OPS: dict[str, tuple[int | None, str]] = {
     "eq": (2, "binary"), "ne": (2, "binary"), "and": (2, "binary"), "or": (2, "binary"),
     "where": (3, "select"),
     "sum": (1, "reduce"), "max": (1, "reduce"), "min": (1, "reduce"),
-    "rollsum": (2, "fold"),
+    "rollsum": (2, "fold"), "rollmax": (2, "fold"), "splitk": (2, "fold"),
 }
 REDUCERS = ("sum", "max", "min")
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not")
@@ -132,8 +135,8 @@ def fmt(t: Term) -> str:
         return f"cast<{t.val}>({fmt(t.args[0])})"
     if t.kind == "reduce":
         return f"{t.op}[{t.val}]({fmt(t.args[0])})"
-    if t.op == "rollsum":
-        return f"rollsum[{t.val}]({fmt(t.args[0])}; corr={fmt(t.args[1])})"
+    if t.kind == "fold":
+        return f"{t.op}[{t.val}]({fmt(t.args[0])}; corr={fmt(t.args[1])})"
     return f"{t.op}({', '.join(fmt(a) for a in t.args)})"
 
 

@@ -11,7 +11,7 @@ from .table import CONSTRUCTORS
 
 ANALYSIS = "analysis"
 SUBST = "subst"
-_BINDS_AXIS = {"Sum", "Max", "Min", "RollSum"}
+_BINDS_AXIS = {"Sum", "Max", "Min", "RollSum", "RollMax", "SplitK"}
 _ACCESS = {"Load", "Acc", "Run", "Prev"}
 
 

@@ -14,6 +14,6 @@ CONSTRUCTORS: dict[str, tuple[str, str]] = {
     "Eq": ("eq", "TT"), "Ne": ("ne", "TT"), "And": ("and", "TT"), "Or": ("or", "TT"),
     "Where": ("where", "TTT"),
     "Sum": ("sum", "ST"), "Max": ("max", "ST"), "Min": ("min", "ST"),
-    "RollSum": ("rollsum", "STT"),
+    "RollSum": ("rollsum", "STT"), "RollMax": ("rollmax", "STT"), "SplitK": ("splitk", "STT"),
 }
 EGG_NAME = {op: name for name, (op, _) in CONSTRUCTORS.items()}

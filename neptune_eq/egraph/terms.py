@@ -178,6 +178,16 @@ class Term(Expr, egg_sort="Term"):
     def rollsum(cls, axis: StringLike, body: Term, corr: Term) -> Term:
         """Fold ``t <- t*corr + sum_{j in block} body`` (see ir.py)."""
 
+    @method(egg_fn="RollMax")
+    @classmethod
+    def rollmax(cls, axis: StringLike, body: Term, corr: Term) -> Term:
+        """Fold ``t <- max(t + corr, max_{j in block} body)``."""
+
+    @method(egg_fn="SplitK")
+    @classmethod
+    def splitk(cls, axis: StringLike, body: Term, corr: Term) -> Term:
+        """The RollSum as parallel partial folds plus a combine re-based with ``corr``."""
+
     # Substitution helpers: a term with every producer read replaced by its running
     # value after (AtRun) or before (AtPrev) the current block.  Never extracted.
     @method(egg_fn="AtRun")
