@@ -4,3 +4,4 @@ from .dsl import (placeholder, reduce_axis, compute, sum, max, min, exp, exp2, l
 from .ir import ProgramError
 from .api import Kernel, superoptimize
 from .egraph.saturate import Limits
+from . import rules  # noqa: E402  (ne.rules.load / check / listing)

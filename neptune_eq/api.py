@@ -8,7 +8,8 @@ from typing import Sequence
 from . import dsl
 from .codegen import KernelSource, generate
 from .egraph.saturate import EGraphStage, Limits, Trace
-from .extract import Candidate, CostModel, EGraphView, extract_program
+from .derive import Step, derivation
+from .extract import Candidate, CostModel, EGraphView, alternatives, check_folds, extract_program
 from .ir import Program
 from .lower import TilePlan, plan as make_plan
 from .runtime import (Launcher, TileConfig, candidate_configs, check_inputs, resolve_target,
@@ -30,6 +31,8 @@ class Kernel:
     target: str
     config: TileConfig
     timings: list = field(default_factory=list)
+    _egraph_json: dict = field(default_factory=dict, repr=False)
+    _egraph_dot: str = field(default="", repr=False)
     _launcher: Launcher | None = field(default=None, repr=False)
 
     @property
@@ -40,13 +43,34 @@ class Kernel:
     def launches(self) -> list[str]:
         return [self.kernel_source.name]
 
+    def egraph_json(self) -> dict:
+        """The saturated e-graph in egraph-serialize JSON (nodes, e-classes, roots)."""
+        return self._egraph_json
+
+    def egraph_dot(self) -> str:
+        """The saturated e-graph as Graphviz DOT (render with ``dot -Tsvg``)."""
+        return self._egraph_dot
+
+    @property
+    def derivation(self) -> list[Step]:
+        """Steps from the input program to the chosen one (rule, file:line, before → after)."""
+        return derivation(self.trace.snapshots, self.trace)
+
     def explain(self) -> str:
-        """How the chosen program differs from the input, and which rules made it so."""
+        """How the chosen program was derived from the input, step by step."""
         fired = self.trace.fired()
         lines = ["input program:", _indent(str(self.input_program)), "",
-                 "chosen program:", _indent(str(self.program)), "",
-                 f"plan ({self.plan.n_passes} pass(es) over memory):", _indent(self.plan.describe()),
-                 "", "rules that fired (total matches):"]
+                 "derivation (smallest changed subterm per step):"]
+        lines += [_indent(str(s)) for s in self.derivation] or ["  (no change)"]
+        lines += ["", "chosen program:", _indent(str(self.program)), "",
+                  f"plan ({self.plan.n_passes} pass(es) over memory):", _indent(self.plan.describe()),
+                  "", "candidates:"]
+        for c in self.candidates:
+            cost = ("not lowered yet (split-k kernels: issue 4)" if c["predicted_cost"] == float("inf")
+                    else f"predicted cost {c['predicted_cost']:.4g}")
+            lines.append(f"  #{c['rank']} {c['description']}: {cost}"
+                         f"{'  <- chosen' if c['chosen'] else ''}")
+        lines += ["", "rules that fired (total matches):"]
         for name, n in sorted(fired.items(), key=lambda kv: -kv[1]):
             info = self.trace.rules.get(name)
             where = f"  [{info.where}]  {info.comment}" if info else "  [structural]"
@@ -83,14 +107,31 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     ``example_inputs``) and the fastest is kept."""
     program = outputs if isinstance(outputs, Program) else dsl.build_program(outputs)
     target = resolve_target(target)
-    stage = EGraphStage(program, rules, extra_rules)
-    trace = stage.saturate(limits or Limits())
-    view = EGraphView.from_json(stage.serialize())
-    chosen: Candidate = extract_program(view, program, CostModel(program))
+    from . import rules as rule_registry
+    stage = EGraphStage(program, rules, list(rule_registry.loaded()) + list(extra_rules))
+    model = CostModel(program)
+
+    def snapshot(st: EGraphStage, it: int):
+        cand = extract_program(EGraphView.from_json(st.serialize()), program, model)
+        st.trace.snapshots.append((it, {d.name: d.body for d in cand.program.defs}))
+
+    snapshot(stage, 0)
+    trace = stage.saturate(limits or Limits(), on_iteration=snapshot)
+    egraph_json = stage.serialize()
+    view = EGraphView.from_json(egraph_json)
+    trace.fold_checks = check_folds(view, model)
+    chosen: Candidate = extract_program(view, program, model)
     tile_plan = make_plan(chosen.program)
     ks = generate(tile_plan, bf16_dot_in_fp32=(target == "interpreter"))
-    candidates = [{"rank": 1, "description": chosen.description,
-                   "passes": tile_plan.n_passes, "predicted_cost": chosen.cost, "chosen": True}]
+    candidates = []
+    for alt in alternatives(view, program, model):
+        is_chosen = str(alt.program) == str(chosen.program)
+        candidates.append({"rank": 0, "description": alt.description, "program": alt.program,
+                           "predicted_cost": alt.cost if is_chosen or "split-k" not in alt.description
+                           else float("inf"), "chosen": is_chosen})
+    candidates.sort(key=lambda c: c["predicted_cost"])
+    for k, c in enumerate(candidates, 1):
+        c["rank"] = k
     configs = candidate_configs(ks, target)
     timings = []
     config = configs[0]
@@ -101,7 +142,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
         if ok:
             config = min(ok, key=lambda cm: cm[1])[0]
     return Kernel(program, chosen.program, tile_plan, ks, trace, candidates, target, config,
-                  timings)
+                  timings, egraph_json, stage.dot())
 
 
 def _random_inputs(program: Program, given: dict | None) -> dict:

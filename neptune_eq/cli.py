@@ -42,6 +42,29 @@ def _demo(args) -> int:
     return 0 if err < 2e-2 else 1
 
 
+def _rules(args) -> int:
+    from neptune_eq import rules
+    if args.action == "list":
+        for r in rules.listing(args.files or None):
+            print(f"{r.name:<26} {r.where:<26} {r.comment}")
+        return 0
+    files = args.files or [str(f) for f in rules.shipped_rule_files()]
+    bad = 0
+    for f in files:
+        try:
+            results = rules.check(f)
+        except rules.RuleFileError as e:
+            print(f"REJECTED {e}")
+            bad += 1
+            continue
+        for r in results:
+            print(f"{r.status:<10} {r.name:<26} {r.where:<26} {r.method}"
+                  + (f"\n           {r.detail}" if r.status == "UNSOUND" else ""))
+            bad += r.status == "UNSOUND"
+    print(f"{bad} unsound rule(s)" if bad else "all rules sound (proved, tested, or checked per firing)")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="neptune-eq", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -56,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     d.add_argument("--target", default="auto", choices=["auto", "cuda", "interpreter"])
     d.set_defaults(fn=_demo)
+    r = sub.add_parser("rules", help="list the rules, or check rule files for soundness")
+    r.add_argument("action", choices=["list", "check"])
+    r.add_argument("files", nargs="*", help="rule files (default: the shipped ones)")
+    r.set_defaults(fn=_rules)
     args = ap.parse_args(argv)
     return args.fn(args)
 

@@ -220,10 +220,11 @@ class Emitter:
             if op in ("sum", "rollsum"):
                 return self.bind(f"{body.code} * {extent}.0", body.axes, "f32", scope)
             return body
-        ident = {"sum": "0.0", "rollsum": "0.0", "max": NEG, "min": POS}[op]
+        ident = {"sum": "0.0", "rollsum": "0.0", "max": NEG, "rollmax": NEG, "min": POS}[op]
         pos = body.axes.index(kaxis)
         masked = f"tl.where({self.bcast(Tile(f'mask_{kaxis}', (kaxis,), 'bool'), body.axes)}, {body.code}, {ident})"
-        fn = {"sum": "tl.sum", "rollsum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
+        fn = {"sum": "tl.sum", "rollsum": "tl.sum", "max": "tl.max", "rollmax": "tl.max",
+              "min": "tl.min"}[op]
         rest = tuple(a for a in body.axes if a != kaxis)
         return self.bind(f"{fn}({masked}, axis={pos})", rest, "f32", scope)
 
@@ -333,6 +334,7 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     for f in all_folds:
         axes = em.canon(a for a in f.state_axes if a not in plan.grid_axes)
         init = {"max": f"tl.full({em.shape(axes)}, {NEG}, tl.float32)",
+                "rollmax": f"tl.full({em.shape(axes)}, {NEG}, tl.float32)",
                 "min": f"tl.full({em.shape(axes)}, {POS}, tl.float32)"}.get(
                     f.op, f"tl.zeros({em.shape(axes)}, tl.float32)")
         em.emit(f"{f.name} = {init}")
@@ -362,6 +364,9 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
                 upd = f"tl.minimum({f.name}, {partc})"
             elif f.op == "sum":
                 upd = f"{f.name} + {partc}"
+            elif f.op == "rollmax":
+                corr = em.f32(em.expr(f.term.args[1]))
+                upd = f"tl.maximum({f.name} + {em.bcast(corr, st.axes)}, {partc})"
             else:
                 corr = em.f32(em.expr(f.term.args[1]))
                 if not set(corr.axes) <= set(st.axes):

@@ -21,7 +21,8 @@ from .ir import Definition, Program, Term, accessed
 INF = math.inf
 
 # Per-element weights (arithmetic = 1).  SFU ops cost more; memory reads more still.
-OP_WEIGHT = {"exp": 4.0, "exp2": 3.0, "log": 4.0, "tanh": 6.0, "sqrt": 4.0, "rsqrt": 4.0,
+# exp costs a multiply by log2(e) on top of the SFU's ex2, so exp2 is cheaper.
+OP_WEIGHT = {"exp": 4.5, "exp2": 3.0, "log": 4.0, "tanh": 6.0, "sqrt": 4.0, "rsqrt": 4.0,
              "div": 2.0, "load": 8.0, "ref": 1.0, "run": 1.0, "prev": 1.0,
              "sum": 1.0, "max": 1.0, "min": 1.0, "rollsum": 1.5,
              "rollmax": 1.5, "splitk": 2.0}
@@ -86,15 +87,20 @@ class CostModel:
     ``allow_split_k`` prices split-k folds; while False they stay in the e-graph (and in
     the candidate listing) but are never extracted."""
 
-    def __init__(self, program: Program, allow_split_k: bool = False):
+    def __init__(self, program: Program, allow_split_k: bool = False,
+                 forbid: frozenset[str] = frozenset()):
         self.extents = program.extents
         self.allow_split_k = allow_split_k
+        self.forbid = forbid  # constructors this model never extracts
+        self.banned: set[tuple[str, str, tuple]] = set()  # fold nodes that failed Eq. 3/4
 
     def domain(self, view: EGraphView, cls: str) -> float:
         return float(math.prod(self.extents.get(a, 1) for a in view.free.get(cls, ())))
 
     def node_cost(self, view: EGraphView, cls: str, node: Node) -> float:
         if node.op in ("AtRun", "AtPrev") or (node.op == "SplitK" and not self.allow_split_k):
+            return INF
+        if (cls, node.op, node.children) in self.banned or node.op in self.forbid:
             return INF
         if node.op in ("INil", "ICons"):
             return 0.0
@@ -181,6 +187,30 @@ class Candidate:
     description: str
 
 
+FOLD_OPS = ("RollSum", "RollMax", "SplitK")
+
+
+def check_folds(view: EGraphView, model: CostModel) -> list:
+    """Check Eq. 3 and Eq. 4 for every fold e-node the rules created (each at its
+    cheapest body and correction); failing nodes are banned from extraction."""
+    from .verify import check_fold
+    ex = Extraction.run(view, model)
+    results, seen = [], {}
+    for c, nodes in view.classes.items():
+        for n in nodes:
+            if n.op not in FOLD_OPS or any(k not in ex.best for k in n.children[1:]):
+                continue
+            t = Term(CONSTRUCTORS[n.op][0], (ex.term(n.children[1]), ex.term(n.children[2])),
+                     view.literal[n.children[0]])
+            key = (t.op if t.op == "rollmax" else "sum", t.args, t.val)
+            if key not in seen:
+                seen[key] = check_fold(t)
+                results.append(seen[key])
+            if not seen[key].ok:
+                model.banned.add((c, n.op, n.children))
+    return results
+
+
 def extract_program(view: EGraphView, program: Program, model: CostModel | None = None) -> Candidate:
     """Cheapest program: every output, and every producer it reads, at its best term."""
     model = model or CostModel(program)
@@ -197,6 +227,30 @@ def extract_program(view: EGraphView, program: Program, model: CostModel | None 
     defs = [Definition(d.name, d.axes, bodies[d.name], d.dtype) for d in program.defs
             if d.name in needed]
     cost = sum(ex.cost(view.roots[f"def_{d.name}"]) for d in defs)
-    folds = sum(1 for d in defs for n in d.body.walk() if n.kind == "fold")
-    desc = f"{folds} rolling fold(s)" if folds else "plain (no fused folds)"
+    ops = [n.op for d in defs for n in d.body.walk() if n.kind == "fold"]
+    if not ops:
+        desc = "plain: one pass per dependent reduction"
+    elif "splitk" in ops:
+        desc = f"split-k: {ops.count('splitk')} fold(s) as parallel partials + combine"
+    else:
+        desc = f"rolling: {len(ops)} fused fold(s)"
     return Candidate(program.with_defs(defs), cost, desc)
+
+
+def alternatives(view: EGraphView, program: Program, model: CostModel) -> list[Candidate]:
+    """The best program of each kind the e-graph holds: rolling (the model's choice),
+    plain (no folds) and split-k; duplicates removed."""
+    out: list[Candidate] = []
+    variants = [model,
+                CostModel(program, forbid=frozenset(FOLD_OPS)),
+                CostModel(program, allow_split_k=True, forbid=frozenset({"RollSum", "RollMax"}))]
+    for m in variants[1:]:
+        m.banned = model.banned
+    for m in variants:
+        try:
+            c = extract_program(view, program, m)
+        except ValueError:
+            continue
+        if all(str(c.program) != str(o.program) for o in out):
+            out.append(c)
+    return out

@@ -133,9 +133,13 @@ def plan(program: Program) -> TilePlan:
     if not folds:
         raise LoweringError("The program has no reduction; neptune_eq targets chains of "
                             "reductions (use torch for purely elementwise code).")
-    # Row axes: kept by every fold, in the order of the first output's axes.
+    # Row axes: kept by every fold that has the first output's leading axis, in the
+    # order of the output's axes.  A fold without it (Σ_j w[j, e] in a centered matmul)
+    # must fit in registers and is recomputed by every program.
     order = list(defs[program.outputs[0]].axes) + [a for d in program.defs for a in d.axes]
-    common = set.intersection(*(set(f.state_axes) for f in folds))
+    lead = order[0]
+    rowed = [f for f in folds if lead in f.state_axes] or folds
+    common = set.intersection(*(set(f.state_axes) for f in rowed))
     row_axes = tuple(dict.fromkeys(a for a in order if a in common))
     if not row_axes:
         raise LoweringError("The folds share no spatial axis to parallelise over; expected "

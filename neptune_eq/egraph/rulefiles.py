@@ -47,6 +47,14 @@ def shipped_rule_files() -> list[Path]:
     return sorted(RULES_DIR.glob("*.egg"))
 
 
+def _display(path: Path) -> str:
+    """Shipped rules as ``rules/x.egg``; user files as given."""
+    try:
+        return str(path.resolve().relative_to(RULES_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
 def _line_of(text: str, offset: int) -> int:
     """egglog spans are byte offsets into the UTF-8 text."""
     return text.encode()[:offset].count(b"\n") + 1
@@ -129,7 +137,7 @@ def parse_rule_file(path: Path | str, taken: set[str] | None = None,
                                 "must be unique across all loaded rule files.")
         names.add(name)
         src = text.encode()[span.i:span.j].decode(errors="replace")
-        infos.append(RuleInfo(name, ruleset, str(path), line, _comment_above(lines, line), src))
+        infos.append(RuleInfo(name, ruleset, _display(path), line, _comment_above(lines, line), src))
         out.append(new)
     # Type-check on the scratch e-graph: unknown constructors, unbound variables, bad sorts.
     try:

@@ -112,6 +112,9 @@ class Trace:
     iterations: list[IterationRecord] = field(default_factory=list)
     stop_reason: str = "not run"
     rules: dict[str, RuleInfo] = field(default_factory=dict)
+    fold_checks: list = field(default_factory=list)   # verify.FoldCheck per derived fold
+    stage_reasons: list = field(default_factory=list)  # "stage: why it stopped"
+    snapshots: list = field(default_factory=list)     # (iteration, {def: best term})
 
     def fired(self) -> dict[str, int]:
         """Total matches per rule over the whole run (rules that matched at least once)."""
@@ -123,12 +126,20 @@ class Trace:
         return tot
 
     def __str__(self) -> str:
-        lines = [f"saturation: {len(self.iterations)} iteration(s), stop reason: {self.stop_reason}"]
+        lines = [f"saturation: {len(self.iterations)} iteration(s), stop reason: {self.stop_reason}"
+                 + (f" ({'; '.join(self.stage_reasons)})" if self.stage_reasons else "")]
         for it in self.iterations:
             fired = {r: n for r, n in it.matches.items() if n}
             body = ", ".join(f"{r}×{n}" for r, n in sorted(fired.items())) or "(nothing new)"
             lines.append(f"  iter {it.iteration:>2} [{it.stage}] rows={it.rows:<6} "
                          f"{it.seconds * 1e3:7.1f} ms  {body}")
+        if self.fold_checks:
+            ok = sum(c.ok for c in self.fold_checks)
+            lines.append(f"fold checks (Eq. 3 and Eq. 4 of every derived fold): {ok}/"
+                         f"{len(self.fold_checks)} hold")
+            for c in self.fold_checks:
+                if not c.ok:
+                    lines.append(f"  REJECTED {c.fold}: {c.detail}")
         return "\n".join(lines)
 
 
@@ -137,9 +148,39 @@ class Trace:
 # ----------------------------------------------------------------------------------
 @dataclass
 class Limits:
-    iterations: int = 24
+    """Hard bounds on saturation as a whole (iterations over all stages)."""
+    iterations: int = 48
     rows: int = 200_000
     seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the schedule: these rulesets (rule files), at most this many
+    iterations."""
+    name: str
+    rulesets: tuple[str, ...]
+    iterations: int
+
+
+# Families in order: normalise, derive and simplify folds, privatize them, then
+# everything (user files included) to a fixpoint.
+DEFAULT_SCHEDULE = [
+    Stage("algebra", ("algebra",), 6),
+    Stage("rolling", ("algebra", "rolling"), 24),
+    Stage("split-k", ("splitk",), 2),
+    Stage("all", ("*",), 12),
+]
+
+
+def _resolve(schedule: list[Stage], loaded: list[str]) -> list[Stage]:
+    """Drop rulesets that are not loaded; ``*`` means every loaded ruleset."""
+    out = []
+    for st in schedule:
+        rs = tuple(loaded) if "*" in st.rulesets else tuple(r for r in st.rulesets if r in loaded)
+        if rs:
+            out.append(Stage(st.name, rs, st.iterations))
+    return out
 
 
 class EGraphStage:
@@ -181,39 +222,67 @@ class EGraphStage:
     def rows(self) -> int:
         return sum(n for _, n in self.eg.all_function_sizes())
 
-    def saturate(self, limits: Limits = Limits()) -> Trace:
+    def saturate(self, limits: Limits = Limits(), on_iteration=None,
+                 schedule: "list[Stage] | None" = None) -> Trace:
+        """Run the staged schedule (default: ``DEFAULT_SCHEDULE``; rulesets not named in
+        it, e.g. user files, join the last stage).  Every stage runs until it saturates or
+        spends its iteration budget; a row or time limit stops everything.
+        ``on_iteration(stage, iteration)`` is called after every kept iteration."""
         t0 = time.perf_counter()
-        reason = "iteration limit"
-        for it in range(1, limits.iterations + 1):
-            if time.perf_counter() - t0 > limits.seconds:
-                reason = "time limit"
-                break
-            before = self.rows()
-            self.eg.push()
-            t1 = time.perf_counter()
-            self._run(f"(run-schedule (saturate (run {ANALYSIS}) (run {SUBST})))", "<schedule>")
-            matches: dict[str, int] = {}
-            for rs in self.rulesets:
-                for report in self._run(f"(run-schedule (run {rs}))", "<schedule>"):
-                    for r, n in report.report.num_matches_per_rule.items():
-                        matches[r] = matches.get(r, 0) + n
-            self._run(f"(run-schedule (saturate (run {ANALYSIS}) (run {SUBST})))", "<schedule>")
-            rows = self.rows()
-            if rows > limits.rows:
-                self.eg.pop()
-                reason = "row limit"
-                self.trace.iterations.append(IterationRecord(it, "rules (rolled back)", matches,
-                                                             rows, time.perf_counter() - t1))
-                break
-            # egglog has no "drop snapshot": the copy stays on its stack until the stage is
-            # discarded (bounded by iterations x rows).
-            self.trace.iterations.append(IterationRecord(it, "rules", matches, rows,
-                                                         time.perf_counter() - t1))
-            if rows == before:
-                reason = "saturated"
-                break
-        self.trace.stop_reason = reason
+        stages = _resolve(schedule or DEFAULT_SCHEDULE, self.rulesets)
+        reasons, it = [], 0
+        for stage in stages:
+            reason = "iteration limit"
+            for _ in range(stage.iterations):
+                if time.perf_counter() - t0 > limits.seconds:
+                    reason = "time limit"
+                    break
+                it += 1
+                before = self.rows()
+                self.eg.push()
+                t1 = time.perf_counter()
+                matches, changed = self._iterate(stage.rulesets)
+                rows = self.rows()
+                if rows > limits.rows:
+                    self.eg.pop()  # back to the last state within budget
+                    reason = "row limit"
+                    self.trace.iterations.append(IterationRecord(
+                        it, f"{stage.name} (rolled back)", matches, rows, time.perf_counter() - t1))
+                    break
+                # egglog has no "drop snapshot": the copy stays on its stack until the stage
+                # is discarded (bounded by iterations x rows).
+                self.trace.iterations.append(IterationRecord(it, stage.name, matches, rows,
+                                                             time.perf_counter() - t1))
+                if on_iteration is not None:
+                    on_iteration(self, it)
+                if rows == before and not changed:
+                    reason = "saturated"
+                    break
+            reasons.append(f"{stage.name}: {reason}")
+            if reason in ("row limit", "time limit") or it >= limits.iterations:
+                if reason == "saturated":
+                    reason = "iteration limit"
+                self.trace.stop_reason = reason
+                self.trace.stage_reasons = reasons
+                return self.trace
+        self.trace.stage_reasons = reasons
+        self.trace.stop_reason = ("saturated" if all(r.endswith("saturated") for r in reasons)
+                                  else "iteration limit")
         return self.trace
+
+    def _iterate(self, rulesets: tuple[str, ...]) -> tuple[dict[str, int], bool]:
+        """One iteration: structural rules to fixpoint, each ruleset once, structural
+        again.  Returns matches per rule and whether any ruleset changed the e-graph."""
+        self._run(f"(run-schedule (saturate (run {ANALYSIS}) (run {SUBST})))", "<schedule>")
+        matches: dict[str, int] = {}
+        changed = False
+        for rs in rulesets:
+            for report in self._run(f"(run-schedule (run {rs}))", "<schedule>"):
+                changed |= bool(report.report.updated)
+                for r, n in report.report.num_matches_per_rule.items():
+                    matches[r] = matches.get(r, 0) + n
+        self._run(f"(run-schedule (saturate (run {ANALYSIS}) (run {SUBST})))", "<schedule>")
+        return matches, changed
 
     def serialize(self) -> dict:
         """The whole e-graph as egraph-serialize JSON (nodes, classes, let-bound roots)."""

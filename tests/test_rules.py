@@ -1,0 +1,144 @@
+"""The rule system: each chain is derived into its fused form (and the fused program
+equals the plain one in the reference interpreter); checks, user rules, explanations."""
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq import examples
+from neptune_eq.egraph.saturate import EGraphStage
+from neptune_eq.extract import CostModel, EGraphView, Extraction, extract_program
+from neptune_eq.interp import evaluate
+from neptune_eq.lower import plan
+from helpers import check_kernel
+
+N, M, E = 4, 11, 5
+
+
+def _chain(name):
+    x = ne.placeholder((N, M), "float32", "x")
+    v = ne.placeholder((M, E), "float32", "v")
+    j = ne.reduce_axis(M, "j")
+    mx = ne.compute((N,), lambda i: ne.max(x[i, j], axis=j), "mx")
+    k = ne.reduce_axis(M, "k")
+    if name == "log-sum-exp":
+        return ne.compute((N,), lambda i: mx[i] + ne.log(ne.sum(ne.exp(x[i, k] - mx[i]), axis=k)), "lse")
+    if name == "two-producers":  # Σ exp(c − m)·v / l
+        den = ne.compute((N,), lambda i: ne.sum(ne.exp(x[i, k] - mx[i]), axis=k), "den")
+        l = ne.reduce_axis(M, "l")
+        return ne.compute((N, E), lambda i, e: ne.sum(ne.exp(x[i, l] - mx[i]) * v[l, e] / den[i], axis=l), "o")
+    if name == "rms-matmul":  # Σ c·w / √s
+        ss = ne.compute((N,), lambda i: ne.sum(x[i, k] * x[i, k], axis=k), "ss")
+        b = ne.reduce_axis(M, "b")
+        return ne.compute((N, E), lambda i, e: ne.sum(x[i, b] * v[b, e] / ne.sqrt(ss[i]), axis=b), "y")
+    if name == "normalised":  # Σ (c/s)·v
+        s = ne.compute((N,), lambda i: ne.sum(ne.exp(x[i, k]), axis=k), "s")
+        d = ne.reduce_axis(M, "d")
+        return ne.compute((N, E), lambda i, e: ne.sum((ne.exp(x[i, d]) / s[i]) * v[d, e], axis=d), "y")
+    if name == "centered":  # Σ (c − m)·w, rejected by Neptune's solver
+        f = ne.reduce_axis(M, "f")
+        return ne.compute((N, E), lambda i, e: ne.sum((x[i, f] - mx[i]) * v[f, e], axis=f), "y")
+    if name == "max-consumer":  # max_j (c − Σc): rolling with ⊕ = max, ⊙ = +
+        tot = ne.compute((N,), lambda i: ne.sum(x[i, k], axis=k), "tot")
+        g = ne.reduce_axis(M, "g")
+        return ne.compute((N,), lambda i: ne.max(x[i, g] - tot[i], axis=g), "mm")
+    raise KeyError(name)
+
+
+def _saturate(out):
+    p = ne.build_program(out)
+    st = EGraphStage(p)
+    trace = st.saturate()
+    view = EGraphView.from_json(st.serialize())
+    return p, trace, view
+
+
+def _fold_corrections(view, program, op):
+    """Best correction term of every fold e-node with constructor ``op``."""
+    ex = Extraction.run(view, CostModel(program, allow_split_k=True))
+    return [str(ex.term(n.children[2])) for nodes in view.classes.values() for n in nodes
+            if n.op == op]
+
+
+CHAINS = ["log-sum-exp", "two-producers", "rms-matmul", "normalised", "centered", "max-consumer"]
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_chain_is_fused_into_one_pass_and_equals_the_plain_program(name):
+    p, trace, view = _saturate(_chain(name))
+    cand = extract_program(view, p)
+    assert plan(cand.program).passes.__len__() == 1, cand.program
+    ins = {ph.name: torch.rand(ph.shape, dtype=torch.float64) + 0.1 for ph in p.inputs}
+    want = evaluate(p, ins)[p.outputs[0]]
+    for block in (1, 3, M):
+        assert torch.allclose(evaluate(cand.program, ins, block=block)[p.outputs[0]], want,
+                              atol=1e-12)
+
+
+@pytest.mark.parametrize("name, op, corr", [
+    ("log-sum-exp", "RollSum", "exp((prev:mx[i] - run:mx[i]))"),
+    ("rms-matmul", "RollSum", "sqrt((prev:ss[i] / run:ss[i]))"),      # h = t·√(s/s')
+    ("normalised", "RollSum", "(prev:s[i] / run:s[i])"),             # h = t·s/s'
+    ("max-consumer", "RollMax", "(prev:tot[i] - run:tot[i])"),        # h = t + (Σ − Σ')
+])
+def test_rolling_update_derives_and_simplifies_the_correction(name, op, corr):
+    p, trace, view = _saturate(_chain(name))
+    assert corr in _fold_corrections(view, p, op)
+    assert trace.fired().get("rolling-max" if op == "RollMax" else "rolling-sum", 0) >= 1
+
+
+@pytest.mark.parametrize("name", ["two-producers", "max-consumer", "log-sum-exp"])
+def test_fused_chains_run_as_kernels(name):
+    check_kernel(_chain(name))
+
+
+def test_attention_holds_rolling_and_split_k_candidates():
+    kern = ne.superoptimize(examples.attention(1, 2, 5, 9, 8, "float32"), target="interpreter")
+    kinds = [c["description"].split(":")[0] for c in kern.candidates]
+    assert {"rolling", "split-k", "plain"} <= set(kinds)
+    assert next(c for c in kern.candidates if c["chosen"])["description"].startswith("rolling")
+    split = next(c["program"] for c in kern.candidates if c["description"].startswith("split-k"))
+    ins = {n: torch.randn(1, 2, s, 8, dtype=torch.float64) for n, s in (("q", 5), ("k", 9), ("v", 9))}
+    want = evaluate(kern.input_program, ins)["o"]
+    for parts in (1, 2, 4):
+        assert torch.allclose(evaluate(split, ins, parts=parts)["o"], want, atol=1e-12)
+    assert all(c.ok for c in kern.trace.fold_checks) and kern.trace.fold_checks
+
+
+def test_explain_lists_the_rolling_steps_and_the_identities_used():
+    kern = ne.superoptimize(examples.attention(1, 1, 5, 9, 8, "float32"), target="interpreter")
+    text = kern.explain()
+    steps = kern.derivation
+    used = {r.name for s in steps for r in s.rules}
+    assert {"rolling-sum", "exp-div", "neg-sub-neg"} <= used
+    roll = next(s for s in steps if any(r.name == "rolling-sum" for r in s.rules))
+    assert roll.before.op == "sum" and roll.after.op == "rollsum"
+    assert "rules/rolling.egg:" in text and "→" in text
+
+
+def test_shipped_rules_all_pass_the_check():
+    results = [r for f in ne.rules.shipped_rule_files() for r in ne.rules.check(f)]
+    assert results and not [r for r in results if r.status == "UNSOUND"]
+    assert sum(r.status == "proved" for r in results) >= 10
+
+
+def test_an_unsound_rule_fails_the_check_with_a_counter_example(tmp_path):
+    bad = tmp_path / "bad.egg"
+    bad.write_text('; exp(a − b) = exp(a) − exp(b)   (wrong)\n'
+                   '(rewrite (Exp (Sub a b)) (Sub (Exp a) (Exp b)) :name "bad-exp")\n')
+    (r,) = ne.rules.check(bad)
+    assert r.status == "UNSOUND" and "counter-example" in r.detail and r.where.endswith("bad.egg:2")
+
+
+def test_a_user_rule_file_changes_the_chosen_program(tmp_path):
+    rule = tmp_path / "layout.egg"
+    rule.write_text('; exp(x) = exp2(x·log2 e)\n'
+                    '(rewrite (Exp x) (Exp2 (Mul x (Flt 1.4426950408889634))) :name "exp-to-exp2")\n')
+    plain = ne.superoptimize(examples.softmax(3, 20), target="interpreter")
+    assert "tl.exp2" not in plain.source
+    kern = check_kernel(examples.softmax(3, 20), extra_rules=[rule])
+    assert "tl.exp2" in kern.source and "exp-to-exp2" in kern.trace.fired()
+    ne.rules.load(rule)
+    try:
+        assert "tl.exp2" in ne.superoptimize(examples.softmax(3, 20), target="interpreter").source
+    finally:
+        ne.rules.unload_all()
