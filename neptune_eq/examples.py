@@ -37,3 +37,37 @@ def attention(b: int, h: int, s_q: int, s_kv: int, d: int, dtype: str = "float16
     jo = ne.reduce_axis(s_kv, "jo")
     return ne.compute((b, h, s_q, d), lambda z, y, i, e: ne.sum(
         ne.exp(s[z, y, i, jo] - mx[z, y, i]) * v[z, y, jo, e], axis=jo) / den[z, y, i], "o")
+
+
+CHAINS = ["log-sum-exp", "two-producers", "rms-matmul", "normalised", "centered", "max-consumer"]
+
+
+def reduction_chain(name: str, N: int, M: int, E: int, dtype: str = "float32") -> ne.Tensor:
+    """The reduction chains the rule system must fuse (issue 3), written plainly."""
+    x = ne.placeholder((N, M), dtype, "x")
+    v = ne.placeholder((M, E), dtype, "v")
+    j = ne.reduce_axis(M, "j")
+    mx = ne.compute((N,), lambda i: ne.max(x[i, j], axis=j), "mx")
+    k = ne.reduce_axis(M, "k")
+    if name == "log-sum-exp":
+        return ne.compute((N,), lambda i: mx[i] + ne.log(ne.sum(ne.exp(x[i, k] - mx[i]), axis=k)), "lse")
+    if name == "two-producers":  # Σ exp(c − m)·v / l
+        den = ne.compute((N,), lambda i: ne.sum(ne.exp(x[i, k] - mx[i]), axis=k), "den")
+        l = ne.reduce_axis(M, "l")
+        return ne.compute((N, E), lambda i, e: ne.sum(ne.exp(x[i, l] - mx[i]) * v[l, e] / den[i], axis=l), "o")
+    if name == "rms-matmul":  # Σ c·w / √s
+        ss = ne.compute((N,), lambda i: ne.sum(x[i, k] * x[i, k], axis=k), "ss")
+        b = ne.reduce_axis(M, "b")
+        return ne.compute((N, E), lambda i, e: ne.sum(x[i, b] * v[b, e] / ne.sqrt(ss[i]), axis=b), "y")
+    if name == "normalised":  # Σ (c/s)·v
+        s = ne.compute((N,), lambda i: ne.sum(ne.exp(x[i, k]), axis=k), "s")
+        d = ne.reduce_axis(M, "d")
+        return ne.compute((N, E), lambda i, e: ne.sum((ne.exp(x[i, d]) / s[i]) * v[d, e], axis=d), "y")
+    if name == "centered":  # Σ (c − m)·w, rejected by Neptune's solver
+        f = ne.reduce_axis(M, "f")
+        return ne.compute((N, E), lambda i, e: ne.sum((x[i, f] - mx[i]) * v[f, e], axis=f), "y")
+    if name == "max-consumer":  # max_j (c − Σc): rolling with ⊕ = max, ⊙ = +
+        tot = ne.compute((N,), lambda i: ne.sum(x[i, k], axis=k), "tot")
+        g = ne.reduce_axis(M, "g")
+        return ne.compute((N,), lambda i: ne.max(x[i, g] - tot[i], axis=g), "mm")
+    raise KeyError(name)

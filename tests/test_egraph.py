@@ -24,8 +24,11 @@ def _has_op(view, op):
     return any(n.op == op for nodes in view.classes.values() for n in nodes)
 
 
+CORE = [f for f in shipped_rule_files() if f.stem != "layout"]  # no exp -> exp2
+
+
 def test_softmax_rolling_update_fires_and_is_single_pass():
-    p, trace, view, cand = _optimize(examples.softmax(4, 9))
+    p, trace, view, cand = _optimize(examples.softmax(4, 9), CORE)
     assert trace.fired().get("rolling-sum", 0) >= 1
     assert trace.stop_reason == "saturated"
     den = cand.program.definition("den").body
@@ -35,7 +38,7 @@ def test_softmax_rolling_update_fires_and_is_single_pass():
 
 
 def test_attention_derives_the_flashattention2_recurrence():
-    p, trace, view, cand = _optimize(examples.attention(1, 2, 5, 9, 8, "float32"))
+    p, trace, view, cand = _optimize(examples.attention(1, 2, 5, 9, 8, "float32"), CORE)
     o = cand.program.definition("o").body
     # delayed normalisation: o = rollsum(exp(s - m')·v; corr = exp(m - m')) / l
     assert o.op == "div" and o.args[0].op == "rollsum" and o.args[1].op == "ref"
@@ -81,3 +84,27 @@ def test_bad_rule_files_are_rejected_with_file_line_and_reason(tmp_path, text, m
     with pytest.raises(RuleFileError, match=message):
         st.load_rules(_write(tmp_path, text))
     assert st.rows() == before and "user" not in st.rulesets
+
+
+def test_layout_rules_rewrite_the_correction_to_exp2():
+    p, trace, view, cand = _optimize(examples.softmax(4, 9))
+    corr = cand.program.definition("den").body.args[1]
+    assert str(corr) == "exp2(((prev:mx[i] - run:mx[i]) * 1.4426950408889634))"
+
+
+def test_growth_past_the_row_budget_stops_and_keeps_the_best_so_far(tmp_path):
+    from neptune_eq.egraph.saturate import Limits
+    blowup = tmp_path / "blowup.egg"
+    blowup.write_text(
+        "; (a − b)·c = a·c − b·c\n"
+        "(rewrite (Mul (Sub a b) (Flt c)) (Sub (Mul a (Flt c)) (Mul b (Flt c))) :name \"dist\")\n"
+        "; (a·c₁)·c₂ = a·(c₁·c₂)\n"
+        "(rewrite (Mul (Mul a (Flt c1)) (Flt c2)) (Mul a (Flt (* c1 c2))) :name \"fold\")\n")
+    p = ne.build_program(examples.attention(1, 1, 5, 9, 8, "float32"))
+    st = EGraphStage(p, None, [blowup])
+    trace = st.saturate(Limits(rows=3000))
+    assert trace.stop_reason == "row limit"
+    assert trace.iterations[-1].stage.endswith("(rolled back)") and st.rows() <= 3000
+    cand = extract_program(EGraphView.from_json(st.serialize()), p)
+    ins = {n: torch.randn(1, 1, s, 8, dtype=torch.float64) for n, s in (("q", 5), ("k", 9), ("v", 9))}
+    assert torch.allclose(evaluate(cand.program, ins)["o"], evaluate(p, ins)["o"], atol=1e-12)

@@ -150,7 +150,7 @@ class Trace:
 class Limits:
     """Hard bounds on saturation as a whole (iterations over all stages)."""
     iterations: int = 48
-    rows: int = 200_000
+    rows: int = 50_000
     seconds: float = 60.0
 
 
@@ -169,6 +169,7 @@ DEFAULT_SCHEDULE = [
     Stage("algebra", ("algebra",), 6),
     Stage("rolling", ("algebra", "rolling"), 24),
     Stage("split-k", ("splitk",), 2),
+    Stage("layout", ("layout", "algebra"), 6),
     Stage("all", ("*",), 12),
 ]
 
