@@ -40,6 +40,30 @@ def _enable_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _check_interpreter_importable() -> None:
+    """Triton turns its standard library (tl.sum, tl.max…) into interpreted functions only
+    if TRITON_INTERPRET is set when it is first imported."""
+    import triton.language as tl
+    if type(tl.sum).__name__ == "JITFunction":
+        raise RuntimeError(
+            "Triton was imported in GPU mode before neptune_eq chose the interpreter (no GPU "
+            "here), so its standard library cannot run interpreted. Import neptune_eq before "
+            "triton, or set TRITON_INTERPRET=1 in the environment before starting Python.")
+
+
+def prefer_interpreter_without_gpu() -> None:
+    """Called on import: on a machine without CUDA, make Triton import in interpreter
+    mode (it reads TRITON_INTERPRET when first imported)."""
+    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
+        return
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            _enable_interpreter()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("NEPTUNE_EQ_CACHE") or os.path.join(tempfile.gettempdir(), "neptune_eq")
     d = Path(base) / "kernels"
@@ -60,6 +84,7 @@ def load_kernel(ks: KernelSource, interpret: bool):
         return getattr(sys.modules[modname], ks.name)
     if interpret:
         _enable_interpreter()
+        _check_interpreter_importable()
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod

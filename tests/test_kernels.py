@@ -51,3 +51,14 @@ def test_kernel_call_errors():
         kern()
     out = kern(x=torch.randn(3, 5))
     assert out.shape == (3, 5) and out.dtype == torch.float32
+
+
+def test_triton_imported_first_in_gpu_mode_gives_a_clear_error():
+    import subprocess
+    import sys
+    code = ("import os; os.environ.pop('TRITON_INTERPRET', None); import triton.language; "
+            "import neptune_eq as ne; from neptune_eq import examples; "
+            "ne.superoptimize(examples.softmax(2, 3), target='interpreter')(__import__('torch').randn(2, 3))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "Import neptune_eq before triton" in r.stderr
