@@ -6,5 +6,6 @@ from .dsl import (placeholder, reduce_axis, compute, sum, max, min, exp, exp2, l
                   sqrt, rsqrt, abs, maximum, minimum, where, cast, build_program)
 from .ir import ProgramError
 from .api import Kernel, superoptimize
+from .attention import attention
 from .egraph.saturate import Limits
 from . import rules  # noqa: E402  (ne.rules.load / check / listing)

@@ -71,3 +71,4 @@ def reduction_chain(name: str, N: int, M: int, E: int, dtype: str = "float32") -
         g = ne.reduce_axis(M, "g")
         return ne.compute((N,), lambda i: ne.max(x[i, g] - tot[i], axis=g), "mm")
     raise KeyError(name)
+

@@ -28,7 +28,9 @@ _SYM_UNARY = {"exp": sympy.exp, "exp2": lambda x: 2 ** x, "log": sympy.log, "sqr
               "rsqrt": lambda x: 1 / sympy.sqrt(x), "tanh": sympy.tanh, "abs": sympy.Abs,
               "neg": lambda x: -x}
 _SYM_BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-               "div": lambda a, b: a / b, "maximum": sympy.Max, "minimum": sympy.Min}
+               "div": lambda a, b: a / b, "maximum": sympy.Max, "minimum": sympy.Min,
+               "lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge,
+               "eq": sympy.Eq, "ne": sympy.Ne, "and": sympy.And, "or": sympy.Or}
 
 
 class NotAlgebraic(Exception):
@@ -51,6 +53,11 @@ def to_sympy(t: Term, subst: dict[str, sympy.Symbol] | None = None, positive=Fal
         return _SYM_UNARY[t.op](to_sympy(t.args[0], subst, positive))
     if t.op in _SYM_BINARY:
         return _SYM_BINARY[t.op](*(to_sympy(a, subst, positive) for a in t.args))
+    if t.op == "where":
+        c, a, b = (to_sympy(x, subst, positive) for x in t.args)
+        return sympy.Piecewise((a, c), (b, True))
+    if t.op == "not":
+        return sympy.Not(to_sympy(t.args[0], subst, positive))
     raise NotAlgebraic(t.op)
 
 
@@ -82,7 +89,7 @@ def check_fold(t: Term) -> FoldCheck:
     except NotAlgebraic as e:
         return FoldCheck(str(t), False, eq4, "unsupported", f"op {e} has no sympy form")
     lhs = h * g_old if t.op in ("rollsum", "splitk") else h + g_old
-    diff = sympy.simplify(sympy.expand_log(lhs - g_new, force=True))
+    diff = sympy.simplify(sympy.piecewise_fold(sympy.expand_log(lhs - g_new, force=True)))
     if diff == 0:
         return FoldCheck(str(t), True, eq4, "sympy")
     # Not proved symbolically: random points (positive, where sqrt/log need it).
@@ -90,8 +97,8 @@ def check_fold(t: Term) -> FoldCheck:
     rng = random.Random(0)
     for _ in range(20):
         point = {s: rng.uniform(0.5, 3.0) for s in syms}
-        val = complex(diff.evalf(subs=point))
-        scale = 1 + abs(complex(g_new.evalf(subs=point)))
+        val = complex(diff.subs(point).evalf())
+        scale = 1 + abs(complex(g_new.subs(point).evalf()))
         if abs(val) > 1e-9 * scale:
             return FoldCheck(str(t), False, eq4, "random", f"counter-example {point}: "
                              f"h·g(r,c) − g(r',c) = {val.real:.3g}")

@@ -1,0 +1,94 @@
+"""ne.attention variants (Neptune's operators, small shapes) equal the reference, incl.
+odd sizes, captured tensors, GQA, decode and fully masked rows."""
+import math
+
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq.interp import evaluate
+from helpers import check_kernel
+
+B, H, D = 1, 2, 16
+
+
+def causal(b, h, i, j):
+    return i >= j
+
+
+def window(w):
+    return lambda b, h, i, j: (i >= j) & (i - j < w)
+
+
+def softcap(cap):
+    return lambda s, b, h, i, j: ne.tanh(s / cap) * cap
+
+
+def alibi(slopes):
+    return lambda s, b, h, i, j: s + slopes[h] * (j - i)
+
+
+@pytest.mark.parametrize("name, sq, skv, kw", [
+    ("global", 9, 21, {}),
+    ("causal", 21, 21, {"mask_mod": causal}),
+    ("softcap", 9, 21, {"score_mod": softcap(5.0)}),
+    ("window", 21, 21, {"mask_mod": window(6), "score_mod": softcap(5.0)}),
+    ("gqa", 9, 21, {"kv_heads": 1}),
+    ("causal-decode", 1, 37, {"mask_mod": lambda b, h, i, j: j <= 36}),
+    ("softcap-decode", 1, 37, {"score_mod": softcap(5.0)}),
+])
+def test_attention_variant(name, sq, skv, kw):
+    kern = check_kernel(ne.attention(B, H, sq, skv, D, "float32", **kw))
+    assert kern.plan.n_passes == 1, name
+
+
+def test_alibi_with_captured_slopes():
+    slopes = ne.placeholder((H,), "float32", "slopes")
+    kern = check_kernel(ne.attention(B, H, 9, 21, D, "float32", score_mod=alibi(slopes),
+                                     mask_mod=causal))
+    assert [p.name for p in kern.input_program.inputs] == ["q", "k", "v", "slopes"]
+
+
+def test_alibi_softcap_window_gqa_together_in_fp16():
+    slopes = ne.placeholder((4,), "float32", "slopes")
+    mods = [alibi(slopes), softcap(20.0)]
+    kern = check_kernel(ne.attention(1, 4, 19, 19, D, "float16", kv_heads=2, mask_mod=window(5),
+                                     score_mod=lambda s, b, h, i, j: mods[1](mods[0](s, b, h, i, j), b, h, i, j)))
+    assert kern.plan.n_passes == 1
+
+
+def test_document_mask_from_a_captured_tensor():
+    doc = ne.placeholder((21,), "int32", "doc")
+    out = ne.attention(B, H, 21, 21, D, "float32", mask_mod=lambda b, h, i, j: doc[i] == doc[j])
+    kern = ne.superoptimize(out, target="interpreter")
+    q, k, v = (torch.randn(B, H, 21, D) for _ in range(3))
+    ids = torch.tensor([0] * 7 + [1] * 9 + [2] * 5, dtype=torch.int32)
+    got = kern(q, k, v, ids)
+    mask = ids[:, None] == ids[None, :]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_fully_masked_rows_return_zero_not_nan():
+    out = ne.attention(B, H, 9, 13, D, "float32", mask_mod=lambda b, h, i, j: j > i + 5)
+    kern = ne.superoptimize(out, target="interpreter")
+    q, k, v = (torch.randn(B, H, n, D) for n in (9, 13, 13))
+    got = kern(q, k, v)
+    assert torch.isfinite(got).all() and got[:, :, 7:].abs().max() == 0
+    ref = evaluate(kern.input_program, {"q": q, "k": k, "v": v})["o"]
+    assert torch.allclose(got.double(), ref, atol=1e-5)
+
+
+def test_large_magnitude_scores_match_sdpa():
+    out = ne.attention(B, H, 9, 21, D, "float32", scale=1.0)
+    kern = ne.superoptimize(out, target="interpreter")
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) * 25 for n in (9, 21, 21))
+    got = kern(q.float(), k.float(), v.float())
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+    assert torch.isfinite(got).all()
+    assert (got.double() - ref).abs().max() / ref.abs().max() < 1e-4
+
+
+def test_gqa_rejects_bad_head_counts():
+    with pytest.raises(ne.ProgramError, match="multiple of kv heads"):
+        ne.attention(1, 3, 4, 4, 8, kv_heads=2)
