@@ -341,7 +341,15 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
         em.states[f.name] = Tile(f.name, axes, "f32")
     for k, ps in enumerate(plan.passes):
         em.emit(f"# pass {k + 1}: {', '.join(f'{f.name} ({f.op})' for f in ps.folds)}")
-        em.emit(f"for l0 in range(0, {ps.extent}, B_{LOOP}):")
+        lo, hi = "0", str(ps.extent)
+        if ps.lo_offset is not None:  # affine mask -> first visible block of this row block
+            em.emit(f"j_lo{k} = tl.maximum(pid_block * B_{ba} + ({ps.lo_offset}), 0)")
+            em.emit(f"j_lo{k} = (j_lo{k} // B_{LOOP}) * B_{LOOP}")
+            lo = f"j_lo{k}"
+        if ps.hi_offset is not None:  # ... and one past the last visible key
+            em.emit(f"j_hi{k} = tl.minimum(pid_block * B_{ba} + B_{ba} - 1 + ({ps.hi_offset}), {ps.extent})")
+            hi = f"j_hi{k}"
+        em.emit(f"for l0 in range({lo}, {hi}, B_{LOOP}):")
         em.push(em.scopes[0][2] + "    ")
         em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
         em.emit(f"mask_{LOOP} = offs_{LOOP} < {ps.extent}")

@@ -55,9 +55,16 @@ class Fold:
 
 @dataclass
 class Pass:
-    """One loop over the reduced extent, updating several folds per block."""
+    """One loop over the reduced extent, updating several folds per block.
+
+    ``lo_offset``/``hi_offset``: when every fold is gated by an affine mask on
+    ``j`` vs the block axis ``i`` (causal ``j <= i``, window ``i - j < W``), the loop only
+    visits ``j`` in ``[i + lo_offset, i + hi_offset)`` over the block's rows; blocks
+    outside are skipped (their contribution is the fold's identity)."""
     extent: int
     folds: list[Fold]
+    lo_offset: int | None = None
+    hi_offset: int | None = None
 
 
 @dataclass
@@ -90,7 +97,12 @@ class TilePlan:
                  f"{list(self.grid_axes) or 'nothing else'})"]
         for k, p in enumerate(self.passes):
             fs = ", ".join(f"{f.name}:{f.op}{list(f.state_axes)}" for f in p.folds)
-            lines.append(f"pass {k + 1}: loop over {p.extent} -> {fs}")
+            skip = ""
+            if p.lo_offset is not None or p.hi_offset is not None:
+                lo = f"i{p.lo_offset:+d}" if p.lo_offset is not None else "0"
+                hi = f"i{p.hi_offset:+d}" if p.hi_offset is not None else "end"
+                skip = f" (mask -> loop bounds: j in [{lo}, {hi}), other blocks skipped)"
+            lines.append(f"pass {k + 1}: loop over {p.extent}{skip} -> {fs}")
         for e in self.epilogue:
             how = f"pass over {list(e.loop_axes)}" if e.loop_axes else "from registers"
             lines.append(f"epilogue: {e.name}[{', '.join(e.axes)}] ({how})")
@@ -164,7 +176,8 @@ def plan(program: Program) -> TilePlan:
         if len(extents) != 1:
             raise LoweringError(f"Pass {k + 1} mixes reduction extents {sorted(extents)}; "
                                 "folds fused into one loop must reduce over equal extents.")
-        passes.append(Pass(extents.pop(), members))
+        lo, hi = loop_bounds(members, row_axes[-1])
+        passes.append(Pass(extents.pop(), members, lo, hi))
     fold_names = {f.name for f in folds}
     epilogue, fold_outputs = [], []
     for name in program.outputs:
@@ -210,3 +223,84 @@ def _assign_passes(program: Program, folds: list[Fold], state_of: dict[Term, str
         if not changed:
             return
     raise LoweringError("Cyclic dependency between folds.")  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------------
+# Affine mask -> loop bounds
+# ----------------------------------------------------------------------------------
+_IDENTITY_OF = {"sum": 0.0, "rollsum": 0.0, "splitk": 0.0, "max": -1.0e30, "rollmax": -1.0e30}
+
+
+def _atoms(c: Term) -> set[Term]:
+    if c.op == "and":
+        return _atoms(c.args[0]) | _atoms(c.args[1])
+    return {c}
+
+
+def _gates(t: Term, ident: float) -> set[Term]:
+    """Conditions outside of which ``t`` equals the fold identity."""
+    if t.op == "where" and t.args[2].op in ("flt", "int") and float(t.args[2].val) == ident:
+        return _atoms(t.args[0]) | _gates(t.args[1], ident)
+    if t.op == "mul" and ident == 0.0:
+        return _gates(t.args[0], ident) | _gates(t.args[1], ident)
+    if t.op in ("exp", "exp2") and ident == 0.0:
+        # exp(x) underflows to 0 where x is the masked fill: exp(-1e30 - m) = 0
+        return set()
+    return set()
+
+
+def _offset(t: Term, i: str) -> int | None:
+    """``t`` as ``i + c`` (c an int constant), else None."""
+    if t.op == "var" and t.val == i:
+        return 0
+    if t.op in ("add", "sub") and t.args[1].op in ("int", "flt") and float(t.args[1].val).is_integer():
+        base = _offset(t.args[0], i)
+        c = int(t.args[1].val)
+        return None if base is None else base + (c if t.op == "add" else -c)
+    return None
+
+
+def _bound(atom: Term, i: str, j: str) -> tuple[int | None, int | None]:
+    """(lo, hi) offsets with ``i + lo <= j < i + hi`` implied by one atom."""
+    op, (a, b) = atom.op, atom.args if len(atom.args) == 2 else (None, None)
+    if a is None:
+        return None, None
+    flip = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}
+    if op in flip and b.op == "var" and b.val == j:   # i+c ? j  ->  j flip(?) i+c
+        op, a, b = flip[op], b, a
+    if op in ("le", "lt") and a.op == "var" and a.val == j:        # j <= i+c / j < i+c
+        c = _offset(b, i)
+        return (None, None) if c is None else (None, c + (1 if op == "le" else 0))
+    if op in ("ge", "gt") and a.op == "var" and a.val == j:        # j >= i+c / j > i+c
+        c = _offset(b, i)
+        return (None, None) if c is None else (c + (0 if op == "ge" else 1), None)
+    # i - j < W  /  i - j <= W  ->  j > i - W  /  j >= i - W
+    if op in ("lt", "le") and a.op == "sub" and a.args[1].op == "var" and a.args[1].val == j \
+            and b.op in ("int", "flt") and _offset(a.args[0], i) is not None:
+        w = int(b.val) - _offset(a.args[0], i)
+        return (-w + (1 if op == "lt" else 0), None)
+    return None, None
+
+
+def loop_bounds(folds: list[Fold], i: str) -> tuple[int | None, int | None]:
+    """Offsets bounding the loop for conditions that gate *every* fold of a pass."""
+    common: set[Term] | None = None
+    for f in folds:
+        ident = _IDENTITY_OF.get(f.op)
+        if ident is None:
+            return None, None
+        # Alpha-rename the fold's axis so conditions of different folds compare equal.
+        gates = {_rename(g, f.axis, "@j") for g in _gates(f.term.args[0], ident)}
+        common = gates if common is None else common & gates
+    lo = hi = None
+    for atom in common or ():
+        l, h = _bound(atom, i, "@j")
+        lo = l if l is not None and (lo is None or l > lo) else lo
+        hi = h if h is not None and (hi is None or h < hi) else hi
+    return lo, hi
+
+
+def _rename(t: Term, old: str, new: str) -> Term:
+    if t.op == "var" and t.val == old:
+        return Term("var", (), new)
+    return t.map_args(lambda a: _rename(a, old, new))

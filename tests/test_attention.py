@@ -92,3 +92,23 @@ def test_large_magnitude_scores_match_sdpa():
 def test_gqa_rejects_bad_head_counts():
     with pytest.raises(ne.ProgramError, match="multiple of kv heads"):
         ne.attention(1, 3, 4, 4, 8, kv_heads=2)
+
+
+@pytest.mark.parametrize("mask, lo, hi", [
+    (causal, None, 1),
+    (window(6), -5, 1),
+    (lambda b, h, i, j: j > i + 5, 6, None),
+])
+def test_affine_masks_become_loop_bounds(mask, lo, hi):
+    kern = check_kernel(ne.attention(B, H, 40, 40, D, "float32", mask_mod=mask))
+    (p,) = kern.plan.passes
+    assert (p.lo_offset, p.hi_offset) == (lo, hi)
+    assert ("j_hi0" in kern.source) == (hi is not None) and ("j_lo0" in kern.source) == (lo is not None)
+
+
+def test_non_affine_masks_keep_the_full_loop():
+    doc = ne.placeholder((21,), "int32", "doc")
+    kern = ne.superoptimize(ne.attention(B, H, 21, 21, D, "float32",
+                                         mask_mod=lambda b, h, i, j: doc[i] == doc[j]),
+                            target="interpreter")
+    assert kern.plan.passes[0].lo_offset is None and kern.plan.passes[0].hi_offset is None
