@@ -147,6 +147,8 @@ class Launcher:
         args += [tensors[t].stride(k) for t, k in self.ks.stride_params]
         consts = {k: v for k, v in self.ks.tunables.items()}
         consts.update(self.config.blocks)
+        for flag, (block, extents) in (self.ks.even_flags or {}).items():
+            consts[flag] = all(n % consts[block] == 0 for n in extents)
         kw = dict(num_warps=self.config.num_warps, num_stages=self.config.num_stages)
         self.fn[self.grid()](*args, **consts, **kw)
 

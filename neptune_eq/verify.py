@@ -145,7 +145,18 @@ class _Instantiator:
     def __init__(self, free_of_j: set[str], no_producer: set[str]):
         self.free_of_j, self.no_producer = free_of_j, no_producer
         self.leaves: dict[str, Term] = {}
+        self.consts: dict[str, float] = {}
         self.folds = False
+
+    def number(self, pat) -> float:
+        """A float literal, a float pattern variable (a random constant), or f64 math."""
+        if isinstance(pat, list):
+            a, b = (self.number(x) for x in pat[1:3])
+            return {"*": a * b, "+": a + b, "-": a - b, "/": a / b}[pat[0]]
+        try:
+            return float(pat)
+        except ValueError:
+            return self.consts.setdefault(pat, round(random.Random(pat).uniform(0.5, 2.0), 3))
 
     def leaf(self, v: str) -> Term:
         if v not in self.leaves:
@@ -163,7 +174,7 @@ class _Instantiator:
             raise NotAlgebraic(head)
         op, kinds = CONSTRUCTORS[head]
         if op in ("flt", "int"):
-            return const(float(args[0]) if op == "flt" else int(args[0]))
+            return const(self.number(args[0]) if op == "flt" else int(args[0]))
         if kinds.startswith("S") and kinds != "S":
             axis = "j"
             if op in ("rollsum", "rollmax", "splitk"):
