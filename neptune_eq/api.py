@@ -124,7 +124,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     tile_plan = make_plan(chosen.program)
     ks = generate(tile_plan, bf16_dot_in_fp32=(target == "interpreter"))
     candidates = []
-    for alt in alternatives(view, program, model):
+    for alt in alternatives(view, program, model, chosen):
         is_chosen = str(alt.program) == str(chosen.program)
         candidates.append({"rank": 0, "description": alt.description, "program": alt.program,
                            "predicted_cost": alt.cost if is_chosen or "split-k" not in alt.description

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 
 from . import dsl as ne
+from .ir import MASKED
 
 
-NEG = -1.0e30  # masked score: a large finite negative, never -inf
+NEG = MASKED  # masked score: a large finite negative, never -inf
 
 
 def attention(b: int, hq: int, s_q: int, s_kv: int, d: int, dtype: str = "float16", *,

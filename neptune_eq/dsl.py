@@ -286,7 +286,7 @@ def _assemble(tensors: dict[str, Tensor], outputs: list[str]) -> ir.Program:
             extents[new] = s
             rename[a] = new
         if any(k != v for k, v in rename.items()):
-            body = _rename_vars(body, rename)
+            body = ir.substitute(body, {k: ir.var(v) for k, v in rename.items()})
         extents.update(t._capture.reduce_extents)
         defs.append(ir.Definition(t.name, tuple(rename[a] for a in axes), body,
                                   _infer_dtype(t, tensors)))
@@ -302,12 +302,6 @@ def _topo(prog: ir.Program) -> list[str]:
     if not nx.is_directed_acyclic_graph(g):
         ir.validate(prog)  # raises with the cycle
     return list(nx.lexicographical_topological_sort(g))
-
-
-def _rename_vars(t: Term, m: dict[str, str]) -> Term:
-    if t.op == "var":
-        return ir.var(m.get(t.val, t.val))
-    return t.map_args(lambda a: _rename_vars(a, m))
 
 
 def _infer_dtype(t: Tensor, tensors: dict[str, Tensor]) -> str:

@@ -237,14 +237,14 @@ def extract_program(view: EGraphView, program: Program, model: CostModel | None 
     return Candidate(program.with_defs(defs), cost, desc)
 
 
-def alternatives(view: EGraphView, program: Program, model: CostModel) -> list[Candidate]:
-    """The best program of each kind the e-graph holds: rolling (the model's choice),
+def alternatives(view: EGraphView, program: Program, model: CostModel,
+                 chosen: Candidate) -> list[Candidate]:
+    """The best program of each kind the e-graph holds: ``chosen`` (the model's choice),
     plain (no folds) and split-k; duplicates removed."""
-    out: list[Candidate] = []
-    variants = [model,
-                CostModel(program, forbid=frozenset(FOLD_OPS)),
+    out: list[Candidate] = [chosen]
+    variants = [CostModel(program, forbid=frozenset(FOLD_OPS)),
                 CostModel(program, allow_split_k=True, forbid=frozenset({"RollSum", "RollMax"}))]
-    for m in variants[1:]:
+    for m in variants:
         m.banned = model.banned
     for m in variants:
         try:

@@ -86,14 +86,11 @@ class Interpreter:
                                    f"{tuple(t.shape)}.")
             self.inputs[ph.name] = t.to(dtype) if t.is_floating_point() else t
         self.values: dict[str, Val] = {}
-        self._prefix_cache: dict[tuple[str, int], Val] = {}
+        self._prefix_cache: dict[tuple[str, int, int], Val] = {}
 
     # -- public ------------------------------------------------------------------------
     def run(self) -> dict[str, torch.Tensor]:
-        for d in self.p.defs:
-            self.values[d.name] = self._full_value(d.name)
-        return {d.name: self.values[d.name].expand_to(d.axes).expand(
-            *[self.p.extents[a] for a in d.axes]).contiguous() for d in self.p.defs}
+        return {d.name: self._ref_value(d.name).contiguous() for d in self.p.defs}
 
     # -- definitions ---------------------------------------------------------------------
     def _full_value(self, name: str) -> Val:
@@ -139,10 +136,8 @@ class Interpreter:
             if step is None:
                 raise ProgramError(f"{op}:{t.val} used outside a fold.")
             lo, hi = step[1] if op == "run" else step[0]
-            pv = self.prefix_value(t.val, lo, hi)
-            d = self.p.definition(t.val)
-            return self._gather(pv.expand_to(d.axes).expand(
-                *[self.p.extents[a] for a in d.axes]), t.args, env, limits, step)
+            pv = self._dense(t.val, self.prefix_value(t.val, lo, hi))
+            return self._gather(pv, t.args, env, limits, step)
         if op in _UNARY:
             v = self.eval(t.args[0], env, limits, step)
             return Val(_UNARY[op](v.t), v.axes)
@@ -167,10 +162,15 @@ class Interpreter:
         raise ProgramError(f"The interpreter cannot evaluate op {op!r}.")
 
     def _ref_value(self, name: str) -> torch.Tensor:
+        """The full value of a definition (computed once)."""
         if name not in self.values:
             self.values[name] = self._full_value(name)
+        return self._dense(name, self.values[name])
+
+    def _dense(self, name: str, v: Val) -> torch.Tensor:
+        """A value of definition ``name`` as a tensor over its axes, in their order."""
         d = self.p.definition(name)
-        return self.values[name].expand_to(d.axes).expand(*[self.p.extents[a] for a in d.axes])
+        return v.expand_to(d.axes).expand(*[self.p.extents[a] for a in d.axes])
 
     def _gather(self, src: torch.Tensor, idx: tuple[Term, ...], env, limits, step) -> Val:
         ivals = [self.eval(i, env, limits, step) for i in idx]

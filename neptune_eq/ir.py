@@ -97,6 +97,26 @@ def const(v: float | int | bool) -> Term:
     return Term("int", (), v) if isinstance(v, int) else Term("flt", (), float(v))
 
 
+MASKED = -1.0e30  # masked score / initial max: a large finite negative, never -inf
+
+
+def substitute(t: Term, m: dict[str, Term]) -> Term:
+    """Replace index variables by terms (``m``: name -> term)."""
+    if t.op == "var" and t.val in m:
+        return m[t.val]
+    return t.map_args(lambda a: substitute(a, m))
+
+
+def rename_axis(t: Term, old: str, new: str) -> Term:
+    """Rename an index variable everywhere, including the reductions that bind it."""
+    if t.op == "var" and t.val == old:
+        return var(new)
+    out = t.map_args(lambda a: rename_axis(a, old, new))
+    if t.kind in ("reduce", "fold") and t.val == old:
+        out = Term(t.op, out.args, new)
+    return out
+
+
 def free_axes(t: Term) -> frozenset[str]:
     """Index variables a term depends on (reductions and folds bind their axis)."""
     if t.op == "var":

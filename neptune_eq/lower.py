@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ir import Program, ProgramError, Term, accessed, free_axes
+from .ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
 
@@ -228,7 +228,7 @@ def _assign_passes(program: Program, folds: list[Fold], state_of: dict[Term, str
 # ----------------------------------------------------------------------------------
 # Affine mask -> loop bounds
 # ----------------------------------------------------------------------------------
-_IDENTITY_OF = {"sum": 0.0, "rollsum": 0.0, "splitk": 0.0, "max": -1.0e30, "rollmax": -1.0e30}
+_IDENTITY_OF = {"sum": 0.0, "rollsum": 0.0, "splitk": 0.0, "max": MASKED, "rollmax": MASKED}
 
 
 def _atoms(c: Term) -> set[Term]:
@@ -243,9 +243,6 @@ def _gates(t: Term, ident: float) -> set[Term]:
         return _atoms(t.args[0]) | _gates(t.args[1], ident)
     if t.op == "mul" and ident == 0.0:
         return _gates(t.args[0], ident) | _gates(t.args[1], ident)
-    if t.op in ("exp", "exp2") and ident == 0.0:
-        # exp(x) underflows to 0 where x is the masked fill: exp(-1e30 - m) = 0
-        return set()
     return set()
 
 
@@ -290,7 +287,7 @@ def loop_bounds(folds: list[Fold], i: str) -> tuple[int | None, int | None]:
         if ident is None:
             return None, None
         # Alpha-rename the fold's axis so conditions of different folds compare equal.
-        gates = {_rename(g, f.axis, "@j") for g in _gates(f.term.args[0], ident)}
+        gates = {rename_axis(g, f.axis, "@j") for g in _gates(f.term.args[0], ident)}
         common = gates if common is None else common & gates
     lo = hi = None
     for atom in common or ():
@@ -299,8 +296,3 @@ def loop_bounds(folds: list[Fold], i: str) -> tuple[int | None, int | None]:
         hi = h if h is not None and (hi is None or h < hi) else hi
     return lo, hi
 
-
-def _rename(t: Term, old: str, new: str) -> Term:
-    if t.op == "var" and t.val == old:
-        return Term("var", (), new)
-    return t.map_args(lambda a: _rename(a, old, new))

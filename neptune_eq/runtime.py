@@ -18,8 +18,6 @@ from pathlib import Path
 from .codegen import KernelSource
 from .ir import Program, ProgramError
 
-_DTYPE_NAMES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
-                "float64": "float64", "int32": "int32", "int64": "int64", "bool": "bool"}
 
 
 def resolve_target(target: str) -> str:
@@ -179,7 +177,7 @@ def check_inputs(program: Program, args, kwargs, target: str) -> dict:
             raise ProgramError(f"Expected {ph.name} with shape {ph.shape}, got {tuple(t.shape)}; "
                                "the kernel is specialised to the shapes it was built for — call "
                                "ne.superoptimize again for new shapes.")
-        if str(t.dtype).replace("torch.", "") != _DTYPE_NAMES[ph.dtype]:
+        if str(t.dtype).replace("torch.", "") != ph.dtype:
             raise ProgramError(f"Expected {ph.name} with dtype {ph.dtype}, got "
                                f"{str(t.dtype).replace('torch.', '')}; convert it with "
                                f".to(torch.{ph.dtype}).")

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..ir import Definition, Program, ProgramError, Term, free_axes
+from ..ir import Program, ProgramError, Term, free_axes, substitute
 from .rulefiles import RuleFileError, RuleInfo, new_egraph, parse_rule_file, shipped_rule_files
 from .structural import ANALYSIS, SUBST
 from .table import EGG_NAME, CONSTRUCTORS
@@ -31,12 +31,6 @@ def _fmt_float(v: float) -> str:
         a, b = s.split("e")
         s = f"{a}.0e{b}"
     return s
-
-
-def _substitute_axes(t: Term, m: dict[str, Term]) -> Term:
-    if t.op == "var" and t.val in m:
-        return m[t.val]
-    return t.map_args(lambda a: _substitute_axes(a, m))
 
 
 class ProgramEncoder:
@@ -58,7 +52,7 @@ class ProgramEncoder:
             d = self.p.definition(t.val)
             moves = set().union(*(free_axes(a) for a in idx)) & bound if idx else set()
             if d.name not in self.reductions or moves:
-                return self.inline_refs(_substitute_axes(d.body, dict(zip(d.axes, idx))), bound)
+                return self.inline_refs(substitute(d.body, dict(zip(d.axes, idx))), bound)
             return Term("ref", idx, t.val)
         if t.kind in ("reduce", "fold"):
             return t.map_args(lambda a: self.inline_refs(a, bound | {t.val}))

@@ -2,7 +2,7 @@
 and producer substitution (``AtRun``/``AtPrev``).
 
 They are mechanical (one rule per constructor), so they are derived from
-``terms.CONSTRUCTORS`` rather than written by hand: a new constructor gets its analysis
+``table.CONSTRUCTORS`` rather than written by hand: a new constructor gets its analysis
 and substitution rules automatically.  The mathematics lives in ``rules/*.egg``.
 """
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The e-graph's term language, declared in Python with explicit egglog names.
 
-Rule files under ``rules/`` are written against exactly these names.  ``CONSTRUCTORS``
+Rule files under ``rules/`` are written against exactly these names.  ``table.CONSTRUCTORS``
 records, for every constructor, the loop-IR op it stands for and its argument kinds
 (S string, I int, F float, T term, X index list); the structural rules (analyses and
-substitution) are generated from that table, so a new constructor needs one line here.
+substitution) are generated from that table, so a new constructor needs a method here
+and one line there.
 """
 from __future__ import annotations
 
@@ -235,8 +236,6 @@ WantAdd = relation("WantAdd", Term, String, egg_fn="WantAdd")
 Split = relation("Split", Term, String, Term, Term, egg_fn="Split")
 AddSplit = relation("AddSplit", Term, String, Term, Term, egg_fn="AddSplit")
 
-from .table import CONSTRUCTORS, EGG_NAME  # noqa: E402,F401  (re-exported)
-HELPERS = ("AtRun", "AtPrev")
 DECLARED = [getattr(Term, m) for m in dir(Term) if not m.startswith("_") and callable(getattr(Term, m))]
 
 
