@@ -5,15 +5,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import sys
+
 from . import dsl
-from .codegen import KernelSource, generate
-from .egraph.saturate import EGraphStage, Limits, Trace
+from .cache import load as cache_load, make_key, store as cache_store
+from .choose import CandidateRow, choose, rank as rank_candidates, spearman
+from .costmodel import device_for
 from .derive import Step, derivation
-from .extract import Candidate, CostModel, EGraphView, alternatives, check_folds, extract_program
+from .egraph.saturate import EGraphStage, Limits, Trace
+from .extract import CostModel, EGraphView, alternatives, check_folds, extract_program, top_programs
 from .ir import Program
+from .kernelgen import KernelSource, generate
 from .lower import TilePlan, plan as make_plan
-from .runtime import (Launcher, TileConfig, candidate_configs, check_inputs, resolve_target,
-                      time_configs)
+from .runtime import Launcher, TileConfig, check_inputs, resolve_target
 
 
 @dataclass
@@ -27,13 +31,35 @@ class Kernel:
     plan: TilePlan
     kernel_source: KernelSource
     trace: Trace
-    candidates: list[dict]
+    candidates: list[CandidateRow]
     target: str
     config: TileConfig
     timings: list = field(default_factory=list)
     _egraph_json: dict = field(default_factory=dict, repr=False)
     _egraph_dot: str = field(default="", repr=False)
+    device: str = ""
+    cache_status: str = "disabled"   # hit / miss / corrupt entry rebuilt / stale entry rebuilt
+    build_seconds: float = 0.0
     _launcher: Launcher | None = field(default=None, repr=False)
+
+    def __getstate__(self):  # the compiled launcher is process-local: never cached
+        state = dict(self.__dict__)
+        state["_launcher"] = None
+        return state
+
+    @property
+    def ranking_spearman(self) -> float | None:
+        """Spearman correlation of predicted vs measured time over the timed candidates."""
+        return spearman(self.candidates)
+
+    def candidate_table(self) -> str:
+        lines = ["rank  predicted   measured   candidate"]
+        lines += [c.line() for c in self.candidates]
+        rho = self.ranking_spearman
+        if rho is not None:
+            lines.append(f"cost model vs measurement: Spearman {rho:+.2f} over "
+                         f"{sum(c.measured_ms is not None for c in self.candidates)} timed candidates")
+        return "\n".join(lines)
 
     @property
     def source(self) -> str:
@@ -41,7 +67,8 @@ class Kernel:
 
     @property
     def launches(self) -> list[str]:
-        return [self.kernel_source.name]
+        """The Triton kernels one call runs, in order."""
+        return self.kernel_source.kernel_names
 
     def egraph_json(self) -> dict:
         """The saturated e-graph in egraph-serialize JSON (nodes, e-classes, roots)."""
@@ -64,18 +91,20 @@ class Kernel:
         lines += [_indent(str(s)) for s in self.derivation] or ["  (no change)"]
         lines += ["", "chosen program:", _indent(str(self.program)), "",
                   f"plan ({self.plan.n_passes} pass(es) over memory):", _indent(self.plan.describe()),
-                  "", "candidates:"]
-        for c in self.candidates:
-            cost = ("not lowered yet (split-k kernels: issue 4)" if c["predicted_cost"] == float("inf")
-                    else f"predicted cost {c['predicted_cost']:.4g}")
-            lines.append(f"  #{c['rank']} {c['description']}: {cost}"
-                         f"{'  <- chosen' if c['chosen'] else ''}")
+                  "", f"candidates (cost model: {self.device or 'default device'}):",
+                  _indent(self.candidate_table())]
+        if self.chosen_row and self.chosen_row.estimate:
+            lines.append("  chosen: " + self.chosen_row.estimate.describe())
         lines += ["", "rules that fired (total matches):"]
         for name, n in sorted(fired.items(), key=lambda kv: -kv[1]):
             info = self.trace.rules.get(name)
             where = f"  [{info.where}]  {info.comment}" if info else "  [structural]"
             lines.append(f"  {name:<24} ×{n:<4}{where}")
         return "\n".join(lines)
+
+    @property
+    def chosen_row(self) -> CandidateRow | None:
+        return next((c for c in self.candidates if c.chosen), None)
 
     def __call__(self, *args, **kwargs):
         import torch
@@ -99,14 +128,64 @@ def _indent(s: str) -> str:
 
 def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
                   extra_rules: Sequence[str | Path] = (), target: str = "auto",
-                  limits: Limits | None = None, example_inputs: dict | None = None) -> Kernel:
+                  limits: Limits | None = None, example_inputs: dict | None = None,
+                  top_k: int = 3, cache: bool = True, progress: bool = False,
+                  device: str | None = None) -> Kernel:
     """Superoptimize the program that computes ``outputs`` (a ne.compute tensor or a list).
 
     ``rules`` replaces the shipped rule files, ``extra_rules`` adds user rule files.
-    On a GPU the chosen program's tile configs are timed on random inputs (or
-    ``example_inputs``) and the fastest is kept."""
+    The e-graph's cheapest distinct programs are lowered and ranked by the GPU cost model
+    (``device``: 'H100' / 'H200', default the GPU present, else H200); on a GPU the best
+    ``top_k`` are timed over tile configs on random inputs (or ``example_inputs``) and the
+    fastest is kept.  The winner is cached on disk (``$NEPTUNE_EQ_CACHE``) unless
+    ``cache=False``; a warm call returns without saturating."""
+    import time
+    t0 = time.perf_counter()
     program = outputs if isinstance(outputs, Program) else dsl.build_program(outputs)
     target = resolve_target(target)
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"Expected top_k to be a positive int (candidates timed on the GPU), "
+                         f"got {top_k!r}.")
+    from . import rules as rule_registry
+    from .egraph.rulefiles import shipped_rule_files
+    rule_files = ([Path(f) for f in rules] if rules is not None else shipped_rule_files()) \
+        + [Path(f) for f in list(rule_registry.loaded()) + list(extra_rules)]
+    gpu_name = device or _gpu_name(target)
+    key = make_key(program, rule_files, target, gpu_name,
+                   {"top_k": top_k, "limits": repr(limits or Limits())})
+    status = "disabled"
+    if cache:
+        hit, status = cache_load(key)
+        if hit is not None and _fresh(hit):
+            hit.cache_status, hit.build_seconds = "hit", time.perf_counter() - t0
+            return hit
+        status = "stale entry rebuilt" if hit is not None else status
+    kern = _build(program, rules, extra_rules, target, limits, example_inputs, top_k,
+                  progress, gpu_name)
+    kern.cache_status, kern.build_seconds = status, time.perf_counter() - t0
+    if cache:
+        cache_store(key, kern)
+    return kern
+
+
+def _fresh(kern: "Kernel") -> bool:
+    """A cached kernel is used only if today's code generator emits the same source."""
+    try:
+        again = generate(make_plan(kern.program), bf16_dot_in_fp32=(kern.target == "interpreter"))
+        return again.source == kern.kernel_source.source
+    except Exception:  # noqa: BLE001 - an entry today's code cannot lower is stale
+        return False
+
+
+def _gpu_name(target: str) -> str:
+    if target == "cuda":
+        import torch
+        return torch.cuda.get_device_name()
+    return "none (interpreter)"
+
+
+def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, progress,
+           gpu_name) -> Kernel:
     from . import rules as rule_registry
     stage = EGraphStage(program, rules, list(rule_registry.loaded()) + list(extra_rules))
     model = CostModel(program)
@@ -114,35 +193,26 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     def snapshot(st: EGraphStage, it: int):
         cand = extract_program(EGraphView.from_json(st.serialize()), program, model)
         st.trace.snapshots.append((it, {d.name: d.body for d in cand.program.defs}))
+        if progress:
+            print(f"\r[neptune_eq] saturating: iteration {it}", end="", file=sys.stderr, flush=True)
 
     snapshot(stage, 0)
     trace = stage.saturate(limits or Limits(), on_iteration=snapshot)
+    if progress:
+        print(file=sys.stderr)
     egraph_json = stage.serialize()
     view = EGraphView.from_json(egraph_json)
     trace.fold_checks = check_folds(view, model)
-    chosen: Candidate = extract_program(view, program, model)
-    tile_plan = make_plan(chosen.program)
-    ks = generate(tile_plan, bf16_dot_in_fp32=(target == "interpreter"))
-    candidates = []
-    for alt in alternatives(view, program, model, chosen):
-        is_chosen = str(alt.program) == str(chosen.program)
-        candidates.append({"rank": 0, "description": alt.description, "program": alt.program,
-                           "predicted_cost": alt.cost if is_chosen or "split-k" not in alt.description
-                           else float("inf"), "chosen": is_chosen})
-    candidates.sort(key=lambda c: c["predicted_cost"])
-    for k, c in enumerate(candidates, 1):
-        c["rank"] = k
-    configs = candidate_configs(ks, target)
-    timings = []
-    config = configs[0]
-    if target == "cuda" and len(configs) > 1:
-        tensors = _random_inputs(program, example_inputs)
-        timings = time_configs(chosen.program, ks, target, tensors, configs)
-        ok = [(c, ms) for c, ms, _ in timings if ms is not None]
-        if ok:
-            config = min(ok, key=lambda cm: cm[1])[0]
-    return Kernel(program, chosen.program, tile_plan, ks, trace, candidates, target, config,
-                  timings, egraph_json, stage.dot())
+    best_term = extract_program(view, program, model)
+    split_model = CostModel(program, allow_split_k=True)
+    split_model.banned = model.banned
+    pool = alternatives(view, program, model, best_term) + top_programs(view, program, split_model)
+    dev = device_for(gpu_name)
+    rows = rank_candidates(pool, dev, bf16_dot_in_fp32=(target == "interpreter"))
+    tensors = _random_inputs(program, example_inputs) if target == "cuda" else None
+    chosen = choose(rows, target, tensors, top_k, dev.sms, progress)
+    return Kernel(program, chosen.program, chosen.plan, chosen.kernel, trace, rows, target,
+                  chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
 
 
 def _random_inputs(program: Program, given: dict | None) -> dict:

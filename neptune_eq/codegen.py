@@ -1,11 +1,12 @@
-"""Codegen: tile plan -> Triton source text.
+"""Codegen, tile expressions: IR terms -> Triton tile code inside a kernel body.
 
 Every value is a tile whose dimensions are named by kernel axes, kept in one canonical
 order (block axis, the pass's loop axis, whole axes, epilogue loop axis), so broadcasting
 is `[:, None]` indexing decided by name.  A sum over an axis of a product of two 2-D tiles
 that share only that axis becomes ``tl.dot`` (the QKᵀ and P·V contractions of attention);
 everything else is elementwise math and ``tl.sum``/``tl.max``.  Loop-invariant terms are
-hoisted before the loops; common subterms are emitted once per scope.
+hoisted before the loops; common subterms are emitted once per scope.  The kernels'
+structure (prologue, pass loops, split-k partials and combine, stores) is ``kernelgen``.
 """
 from __future__ import annotations
 
@@ -40,18 +41,6 @@ class Tile:
     kind: str                 # "f32", "int", "bool", or a storage dtype of a raw load
 
 
-@dataclass
-class KernelSource:
-    name: str
-    source: str
-    params: list[str]                 # pointer parameters, in call order
-    stride_params: list[tuple[str, int]]
-    tunables: dict[str, int]          # constexpr block sizes with defaults
-    grid_axes: tuple[str, ...]
-    block_axis: str
-    even_flags: dict = None           # constexpr flag -> (block param, extents it must divide)
-
-
 class Emitter:
     def __init__(self, plan: TilePlan, name: str, bf16_dot_in_fp32: bool = False):
         self.plan, self.p, self.name = plan, plan.program, name
@@ -60,7 +49,8 @@ class Emitter:
         self.scopes: list[tuple[list[str], dict, str]] = []  # (lines, cache, indent)
         self.tmp = 0
         self.order = [plan.block_axis, LOOP, *plan.whole_axes, ECOL]
-        self.env: dict[str, str] = {}     # IR index variable -> kernel axis or scalar code
+        # IR index variable -> kernel axis name, scalar code, or a Tile (packed rows)
+        self.env: dict[str, str | Tile] = {}
         self.states: dict[str, Tile] = {}  # fold state name -> tile
         self.running: dict[str, tuple[str, str]] = {}  # fold -> (old var, new var) in a pass
 
@@ -123,7 +113,7 @@ class Emitter:
         not move with a loop."""
         if any(n.kind == "access" and n.op != "load" for n in t.walk()):
             return -1
-        loop_vars = {v for v, ax in self.env.items() if ax in (LOOP, ECOL)}
+        loop_vars = {v for v, ax in self.env.items() if isinstance(ax, str) and ax in (LOOP, ECOL)}
         return 0 if not (free_axes(t) & loop_vars) else -1
 
     def bind(self, code: str, axes, kind: str, scope: int) -> Tile:
@@ -137,6 +127,8 @@ class Emitter:
         op = t.op
         if op == "var":
             role = self.env.get(t.val)
+            if isinstance(role, Tile):
+                return role
             if role is None:
                 raise LoweringError(f"Index variable {t.val!r} has no kernel axis here.")
             if role in self.order:
@@ -162,6 +154,11 @@ class Emitter:
             kind = "f32" if t.val in FLOAT_DTYPES else ("bool" if t.val == "bool" else "int")
             target = "tl.float32" if kind == "f32" else _TL_DTYPE[t.val]
             return self.bind(f"{a.code}.to({target})", a.axes, kind, scope)
+        if op in ("floordiv", "mod") and self.plan.packed and t.args[0] == Term("var", (), self.plan.packed[0]) \
+                and t.args[1] == Term("int", (), self.plan.packed[1]):
+            # packed heads: y // G is the program's KV head, y % G the row's head in the group
+            y = self.plan.packed[0]
+            return Tile(f"ax_{y}", (), "int") if op == "floordiv" else self.env[f"{y}%"]
         if op in _BINARY:
             a, b = (self.expr(x) for x in t.args)
             if op in _ARITH or op in ("lt", "le", "gt", "ge", "eq", "ne"):
@@ -212,6 +209,7 @@ class Emitter:
     def reduce_tile(self, op: str, body_term: Term, axis_var: str, kaxis: str, scope: int,
                     extent: int) -> Tile:
         """``op`` over kernel axis ``kaxis`` of ``body_term``, masking padding."""
+        op = "rollsum" if op == "splitk" else op  # a split fold's block update is a rolling one
         if op in ("sum", "rollsum") and body_term.op == "mul":
             dot = self._try_dot(body_term, kaxis, scope)
             if dot is not None:
@@ -267,184 +265,3 @@ class Emitter:
         self.env[ax] = ax  # inner contraction axes are held whole
         return self.reduce_tile(t.op, t.args[0], ax, ax, scope, self.p.extents[ax])
 
-    # -- state reads in the epilogue -----------------------------------------------------
-    def state_tile(self, name: str) -> Tile:
-        return self.states[name]
-
-
-def _fold_order(folds: list[Fold]) -> list[Fold]:
-    """Producers before the folds that read their running values."""
-    names = {f.name for f in folds}
-    done: list[Fold] = []
-    pending = list(folds)
-    while pending:
-        for f in pending:
-            deps = {n.val for n in f.term.walk() if n.op in ("run", "prev")} & names
-            if deps <= {d.name for d in done} | {f.name}:
-                done.append(f)
-                pending.remove(f)
-                break
-        else:
-            raise LoweringError("Folds read each other's running values in a cycle.")
-    return done
-
-
-def _replace_folds(t: Term, state_of: dict[Term, str]) -> Term:
-    if t in state_of:
-        return Term("ref", (), state_of[t])
-    return t.map_args(lambda a: _replace_folds(a, state_of))
-
-
-def generate(plan: TilePlan, name: str = "neptune_kernel",
-             bf16_dot_in_fp32: bool = False) -> KernelSource:
-    """Emit one Triton kernel for the plan.
-
-    ``bf16_dot_in_fp32`` upcasts bf16 contraction operands: the Triton CPU interpreter
-    (3.9) computes a bf16 ``tl.dot`` wrongly (a 16x16 product was off by 3e10), so the
-    interpreter target uses it; GPU kernels keep bf16 tensor-core dots."""
-    em = Emitter(plan, name, bf16_dot_in_fp32)
-    p = plan.program
-    em.push("    ")  # scope 0: prologue (axis set-up and hoisted loop invariants)
-    em.emit("pid_block = tl.program_id(0)")
-    em.emit("pid_grid = tl.program_id(1)")
-    rest = "pid_grid"
-    for a in reversed(plan.grid_axes):
-        em.emit(f"ax_{a} = {rest} % {p.extents[a]}")
-        em.emit(f"{rest}_{a} = {rest} // {p.extents[a]}")
-        rest = f"{rest}_{a}"
-        em.env[a] = f"ax_{a}"
-    ba = plan.block_axis
-    em.env[ba] = ba
-    em.emit(f"offs_{ba} = pid_block * B_{ba} + tl.arange(0, B_{ba})")
-    # EVEN_x (constexpr) is true when the extent is a multiple of the block: the mask
-    # folds to a constant and Triton drops it from loads and selects.
-    em.emit(f"mask_{ba} = (offs_{ba} < {p.extents[ba]}) | EVEN_{ba}")
-    for a in plan.whole_axes:
-        em.env.setdefault(a, a)
-        em.emit(f"offs_{a} = tl.arange(0, B_{a})")
-        full = " | True" if p.extents[a] == plan.whole_axes[a] else ""
-        em.emit(f"mask_{a} = (offs_{a} < {p.extents[a]}){full}")
-    em.push("    ")  # scope 1: the passes and the epilogue
-    all_folds = [f for ps in plan.passes for f in ps.folds]
-    for f in all_folds:
-        axes = em.canon(a for a in f.state_axes if a not in plan.grid_axes)
-        init = {"max": f"tl.full({em.shape(axes)}, {NEG}, tl.float32)",
-                "rollmax": f"tl.full({em.shape(axes)}, {NEG}, tl.float32)",
-                "min": f"tl.full({em.shape(axes)}, {POS}, tl.float32)"}.get(
-                    f.op, f"tl.zeros({em.shape(axes)}, tl.float32)")
-        em.emit(f"{f.name} = {init}")
-        em.states[f.name] = Tile(f.name, axes, "f32")
-    for k, ps in enumerate(plan.passes):
-        em.emit(f"# pass {k + 1}: {', '.join(f'{f.name} ({f.op})' for f in ps.folds)}")
-        lo, hi = "0", str(ps.extent)
-        if ps.lo_offset is not None:  # affine mask -> first visible block of this row block
-            em.emit(f"j_lo{k} = tl.maximum(pid_block * B_{ba} + ({ps.lo_offset}), 0)")
-            em.emit(f"j_lo{k} = (j_lo{k} // B_{LOOP}) * B_{LOOP}")
-            lo = f"j_lo{k}"
-        if ps.hi_offset is not None:  # ... and one past the last visible key
-            em.emit(f"j_hi{k} = tl.minimum(pid_block * B_{ba} + B_{ba} - 1 + ({ps.hi_offset}), {ps.extent})")
-            hi = f"j_hi{k}"
-        em.emit(f"for l0 in range({lo}, {hi}, B_{LOOP}):")
-        em.push(em.scopes[0][2] + "    ")
-        em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
-        em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_{LOOP}")
-        # One loop variable for every fold of the pass, so shared subterms (the score
-        # tile of attention) are computed once per block.
-        loop_var = f"loop{k}"
-        em.env[loop_var] = LOOP
-        folds = [Fold(f.name, rename_axis(f.term, f.axis, loop_var), f.state_axes, f.owner,
-                      f.pass_index) for f in ps.folds]
-        ordered = _fold_order(folds)
-        for f in ordered:
-            em.running[f.name] = (f.name, f"{f.name}_new")
-        for f in ordered:
-            st = em.states[f.name]
-            part = em.reduce_tile(f.op, f.term.args[0], f.axis, LOOP, -1, ps.extent)
-            partc = em.bcast(part, st.axes)
-            if f.op == "max":
-                upd = f"tl.maximum({f.name}, {partc})"
-            elif f.op == "min":
-                upd = f"tl.minimum({f.name}, {partc})"
-            elif f.op == "sum":
-                upd = f"{f.name} + {partc}"
-            elif f.op == "rollmax":
-                corr = em.f32(em.expr(f.term.args[1]))
-                upd = f"tl.maximum({f.name} + {em.bcast(corr, st.axes)}, {partc})"
-            else:
-                corr = em.f32(em.expr(f.term.args[1]))
-                if not set(corr.axes) <= set(st.axes):
-                    raise LoweringError(f"The correction of {f.name} depends on the loop axis.")
-                upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
-            em.emit(f"{f.name}_new = {upd}")
-        for f in ordered:
-            em.emit(f"{f.name} = {f.name}_new")
-        body = em.pop()
-        em.scopes[1][0].extend(body)
-        em.env.pop(loop_var, None)
-        for f in ps.folds:
-            em.running.pop(f.name, None)
-    stores = [(f.owner, em.states[f.name], f.state_axes) for f in plan.fold_outputs]
-    for item in plan.epilogue:
-        expr = _replace_folds(item.expr, plan.state_of)
-        for a in item.axes:
-            em.env.setdefault(a, a)
-        if len(item.loop_axes) > 1:
-            raise LoweringError(f"{item.name}: more than one column axis to loop over.")
-        if item.loop_axes:
-            (ca,) = item.loop_axes
-            em.env[ca] = ECOL
-            ext = p.extents[ca]
-            em.emit(f"# epilogue pass over {ca} for {item.name}")
-            em.emit(f"for c0 in range(0, {ext}, B_{ECOL}):")
-            em.push(em.scopes[0][2] + "    ")
-            em.emit(f"offs_{ECOL} = c0 + tl.arange(0, B_{ECOL})")
-            em.emit(f"mask_{ECOL} = (offs_{ECOL} < {ext}) | EVEN_{ECOL}")
-            _store(em, item.name, em.expr(expr), item.axes)
-            em.scopes[1][0].extend(em.pop())
-            em.env.pop(ca)
-        else:
-            _store(em, item.name, em.expr(expr), item.axes)
-    for name_, tile, axes in stores:
-        _store(em, name_, tile, axes)
-    body = em.pop()
-    body = em.pop() + body
-    tensors = [ph.name for ph in p.inputs] + list(p.outputs)
-    strides = [(t, k) for t in tensors for k in range(len(p.shape_of(t)))]
-    tunables = {f"B_{ba}": 16, f"B_{LOOP}": 16}
-    if any(e.loop_axes for e in plan.epilogue):
-        tunables[f"B_{ECOL}"] = 16
-    fixed = {f"B_{a}": n for a, n in plan.whole_axes.items()}
-    even = {f"EVEN_{ba}": (f"B_{ba}", [p.extents[ba]]),
-            f"EVEN_{LOOP}": (f"B_{LOOP}", [ps.extent for ps in plan.passes])}
-    if f"B_{ECOL}" in tunables:
-        even[f"EVEN_{ECOL}"] = (f"B_{ECOL}", [p.extents[a] for e in plan.epilogue for a in e.loop_axes])
-    sig = ([f"{t}_ptr" for t in tensors] + [f"{t}_s{k}" for t, k in strides]
-           + [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even)])
-    header = [
-        "# generated by neptune_eq from the program:",
-        *[f"#   {line}" for line in str(p).splitlines()],
-        "import triton",
-        "import triton.language as tl",
-        "",
-        "",
-        "@triton.jit",
-        f"def {name}(",
-        *[f"    {s}," for s in sig],
-        "):",
-    ]
-    return KernelSource(name, "\n".join(header + body) + "\n", [f"{t}_ptr" for t in tensors],
-                        strides, {**tunables, **fixed}, plan.grid_axes, ba, even)
-
-
-def _store(em: Emitter, name: str, tile: Tile, axes: tuple[str, ...]) -> None:
-    p = em.p
-    idx = [em.expr(Term("var", (), a)) for a in axes]
-    taxes = em.canon(sum((i.axes for i in idx), ()))
-    off = " + ".join(f"{em.bcast(i, taxes)} * {name}_s{k}" for k, i in enumerate(idx)) or "0"
-    val = em.f32(tile)
-    code = em.bcast(val, taxes)
-    if set(val.axes) != set(taxes):
-        code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
-    dt = _TL_DTYPE[p.dtype_of(name)]
-    m = em.mask(taxes)
-    em.emit(f"tl.store({name}_ptr + {off}, ({code}).to({dt}){', mask=' + m if m else ''})")

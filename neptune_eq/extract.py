@@ -227,14 +227,7 @@ def extract_program(view: EGraphView, program: Program, model: CostModel | None 
     defs = [Definition(d.name, d.axes, bodies[d.name], d.dtype) for d in program.defs
             if d.name in needed]
     cost = sum(ex.cost(view.roots[f"def_{d.name}"]) for d in defs)
-    ops = [n.op for d in defs for n in d.body.walk() if n.kind == "fold"]
-    if not ops:
-        desc = "plain: one pass per dependent reduction"
-    elif "splitk" in ops:
-        desc = f"split-k: {ops.count('splitk')} fold(s) as parallel partials + combine"
-    else:
-        desc = f"rolling: {len(ops)} fused fold(s)"
-    return Candidate(program.with_defs(defs), cost, desc)
+    return Candidate(program.with_defs(defs), cost, _describe(defs))
 
 
 def alternatives(view: EGraphView, program: Program, model: CostModel,
@@ -254,3 +247,110 @@ def alternatives(view: EGraphView, program: Program, model: CostModel,
         if all(str(c.program) != str(o.program) for o in out):
             out.append(c)
     return out
+
+
+# ----------------------------------------------------------------------------------
+# k-best extraction
+# ----------------------------------------------------------------------------------
+@dataclass
+class KBest:
+    """The ``k`` cheapest distinct terms of every e-class (tree cost).
+
+    An entry is (cost, node, ranks): the node with child ``i`` at rank ``ranks[i]`` of its
+    class.  Since a node and its children's terms determine the term, and every class's
+    list holds distinct terms, entries with distinct (node, ranks) are distinct terms --
+    deduplication is exact.  Candidates per node: all children at their best, and each
+    child in turn at each of its ranks (a node's k best usually differ in one child)."""
+    view: EGraphView
+    k: int
+    lists: dict[str, list] = field(default_factory=dict)
+
+    @classmethod
+    def run(cls, view: EGraphView, model: CostModel, k: int, rounds: int = 40) -> "KBest":
+        kb = cls(view, k)
+        for _ in range(rounds):
+            changed = False
+            for c, nodes in view.classes.items():
+                cands: dict = {}
+                for n in nodes:
+                    base = model.node_cost(view, c, n)
+                    kids = [ch for ch in n.children if ch not in view.literal]
+                    if base == INF or any(ch not in kb.lists for ch in kids):
+                        continue
+                    combos = [(0,) * len(kids)]
+                    for i, ch in enumerate(kids):
+                        combos += [tuple(r if j == i else 0 for j in range(len(kids)))
+                                   for r in range(1, len(kb.lists[ch]))]
+                    for rk in combos:
+                        cost = base + sum(kb.lists[ch][r][0] for ch, r in zip(kids, rk))
+                        key = (n.op, n.children, rk)
+                        if cost < cands.get(key, (INF,))[0]:
+                            cands[key] = (cost, n, rk)
+                entries = sorted(cands.values(), key=lambda e: e[0])[:k]
+                if entries and entries != kb.lists.get(c):
+                    kb.lists[c] = entries
+                    changed = True
+            if not changed:
+                break
+        return kb
+
+    def term(self, cls: str, rank: int = 0) -> Term:
+        _, node, ranks = self.lists[cls][rank]
+        op, kinds = CONSTRUCTORS[node.op]
+        lits = [self.view.literal[k] for k, kind in zip(node.children, kinds) if kind in "SIF"]
+        kids = dict(zip([c for c in node.children if c not in self.view.literal], ranks))
+        subs = [k for k, kind in zip(node.children, kinds) if kind == "T"]
+        idx = [k for k, kind in zip(node.children, kinds) if kind == "X"]
+        if op in LEAF:
+            return Term(op, (), lits[0])
+        if idx:
+            return Term(op, tuple(self._idx(idx[0], kids[idx[0]])), lits[0])
+        return Term(op, tuple(self.term(k, kids[k]) for k in subs), lits[0] if lits else None)
+
+    def _idx(self, cls: str, rank: int) -> list[Term]:
+        _, node, ranks = self.lists[cls][rank]
+        if node.op == "INil":
+            return []
+        head, tail = node.children
+        return [self.term(head, ranks[0])] + self._idx(tail, ranks[1])
+
+
+def top_programs(view: EGraphView, program: Program, model: CostModel, k: int = 8,
+                 beam: int = 64) -> list[Candidate]:
+    """The ``k`` cheapest distinct programs: each definition at one of its k best terms,
+    combined by a beam over definitions; definitions no output needs are dropped."""
+    kb = KBest.run(view, model, k)
+    beams: list[tuple[float, dict]] = [(0.0, {})]
+    for d in program.defs:
+        cls = view.roots[f"def_{d.name}"]
+        opts = kb.lists.get(cls, [])
+        if not opts:
+            raise ValueError(f"definition {d.name} has no finite-cost term")
+        beams = sorted(((c + e[0], {**ch, d.name: r}) for c, ch in beams
+                        for r, e in enumerate(opts)), key=lambda b: b[0])[:beam]
+    out: dict[str, Candidate] = {}
+    for _, choice in beams:
+        bodies = {n: kb.term(view.roots[f"def_{n}"], r) for n, r in choice.items()}
+        needed, stack = set(), list(program.outputs)
+        while stack:
+            n = stack.pop()
+            if n not in needed:
+                needed.add(n)
+                stack.extend(accessed(bodies[n]))
+        defs = [Definition(d.name, d.axes, bodies[d.name], d.dtype) for d in program.defs
+                if d.name in needed]
+        cost = sum(kb.lists[view.roots[f"def_{d.name}"]][choice[d.name]][0] for d in defs)
+        cand = Candidate(program.with_defs(defs), cost, _describe(defs))
+        key = str(cand.program)
+        if key not in out or out[key].cost > cost:
+            out[key] = cand
+    return sorted(out.values(), key=lambda c: c.cost)[:k]
+
+
+def _describe(defs) -> str:
+    ops = [n.op for d in defs for n in d.body.walk() if n.kind == "fold"]
+    if not ops:
+        return "plain: one pass per dependent reduction"
+    if "splitk" in ops:
+        return f"split-k: {ops.count('splitk')} fold(s) as parallel partials + combine"
+    return f"rolling: {len(ops)} fused fold(s)"

@@ -13,7 +13,14 @@ The plan is derived from the IR, never from a per-operator template:
   (``run``/``prev``) shares its producer's pass -- that is what rolling update buys;
 * outputs that are not folds form the **epilogue**, computed after the last pass, in
   one more pass over any column axis not already held in registers (softmax's
-  normalisation).
+  normalisation);
+* a pass holding a ``splitk`` fold is **split**: its loop is cut into chunks run by
+  parallel programs that store partial states, and a second kernel combines them with
+  the folds' own corrections (FlashDecoding, derived -- see ``codegen``);
+* **head-group packing** (GQA): when every load that moves with the loop reads a head
+  axis ``y`` only as ``y // G``, the ``G`` query heads of a group are packed into the
+  row block, so they share each K/V tile instead of loading it ``G`` times.  Chosen
+  when the row axis is short (decode), where the block would otherwise be mostly padding.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 from .ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
+PACK_ROWS_BELOW = 64  # pack GQA head groups into the row block when rows are this short
 
 
 class LoweringError(ProgramError):
@@ -87,6 +95,26 @@ class TilePlan:
     fold_outputs: list[Fold]              # folds that are outputs themselves
     whole_axes: dict[str, int] = field(default_factory=dict)  # axis -> padded block
     state_of: dict[Term, str] = field(default_factory=dict)   # fold term -> state var
+    packed: tuple[str, int] | None = None  # (head axis y, group G): rows are (y % G, i)
+
+    @property
+    def split(self) -> bool:
+        """True when the (single) pass is split-k: partial kernel + combine kernel."""
+        return any(f.op == "splitk" for p in self.passes for f in p.folds)
+
+    @property
+    def row_extent(self) -> int:
+        """Rows covered by the blocked axis (times the group when heads are packed)."""
+        n = self.program.extents[self.block_axis]
+        return n * self.packed[1] if self.packed else n
+
+    def grid_extent(self, axis: str) -> int:
+        n = self.program.extents[axis]
+        return n // self.packed[1] if self.packed and axis == self.packed[0] else n
+
+    @property
+    def launches(self) -> int:
+        return 2 if self.split else 1
 
     @property
     def n_passes(self) -> int:
@@ -95,6 +123,10 @@ class TilePlan:
     def describe(self) -> str:
         lines = [f"grid: rows {list(self.row_axes)} (blocked: {self.block_axis}, one program per "
                  f"{list(self.grid_axes) or 'nothing else'})"]
+        if self.packed:
+            y, g = self.packed
+            lines.append(f"head-group packing: the {g} heads of {y} sharing a K/V head ({y} // {g}) "
+                         f"are rows of one block and share its loads")
         for k, p in enumerate(self.passes):
             fs = ", ".join(f"{f.name}:{f.op}{list(f.state_axes)}" for f in p.folds)
             skip = ""
@@ -102,7 +134,9 @@ class TilePlan:
                 lo = f"i{p.lo_offset:+d}" if p.lo_offset is not None else "0"
                 hi = f"i{p.hi_offset:+d}" if p.hi_offset is not None else "end"
                 skip = f" (mask -> loop bounds: j in [{lo}, {hi}), other blocks skipped)"
-            lines.append(f"pass {k + 1}: loop over {p.extent}{skip} -> {fs}")
+            how = (" split into parallel chunks (partials kernel), then a combine kernel "
+                   "re-bases the partials with the folds' corrections" if self.split else "")
+            lines.append(f"pass {k + 1}: loop over {p.extent}{skip}{how} -> {fs}")
         for e in self.epilogue:
             how = f"pass over {list(e.loop_axes)}" if e.loop_axes else "from registers"
             lines.append(f"epilogue: {e.name}[{', '.join(e.axes)}] ({how})")
@@ -118,7 +152,8 @@ def _loop_level(t: Term):
         yield from _loop_level(a)
 
 
-def plan(program: Program) -> TilePlan:
+def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
+    """The tile plan of ``program``; ``pack_heads=False`` disables GQA head packing."""
     defs = {d.name: d for d in program.defs}
     folds: list[Fold] = []
     state_of: dict[Term, str] = {}
@@ -188,8 +223,50 @@ def plan(program: Program) -> TilePlan:
         covered = set(row_axes) | set(whole)
         loop_axes = tuple(a for a in d.axes if a not in covered)
         epilogue.append(EpilogueItem(name, d.axes, d.body, loop_axes))
-    return TilePlan(program, row_axes, row_axes[-1], row_axes[:-1], passes, epilogue,
-                    fold_outputs, whole, state_of)
+    tp = TilePlan(program, row_axes, row_axes[-1], row_axes[:-1], passes, epilogue,
+                  fold_outputs, whole, state_of)
+    if tp.split:
+        _check_splittable(tp)
+    if pack_heads is not False and program.extents[tp.block_axis] < PACK_ROWS_BELOW:
+        tp.packed = _packable_head_axis(tp)
+    return tp
+
+
+def _check_splittable(tp: TilePlan) -> None:
+    if len(tp.passes) != 1:
+        raise LoweringError(f"A split-k fold must be in the only pass over memory; this plan has "
+                            f"{len(tp.passes)} passes (a producer read by name needs its own pass).")
+    for f in tp.passes[0].folds:
+        if tp.block_axis not in f.state_axes:
+            raise LoweringError(f"Split-k stores every fold's partial state per row; {f.name} "
+                                f"does not keep the row axis {tp.block_axis}.")
+        if f.op not in ("sum", "max", "min", "rollsum", "rollmax", "splitk"):
+            raise LoweringError(f"Cannot combine partials of a {f.op} fold ({f.name}).")
+
+
+def _packable_head_axis(tp: TilePlan) -> tuple[str, int] | None:
+    """A grid axis ``y`` that every loop-moving load reads only as ``y // G`` (G > 1)."""
+    loop_axes = {f.axis for p in tp.passes for f in p.folds}
+    for y in tp.grid_axes:
+        groups, ok = set(), True
+        for p in tp.passes:
+            for f in p.folds:
+                for n in f.term.walk():
+                    if n.op != "load" or not (free_axes(n) & loop_axes) or y not in free_axes(n):
+                        continue
+                    for idx in n.args:
+                        if y not in free_axes(idx):
+                            continue
+                        if (idx.op == "floordiv" and idx.args[0] == Term("var", (), y)
+                                and idx.args[1].op == "int"):
+                            groups.add(int(idx.args[1].val))
+                        else:
+                            ok = False
+        if ok and len(groups) == 1:
+            g = groups.pop()
+            if g > 1 and tp.program.extents[y] % g == 0:
+                return y, g
+    return None
 
 
 def _whole(program: Program, axis: str, what: str) -> int:

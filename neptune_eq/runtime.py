@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .codegen import KernelSource
+from .kernelgen import KernelSource
 from .ir import Program, ProgramError
 
 
@@ -69,8 +69,9 @@ def _cache_dir() -> Path:
     return d
 
 
-def load_kernel(ks: KernelSource, interpret: bool):
-    """Import the generated source as a module (Triton needs real source files)."""
+def load_kernel(ks: KernelSource, interpret: bool) -> list:
+    """Import the generated module (Triton needs real source files); its kernels in
+    launch order."""
     digest = hashlib.sha256((ks.source + str(interpret)).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{ks.name}_{digest}.py"
     if not path.exists():
@@ -79,7 +80,7 @@ def load_kernel(ks: KernelSource, interpret: bool):
         os.replace(tmp, path)
     modname = f"neptune_eq_generated_{digest}"
     if modname in sys.modules:
-        return getattr(sys.modules[modname], ks.name)
+        return [getattr(sys.modules[modname], n) for n in ks.kernel_names]
     if interpret:
         _enable_interpreter()
         _check_interpreter_importable()
@@ -87,7 +88,7 @@ def load_kernel(ks: KernelSource, interpret: bool):
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod
     spec.loader.exec_module(mod)
-    return getattr(mod, ks.name)
+    return [getattr(mod, n) for n in ks.kernel_names]
 
 
 @dataclass
@@ -95,27 +96,47 @@ class TileConfig:
     blocks: dict[str, int]
     num_warps: int = 4
     num_stages: int = 2
+    splits: int = 0          # split-k chunks (0: not a split-k kernel)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
-        return f"{b} warps={self.num_warps} stages={self.num_stages}"
+        sp = f" splits={self.splits}" if self.splits else ""
+        return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
+
+    def as_dict(self) -> dict:
+        return {"blocks": dict(self.blocks), "num_warps": self.num_warps,
+                "num_stages": self.num_stages, "splits": self.splits}
 
 
-def candidate_configs(ks: KernelSource, target: str) -> list[TileConfig]:
+def split_factors(ks: KernelSource, row_block: int, block_l: int, sms: int) -> list[int]:
+    """Split factors worth timing: enough programs to fill ``sms`` a few times over, with
+    chunks of at least two key blocks."""
+    programs = -(-ks.row_extent // row_block) * ks.grid_size
+    most = max(1, ks.split_extent // (2 * block_l))
+    want = [max(1, -(-k * sms // programs)) for k in (1, 2, 4)]
+    return sorted({min(most, w) for w in want})
+
+
+def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
     """Tile configs to try: one small config in the interpreter, a handful on the GPU."""
     tun = [k for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"]
     if target == "interpreter":
-        return [TileConfig({k: 16 for k in tun}, 4, 1)]
+        splits = min(3, max(1, -(-ks.split_extent // 16))) if ks.split_extent else 0
+        return [TileConfig({k: 16 for k in tun}, 4, 1, splits)]
     wide = max([v for k, v in ks.tunables.items() if k not in tun] or [16])
+    shapes = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+              (64, 128, 4, 2), (32, 128, 4, 3))
+    if ks.row_extent <= 16:  # decode: one row block; the loop block and split matter
+        shapes = ((16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 8, 3), (16, 128, 8, 4))
     out = []
-    for bi, bl, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-                         (64, 128, 4, 2), (32, 128, 4, 3)):
+    for bi, bl, w, s in shapes:
         if wide > 128 and bi * bl > 128 * 64:
             continue
         blocks = {}
         for k in tun:
             blocks[k] = bi if k == f"B_{ks.block_axis}" else bl
-        out.append(TileConfig(blocks, w, s))
+        for sp in (split_factors(ks, bi, bl, sms) if ks.split_extent else [0]):
+            out.append(TileConfig(blocks, w, s, sp))
     return out
 
 
@@ -126,29 +147,41 @@ class Launcher:
     ks: KernelSource
     target: str
     config: TileConfig
-    fn: object = field(default=None, repr=False)
+    fns: list = field(default=None, repr=False)
 
     def __post_init__(self):
-        self.fn = load_kernel(self.ks, self.target == "interpreter")
+        self.fns = load_kernel(self.ks, self.target == "interpreter")
 
     def grid(self) -> tuple[int, int]:
-        p = self.program
-        n = p.extents[self.ks.block_axis]
         blk = self.config.blocks.get(f"B_{self.ks.block_axis}", self.ks.tunables[f"B_{self.ks.block_axis}"])
-        g1 = 1
-        for a in self.ks.grid_axes:
-            g1 *= p.extents[a]
-        return ((n + blk - 1) // blk, g1)
+        return (-(-self.ks.row_extent // blk), self.ks.grid_size)
+
+    def chunking(self) -> tuple[int, int]:
+        """(CHUNK, NSPLIT): chunks of whole key blocks, at most ``splits`` of them."""
+        bl = self.config.blocks.get("B_L", self.ks.tunables["B_L"])
+        blocks = -(-self.ks.split_extent // bl)
+        per = -(-blocks // max(1, self.config.splits))
+        chunk = per * bl
+        return chunk, -(-self.ks.split_extent // chunk)
 
     def __call__(self, tensors: dict):
+        import torch
         args = [tensors[n[:-4]] for n in self.ks.params]
-        args += [tensors[t].stride(k) for t, k in self.ks.stride_params]
+        strides = [tensors[t].stride(k) for t, k in self.ks.stride_params]
         consts = {k: v for k, v in self.ks.tunables.items()}
         consts.update(self.config.blocks)
         for flag, (block, extents) in (self.ks.even_flags or {}).items():
             consts[flag] = all(n % consts[block] == 0 for n in extents)
         kw = dict(num_warps=self.config.num_warps, num_stages=self.config.num_stages)
-        self.fn[self.grid()](*args, **consts, **kw)
+        if not self.ks.split_extent:
+            self.fns[0][self.grid()](*args, *strides, **consts, **kw)
+            return
+        chunk, nsplit = self.chunking()
+        dev = args[0].device
+        rows = nsplit * self.ks.grid_size * self.ks.row_extent
+        ws = [torch.empty(rows * w, dtype=torch.float32, device=dev) for w in self.ks.scratch.values()]
+        self.fns[0][self.grid() + (nsplit,)](*args, *ws, *strides, chunk, **consts, **kw)
+        self.fns[1][self.grid()](*args, *ws, *strides, nsplit, **consts, **kw)
 
 
 def check_inputs(program: Program, args, kwargs, target: str) -> dict:

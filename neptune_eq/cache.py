@@ -1,0 +1,114 @@
+"""Persistent cache of chosen kernels, keyed by everything that decides the choice.
+
+Key = sha256 of: the input program (names, shapes, dtypes, bodies), the rule files'
+contents, the target and GPU name, the options, and the versions of neptune_eq (a hash
+of its own source), triton, torch and egglog.  An entry is one file written atomically
+(temp file + ``os.replace``), so concurrent processes never see half an entry; the last
+writer wins and every writer wrote a complete, equal-keyed value.
+
+Integrity: a file starts with a magic line and the sha256 of its payload; a truncated,
+corrupted or foreign file fails the check and is deleted and rebuilt, never used.  A
+*stale* entry -- one whose stored kernel source is not what today's code generator emits
+for the stored program -- is also rebuilt.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+MAGIC = b"neptune_eq-cache-v1\n"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("NEPTUNE_EQ_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "neptune_eq")
+    return Path(base)
+
+
+@lru_cache(maxsize=1)
+def _versions() -> dict:
+    import triton
+    import torch
+    try:
+        from importlib.metadata import version
+        egg = version("egglog")
+    except Exception:  # noqa: BLE001 - egglog missing from metadata: still a valid key part
+        egg = "unknown"
+    h = hashlib.sha256()
+    pkg = Path(__file__).parent
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(f.read_bytes())
+    return {"neptune_eq": h.hexdigest()[:16], "triton": triton.__version__,
+            "torch": torch.__version__, "egglog": egg}
+
+
+def make_key(program, rule_files, target: str, device: str, options: dict) -> str:
+    rules = [(Path(f).name, hashlib.sha256(Path(f).read_bytes()).hexdigest()) for f in rule_files]
+    blob = json.dumps({"program": str(program), "rules": rules, "target": target,
+                       "device": device, "options": options, "versions": _versions()},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _path(key: str) -> Path:
+    return cache_root() / "winners" / key[:2] / f"{key}.bin"
+
+
+def load(key: str) -> tuple[object | None, str]:
+    """(value, status): status is 'hit', 'miss' or 'corrupt entry rebuilt'."""
+    path = _path(key)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, "miss"
+    except OSError:
+        return None, "miss"
+    head, _, rest = data.partition(b"\n")
+    ok = data.startswith(MAGIC)
+    if ok:
+        digest, _, payload = rest.partition(b"\n")
+        ok = hashlib.sha256(payload).hexdigest().encode() == digest
+    if ok:
+        try:
+            entry = pickle.load(io.BytesIO(payload))
+            ok = isinstance(entry, dict) and entry.get("key") == key
+        except Exception:  # noqa: BLE001 - any unpickling failure is corruption
+            ok = False
+    if not ok:
+        _discard(path)
+        return None, "corrupt entry rebuilt"
+    return entry["value"], "hit"
+
+
+def store(key: str, value) -> Path:
+    path = _path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = pickle.dumps({"key": key, "value": value}, protocol=pickle.HIGHEST_PROTOCOL)
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(MAGIC + digest + b"\n" + payload)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def discard(key: str) -> None:
+    _discard(_path(key))
+
+
+def _discard(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

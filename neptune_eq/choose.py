@@ -1,0 +1,150 @@
+"""Choosing the kernel: candidate programs -> lowered, predicted, (on a GPU) measured.
+
+Extraction hands over the k cheapest distinct programs of the e-graph plus the best of
+each kind (rolling, plain, split-k).  Here each is lowered to a tile plan; candidates
+whose plans have the same *structure* (passes, folds, split, packing) differ only in
+algebra the kernel does not see, so the cheapest per structure is kept.  The GPU cost
+model predicts each one's time at its best tile config and ranks them.  On a GPU the top
+few are compiled and timed over tile configs (a candidate that fails to lower or compile
+is recorded and skipped) and the measured winner is chosen; without one the prediction
+decides.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from .costmodel import Device, Estimate, best_estimate
+from .extract import Candidate
+from .ir import Program
+from .kernelgen import KernelSource, generate
+from .lower import LoweringError, TilePlan, plan as make_plan
+from .runtime import TileConfig, candidate_configs, load_kernel, time_configs
+
+
+@dataclass
+class CandidateRow:
+    """One row of ``Kernel.candidates``."""
+    description: str
+    program: Program
+    term_cost: float
+    plan: TilePlan | None = None
+    kernel: KernelSource | None = field(default=None, repr=False)
+    estimate: Estimate | None = None
+    measured_ms: float | None = None
+    config: TileConfig | None = None
+    status: str = "ok"
+    chosen: bool = False
+    rank: int = 0
+    timings: list = field(default_factory=list, repr=False)
+
+    @property
+    def predicted_us(self) -> float:
+        return self.estimate.seconds * 1e6 if self.estimate else float("inf")
+
+    @property
+    def predicted_cost(self) -> float:  # kept for callers of the first release
+        return self.predicted_us
+
+    @property
+    def structure(self) -> str:
+        return structure_of(self.plan) if self.plan else "not lowered"
+
+    def __getitem__(self, key: str):  # rows read like dicts too: row["chosen"]
+        return getattr(self, key)
+
+    def line(self) -> str:
+        meas = f"{self.measured_ms * 1e3:9.1f} us" if self.measured_ms is not None else "        —"
+        pred = f"{self.predicted_us:9.1f} us" if self.estimate else "        —"
+        mark = "  <- chosen" if self.chosen else ""
+        status = "" if self.status == "ok" else f"  [{self.status}]"
+        return f"#{self.rank:<2} {pred} {meas}  {self.description}; {self.structure}{mark}{status}"
+
+
+def structure_of(plan: TilePlan) -> str:
+    passes = " | ".join("+".join(f.op for f in p.folds) for p in plan.passes)
+    extra = (", split-k" if plan.split else "") + (f", packed {plan.packed[1]} heads" if plan.packed else "")
+    return f"{len(plan.passes)} pass(es) [{passes}]{extra}, {plan.launches} launch(es)"
+
+
+def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) -> list[CandidateRow]:
+    """Lower and predict every candidate; one row per plan structure, best first."""
+    rows: dict[str, CandidateRow] = {}
+    failed: list[CandidateRow] = []
+    for c in candidates:
+        row = CandidateRow(c.description, c.program, c.cost)
+        try:
+            row.plan = make_plan(c.program)
+            row.kernel = generate(row.plan, bf16_dot_in_fp32=bf16_dot_in_fp32)
+            row.estimate = best_estimate(row.plan, device)
+        except LoweringError as e:
+            row.status = f"not lowered: {e}"
+            if all((f.description, f.status) != (row.description, row.status) for f in failed):
+                failed.append(row)
+            continue
+        key = row.structure
+        best = rows.get(key)
+        if best is None or (row.estimate.seconds, row.term_cost) < (best.estimate.seconds, best.term_cost):
+            rows[key] = row
+    out = sorted(rows.values(), key=lambda r: (r.estimate.seconds, r.term_cost)) + failed
+    for k, r in enumerate(out, 1):
+        r.rank = k
+    if not rows:
+        raise LoweringError("No candidate program could be lowered: "
+                            + "; ".join(r.status for r in failed))
+    return out
+
+
+def choose(rows: list[CandidateRow], target: str, tensors: dict | None, top_k: int,
+           sms: int, progress: bool = False) -> CandidateRow:
+    """The measured best of the top ``top_k`` on a GPU; the predicted best otherwise.
+    Candidates that fail to compile are recorded and the next one is used."""
+    lowerable = [r for r in rows if r.kernel is not None]
+    if target != "cuda":
+        for r in lowerable:
+            try:
+                load_kernel(r.kernel, interpret=True)  # syntax / definition errors surface here
+            except Exception as e:  # noqa: BLE001 - any failure means: use the next one
+                r.status = f"failed to compile: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+                continue
+            r.config = candidate_configs(r.kernel, target)[0]
+            r.chosen = True
+            return r
+        raise LoweringError("Every candidate failed to compile: " + "; ".join(r.status for r in rows))
+    best = None
+    for n, r in enumerate(lowerable[:top_k], 1):
+        configs = candidate_configs(r.kernel, target, sms)
+        if progress:
+            print(f"\r[neptune_eq] timing candidate {n}/{min(top_k, len(lowerable))} "
+                  f"({len(configs)} tile configs)", end="", file=sys.stderr, flush=True)
+        r.timings = time_configs(r.program, r.kernel, target, tensors, configs)
+        ok = [(c, ms) for c, ms, _ in r.timings if ms is not None]
+        if not ok:
+            r.status = "failed to compile: " + (r.timings[0][2] if r.timings else "no config")
+            continue
+        r.config, r.measured_ms = min(ok, key=lambda cm: cm[1])
+        if best is None or r.measured_ms < best.measured_ms:
+            best = r
+    if progress:
+        print(file=sys.stderr)
+    if best is None:
+        raise LoweringError("No candidate compiled on the GPU: " + "; ".join(r.status for r in rows))
+    best.chosen = True
+    return best
+
+
+def spearman(rows: list[CandidateRow]) -> float | None:
+    """Rank correlation of predicted vs measured time over the timed candidates."""
+    timed = [r for r in rows if r.measured_ms is not None and r.estimate]
+    if len(timed) < 2:
+        return None
+
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0.0] * len(xs)
+        for pos, i in enumerate(order):
+            out[i] = float(pos)
+        return out
+    a, b = ranks([r.predicted_us for r in timed]), ranks([r.measured_ms for r in timed])
+    n = len(timed)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(a, b)) / (n * (n * n - 1))

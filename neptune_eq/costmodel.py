@@ -1,0 +1,175 @@
+"""GPU cost model: predicted time of a lowered candidate on a device, per tile config.
+
+Extraction's term cost (``extract.CostModel``) ranks terms inside the e-graph; this model
+ranks *kernels*: it walks a tile plan and counts, for a given row/key block and split
+factor,
+
+* launches (split-k adds the combine kernel),
+* HBM bytes: every input tensor once per pass that reads it (tiles re-read by other
+  row blocks come from L2), outputs, and split-k scratch written and read back,
+* tensor-core FLOPs of the ``tl.dot`` contractions *including padding* (a decode row
+  block of 16 rows for one query pays 16x),
+* SFU ops (exp, exp2, log, tanh, sqrt) and other elementwise ops per tile element,
+* grid fill: programs vs SMs, with wave quantisation; a grid smaller than the GPU gets
+  only its share of bandwidth and compute -- which is why decode wants split-k.
+
+time = max(bytes / BW_eff, compute / fill) + waves * passes * pass latency
+       + launches * launch overhead.  Device constants
+are measured (``bench/results``): H200 copy 4.3 TB/s, fp16 dense dot 790 TFLOP/s.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .ir import Term, free_axes, rename_axis
+from .lower import TilePlan
+
+SFU_OPS = {"exp", "exp2", "log", "tanh", "sqrt", "rsqrt"}
+ELEMENTWISE = {"add", "sub", "mul", "div", "maximum", "minimum", "where", "neg", "abs", "lt",
+               "le", "gt", "ge", "eq", "ne", "and", "or", "not", "cast"}
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "bool": 1}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    sms: int
+    hbm_bytes_per_s: float   # achieved device-to-device copy bandwidth
+    dot_flops: float         # achieved fp16/bf16 dense tensor-core rate
+    sfu_per_s: float         # exp2-class ops per second, whole GPU
+    alu_per_s: float         # fp32 elementwise ops per second, whole GPU
+    launch_s: float = 4e-6   # launch + tail of one kernel
+    pass_s: float = 1e-6     # a pass over memory starts with a DRAM round trip and pipeline fill
+    bw_per_sm_share: float = 1.3  # one program streams ~1.3x an SM's fair share of bandwidth
+
+
+# Measured on the devices (bench/results/README.md: copy and 8192^3 matmul, same process).
+# SFU/ALU from the SM's issue rates (16 MUFU, 128 FP32 lanes per SM per clock, 1.755 GHz).
+DEVICES = {
+    "H200": Device("H200", 132, 4.3e12, 790e12, 132 * 16 * 1.755e9, 132 * 128 * 1.755e9),
+    "H100": Device("H100", 132, 3.0e12, 760e12, 132 * 16 * 1.755e9, 132 * 128 * 1.755e9),
+}
+DEFAULT_DEVICE = "H200"
+
+
+def device_for(name: str | None) -> Device:
+    """The device entry whose key appears in ``name`` (a torch device name); H200 else."""
+    for key, dev in DEVICES.items():
+        if name and key in name.upper():
+            return dev
+    return DEVICES[DEFAULT_DEVICE]
+
+
+@dataclass
+class Estimate:
+    seconds: float
+    launches: int
+    hbm_bytes: float
+    dot_flops: float
+    sfu_ops: float
+    alu_ops: float
+    programs: int
+    fill: float             # fraction of the GPU the grid keeps busy
+    config: dict
+
+    def describe(self) -> str:
+        return (f"{self.seconds * 1e6:.1f} us predicted: {self.launches} launch(es), "
+                f"{self.hbm_bytes / 1e6:.2f} MB HBM, {self.dot_flops / 1e9:.2f} GFLOP dot, "
+                f"{self.sfu_ops / 1e6:.2f} M SFU, {self.programs} programs ({self.fill:.0%} of SMs)")
+
+
+def _tile_elems(t: Term, dims: dict[str, int]) -> int:
+    return math.prod(dims.get(a, 1) for a in free_axes(t))
+
+
+def _count_ops(body: Term, dims: dict[str, int], seen: set) -> tuple[float, float, float]:
+    """(dot flops, sfu ops, alu ops) of one evaluation of ``body`` on tiles of ``dims``."""
+    dot = sfu = alu = 0.0
+    nodes = list(body.walk())
+    for n in nodes:  # contractions first: their products are the dot's, not elementwise
+        if n.op in ("sum", "rollsum", "splitk") and n.args[0].op == "mul" and n not in seen:
+            a, b = n.args[0].args
+            if n.val in free_axes(a) & free_axes(b) and min(len(free_axes(a)), len(free_axes(b))) >= 2:
+                dot += 2.0 * _tile_elems(n.args[0], dims)  # M·N·K multiply-adds
+                seen.update((n, n.args[0]))
+    for n in nodes:
+        if n in seen:
+            continue
+        seen.add(n)
+        elems = _tile_elems(n, dims)
+        if n.op in SFU_OPS:
+            sfu += elems
+        elif n.op in ELEMENTWISE or n.kind == "reduce":
+            alu += elems
+    return dot, sfu, alu
+
+
+def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
+             splits: int = 0) -> Estimate:
+    p = plan.program
+    ex = p.extents
+    row_blocks = -(-plan.row_extent // block_rows)
+    grid = 1
+    for a in plan.grid_axes:
+        grid *= plan.grid_extent(a)
+    programs = row_blocks * grid * max(1, splits)
+    hbm = 0.0
+    dot = sfu = alu = 0.0
+    for ps in plan.passes:
+        # each input read by this pass once (the loop's tiles are shared through L2)
+        read = {n.val for f in ps.folds for n in f.term.walk() if n.op == "load"}
+        hbm += sum(math.prod(ph.shape) * _BYTES.get(ph.dtype, 4) for ph in p.inputs if ph.name in read)
+        visible = ps.extent
+        if ps.lo_offset is not None or ps.hi_offset is not None:
+            lo = ps.lo_offset if ps.lo_offset is not None else -ex[plan.block_axis]
+            hi = ps.hi_offset if ps.hi_offset is not None else ps.extent
+            # mean visible keys over the rows of one row block (causal: about half)
+            mean_row = ex[plan.block_axis] / 2 if not plan.packed else 0
+            span = min(ps.extent, mean_row + hi + block_rows / 2) - max(0, mean_row + lo - block_rows / 2)
+            visible = max(block_keys, min(ps.extent, span))
+        iters = math.ceil(visible / block_keys)
+        dims = {plan.block_axis: block_rows, **plan.whole_axes}
+        seen: set = set()
+        dims["@L"] = block_keys  # every fold of the pass shares one loop variable
+        for f in ps.folds:
+            d, s, a = _count_ops(rename_axis(f.term, f.axis, "@L"), dims, seen)
+            dot, sfu, alu = dot + d * iters * row_blocks * grid, sfu + s * iters * row_blocks * grid, \
+                alu + a * iters * row_blocks * grid
+    col_passes = [e for e in plan.epilogue if e.loop_axes]
+    for e in col_passes:  # softmax's normalisation re-reads its input
+        read = {n.val for n in e.expr.walk() if n.op == "load"}
+        hbm += sum(math.prod(ph.shape) * _BYTES.get(ph.dtype, 4) for ph in p.inputs if ph.name in read)
+    for name in p.outputs:
+        hbm += math.prod(p.shape_of(name)) * _BYTES.get(p.dtype_of(name), 4)
+    if splits:
+        state = sum(block_rows * math.prod(plan.whole_axes.get(a, 1) for a in f.state_axes)
+                    for f in plan.passes[0].folds)
+        hbm += 2.0 * 4 * state * row_blocks * grid * splits  # scratch written, then read
+    busy = min(programs, device.sms)
+    waves = math.ceil(programs / device.sms)
+    fill = programs / (waves * device.sms)
+    bw = device.hbm_bytes_per_s * min(1.0, device.bw_per_sm_share * busy / device.sms)
+    compute = dot / device.dot_flops + sfu / device.sfu_per_s + alu / device.alu_per_s
+    launches = plan.launches
+    serial = waves * (len(plan.passes) + len(col_passes)) * device.pass_s
+    seconds = max(hbm / bw, compute / max(fill, 1e-9)) + serial + launches * device.launch_s
+    cfg = {"block_rows": block_rows, "block_keys": block_keys, "splits": splits}
+    return Estimate(seconds, launches, hbm, dot, sfu, alu, programs, fill, cfg)
+
+
+def best_estimate(plan: TilePlan, device: Device) -> Estimate:
+    """The cheapest tile config of the plan under the model (block sizes, split factor)."""
+    rows_opts = (16,) if plan.row_extent <= 16 else (64, 128)
+    keys = plan.passes[0].extent if plan.passes else 1
+    out = []
+    for br in rows_opts:
+        for bk in (32, 64, 128):
+            if plan.split:
+                most = max(1, keys // (2 * bk))
+                base = -(-plan.row_extent // br) * math.prod(plan.grid_extent(a) for a in plan.grid_axes)
+                for k in sorted({min(most, max(1, -(-m * device.sms // base))) for m in (1, 2, 4)}):
+                    out.append(estimate(plan, device, br, bk, k))
+            else:
+                out.append(estimate(plan, device, br, bk))
+    return min(out, key=lambda e: e.seconds)

@@ -1,0 +1,361 @@
+"""Kernel generation: a tile plan -> one Triton module (one or two ``@triton.jit`` kernels).
+
+* A plan without split-k becomes **one kernel**: a prologue (program ids, row offsets,
+  hoisted invariants), one loop per pass updating every fold of the pass per block, and
+  an epilogue that stores the outputs.
+* A plan whose pass holds a ``splitk`` fold becomes **two kernels**, derived from the
+  same fold terms (nothing attention-specific):
+  ``<name>_partial`` runs the pass loop over one chunk of the reduced axis per program
+  (grid axis 2 = chunk) and stores every fold's state to an fp32 scratch buffer;
+  ``<name>_combine`` folds the partials in order -- ``max``/``min``/``sum`` states by their
+  own operator, rolling states by ``t = ⊕_p t_p ⊙ h(prev := R_p, run := R)`` with the
+  correction ``h`` the rules derived (Neptune Thm 4.4) -- then runs the epilogue.
+  For attention this *is* FlashDecoding; for a plain ``sum`` the correction is 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, Emitter, Tile
+from .ir import Term, accessed, rename_axis
+from .lower import Fold, LoweringError, TilePlan
+
+
+@dataclass
+class KernelSource:
+    """The generated module and how to launch its kernels."""
+    name: str
+    source: str
+    params: list[str]                 # tensor pointer parameters, in call order
+    stride_params: list[tuple[str, int]]
+    tunables: dict[str, int]          # constexpr block sizes with defaults
+    grid_axes: tuple[str, ...]
+    block_axis: str
+    even_flags: dict = field(default_factory=dict)  # flag -> (block param, extents it divides)
+    row_extent: int = 1               # rows along the blocked axis (x group when packed)
+    grid_size: int = 1                # programs along grid axis 1
+    split_extent: int = 0             # >0: split-k over this many elements of the loop axis
+    scratch: dict[str, int] = field(default_factory=dict)  # buffer -> fp32 elements per row
+
+    @property
+    def kernel_names(self) -> list[str]:
+        return [f"{self.name}_partial", f"{self.name}_combine"] if self.split_extent else [self.name]
+
+
+def _fold_order(folds: list[Fold]) -> list[Fold]:
+    """Producers before the folds that read their running values."""
+    names = {f.name for f in folds}
+    done: list[Fold] = []
+    pending = list(folds)
+    while pending:
+        for f in pending:
+            deps = {n.val for n in f.term.walk() if n.op in ("run", "prev")} & names
+            if deps <= {d.name for d in done} | {f.name}:
+                done.append(f)
+                pending.remove(f)
+                break
+        else:
+            raise LoweringError("Folds read each other's running values in a cycle.")
+    return done
+
+
+def _replace_folds(t: Term, state_of: dict[Term, str]) -> Term:
+    if t in state_of:
+        return Term("ref", (), state_of[t])
+    return t.map_args(lambda a: _replace_folds(a, state_of))
+
+
+def _init(em: Emitter, f: Fold, axes) -> str:
+    if f.op in ("max", "rollmax"):
+        return f"tl.full({em.shape(axes)}, {NEG}, tl.float32)"
+    if f.op == "min":
+        return f"tl.full({em.shape(axes)}, {POS}, tl.float32)"
+    return f"tl.zeros({em.shape(axes)}, tl.float32)"
+
+
+def _prologue(em: Emitter, split_axis: bool) -> None:
+    plan, p = em.plan, em.p
+    em.push("    ")  # scope 0: axis set-up and hoisted loop invariants
+    em.emit("pid_block = tl.program_id(0)")
+    em.emit("pid_grid = tl.program_id(1)")
+    if split_axis:
+        em.emit("pid_split = tl.program_id(2)")
+    rest = "pid_grid"
+    for a in reversed(plan.grid_axes):
+        n = plan.grid_extent(a)
+        em.emit(f"ax_{a} = {rest} % {n}")
+        em.emit(f"{rest}_{a} = {rest} // {n}")
+        rest = f"{rest}_{a}"
+        em.env[a] = f"ax_{a}"
+    ba = plan.block_axis
+    em.env[ba] = ba
+    em.emit(f"offs_{ba} = pid_block * B_{ba} + tl.arange(0, B_{ba})")
+    # EVEN_x (constexpr) is true when the extent is a multiple of the block: the mask
+    # folds to a constant and Triton drops it from loads and selects.
+    em.emit(f"mask_{ba} = (offs_{ba} < {plan.row_extent}) | EVEN_{ba}")
+    if plan.packed:  # row r of the block is head (y % G) = r // S, query i = r % S
+        y, g = plan.packed
+        s = p.extents[ba]
+        em.emit(f"rows_{y} = offs_{ba} // {s}")
+        em.emit(f"rows_{ba} = offs_{ba} % {s}")
+        em.env[f"{y}%"] = Tile(f"rows_{y}", (ba,), "int")
+        em.env[y] = Tile(f"(ax_{y} * {g} + rows_{y})", (ba,), "int")
+        em.env[ba] = Tile(f"rows_{ba}", (ba,), "int")
+        em.emit("row_first = 0")
+        em.emit(f"row_last = {s - 1}")
+    else:
+        em.emit(f"row_first = pid_block * B_{ba}")
+        em.emit(f"row_last = pid_block * B_{ba} + B_{ba} - 1")
+    for a in plan.whole_axes:
+        em.env.setdefault(a, a)
+        em.emit(f"offs_{a} = tl.arange(0, B_{a})")
+        full = " | True" if p.extents[a] == plan.whole_axes[a] else ""
+        em.emit(f"mask_{a} = (offs_{a} < {p.extents[a]}){full}")
+    em.push("    ")  # scope 1: the passes and the epilogue
+
+
+def _init_states(em: Emitter) -> None:
+    for f in (f for ps in em.plan.passes for f in ps.folds):
+        axes = em.canon(a for a in f.state_axes if a not in em.plan.grid_axes)
+        em.emit(f"{f.name} = {_init(em, f, axes)}")
+        em.states[f.name] = Tile(f.name, axes, "f32")
+
+
+def _pass_loop(em: Emitter, k: int, split: bool) -> None:
+    """The loop of pass ``k``: every fold of the pass updated once per block of keys."""
+    plan = em.plan
+    ps, ba = plan.passes[k], plan.block_axis
+    em.emit(f"# pass {k + 1}: {', '.join(f'{f.name} ({f.op})' for f in ps.folds)}")
+    lo, hi = "0", str(ps.extent)
+    if ps.lo_offset is not None:  # affine mask -> first visible block of this row block
+        em.emit(f"j_lo{k} = tl.maximum(row_first + ({ps.lo_offset}), 0)")
+        em.emit(f"j_lo{k} = (j_lo{k} // B_{LOOP}) * B_{LOOP}")
+        lo = f"j_lo{k}"
+    if ps.hi_offset is not None:  # ... and one past the last visible key
+        em.emit(f"j_hi{k} = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
+        hi = f"j_hi{k}"
+    if split:  # this program's chunk (CHUNK is a multiple of B_L)
+        em.emit(f"j_lo{k}s = tl.maximum({lo}, pid_split * CHUNK)")
+        em.emit(f"j_hi{k}s = tl.minimum({hi}, pid_split * CHUNK + CHUNK)")
+        lo, hi = f"j_lo{k}s", f"j_hi{k}s"
+    em.emit(f"for l0 in range({lo}, {hi}, B_{LOOP}):")
+    em.push(em.scopes[0][2] + "    ")
+    em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
+    em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_{LOOP}")
+    # One loop variable for every fold of the pass, so shared subterms (the score
+    # tile of attention) are computed once per block.
+    loop_var = f"loop{k}"
+    em.env[loop_var] = LOOP
+    folds = [Fold(f.name, rename_axis(f.term, f.axis, loop_var), f.state_axes, f.owner,
+                  f.pass_index) for f in ps.folds]
+    ordered = _fold_order(folds)
+    for f in ordered:
+        em.running[f.name] = (f.name, f"{f.name}_new")
+    for f in ordered:
+        st = em.states[f.name]
+        part = em.reduce_tile(f.op, f.term.args[0], f.axis, LOOP, -1, ps.extent)
+        partc = em.bcast(part, st.axes)
+        if f.op == "max":
+            upd = f"tl.maximum({f.name}, {partc})"
+        elif f.op == "min":
+            upd = f"tl.minimum({f.name}, {partc})"
+        elif f.op == "sum":
+            upd = f"{f.name} + {partc}"
+        elif f.op == "rollmax":
+            corr = em.f32(em.expr(f.term.args[1]))
+            upd = f"tl.maximum({f.name} + {em.bcast(corr, st.axes)}, {partc})"
+        else:  # rollsum / splitk: t' = t·h + Σ_block g
+            corr = em.f32(em.expr(f.term.args[1]))
+            if not set(corr.axes) <= set(st.axes):
+                raise LoweringError(f"The correction of {f.name} depends on the loop axis.")
+            upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
+        em.emit(f"{f.name}_new = {upd}")
+    for f in ordered:
+        em.emit(f"{f.name} = {f.name}_new")
+    em.scopes[1][0].extend(em.pop())
+    em.env.pop(loop_var, None)
+    for f in ps.folds:
+        em.running.pop(f.name, None)
+
+
+def _scratch_offset(em: Emitter, f: Fold, split: str) -> tuple[str, int]:
+    """Offset of fold ``f``'s state tile in its scratch buffer for split ``split``:
+    layout [split, grid program, row, padded whole axes...]."""
+    plan = em.plan
+    st = em.states[f.name]
+    whole = [a for a in st.axes if a != plan.block_axis]
+    width = 1
+    for a in whole:
+        width *= plan.whole_axes[a]
+    ba = plan.block_axis
+    row = f"(({split} * {_grid_size(plan)} + pid_grid) * {plan.row_extent} + offs_{ba})"
+    parts = [f"{em.bcast(Tile(row, (ba,), 'int'), st.axes)} * {width}"]
+    stride = width
+    for a in whole:
+        stride //= plan.whole_axes[a]
+        parts.append(f"{em.bcast(Tile(f'offs_{a}', (a,), 'int'), st.axes)} * {stride}")
+    return " + ".join(parts), width
+
+
+def _store_partials(em: Emitter) -> dict[str, int]:
+    ba = em.plan.block_axis
+    scratch = {}
+    em.emit("# split-k: store this chunk's fold states")
+    for f in em.plan.passes[0].folds:
+        st = em.states[f.name]
+        off, width = _scratch_offset(em, f, "pid_split")
+        m = em.bcast(Tile(f"mask_{ba}", (ba,), "bool"), st.axes)
+        em.emit(f"tl.store(ws_{f.name}_ptr + {off}, {f.name}, mask={m})")
+        scratch[f"ws_{f.name}"] = width
+    return scratch
+
+
+def _combine(em: Emitter) -> None:
+    """States = the partials folded in order, each re-based by its own correction.
+
+    Folds are combined level by level (a fold's producers are complete before the loop
+    that re-bases it), one loop over the partials per level, each partial loaded once."""
+    ba = em.plan.block_axis
+    folds = em.plan.passes[0].folds
+    by_name = {f.name: f for f in folds}
+    level: dict[str, int] = {}
+    for f in _fold_order(folds):
+        deps = accessed(f.term, ("run", "prev")) & set(by_name)
+        level[f.name] = 1 + max((level[d] for d in deps), default=-1)
+    em.emit("# split-k combine: fold the partial states, re-based by each fold's correction")
+    for lv in range(max(level.values()) + 1):
+        group = [f for f in folds if level[f.name] == lv]
+        em.emit("for sp in range(0, NSPLIT):")
+        em.push(em.scopes[0][2] + "    ")
+        prevs = sorted({n for f in group if f.term.kind == "fold"
+                        for n in accessed(f.term.args[1], ("prev",))})
+        for name in [f.name for f in group] + [n for n in prevs if n not in level or level[n] != lv]:
+            tile = em.states[name]
+            off, _ = _scratch_offset(em, by_name[name], "sp")
+            m = em.bcast(Tile(f"mask_{ba}", (ba,), "bool"), tile.axes)
+            em.emit(f"{name}_p = tl.load(ws_{name}_ptr + {off}, mask={m}, other=0.0)")
+        for name in prevs:  # prev := the partial's producer value, run := the combined one
+            em.running[name] = (f"{name}_p", name)
+        for f in group:
+            st = em.states[f.name]
+            if f.op in ("max", "min"):
+                upd = f"tl.{'maximum' if f.op == 'max' else 'minimum'}({f.name}, {f.name}_p)"
+            elif f.op == "sum":
+                upd = f"{f.name} + {f.name}_p"
+            else:
+                corr = em.bcast(em.f32(em.expr(f.term.args[1])), st.axes)
+                upd = (f"tl.maximum({f.name}, {f.name}_p + {corr})" if f.op == "rollmax"
+                       else f"{f.name} + {f.name}_p * {corr}")
+            em.emit(f"{f.name} = {upd}")
+        em.scopes[1][0].extend(em.pop())
+        for name in prevs:
+            em.running.pop(name, None)
+
+
+def _grid_size(plan: TilePlan) -> int:
+    n = 1
+    for a in plan.grid_axes:
+        n *= plan.grid_extent(a)
+    return n
+
+
+def _epilogue(em: Emitter) -> None:
+    plan, p = em.plan, em.p
+    for item in plan.epilogue:
+        expr = _replace_folds(item.expr, plan.state_of)
+        for a in item.axes:
+            em.env.setdefault(a, a)
+        if len(item.loop_axes) > 1:
+            raise LoweringError(f"{item.name}: more than one column axis to loop over.")
+        if item.loop_axes:
+            (ca,) = item.loop_axes
+            em.env[ca] = ECOL
+            ext = p.extents[ca]
+            em.emit(f"# epilogue pass over {ca} for {item.name}")
+            em.emit(f"for c0 in range(0, {ext}, B_{ECOL}):")
+            em.push(em.scopes[0][2] + "    ")
+            em.emit(f"offs_{ECOL} = c0 + tl.arange(0, B_{ECOL})")
+            em.emit(f"mask_{ECOL} = (offs_{ECOL} < {ext}) | EVEN_{ECOL}")
+            _store(em, item.name, em.expr(expr), item.axes)
+            em.scopes[1][0].extend(em.pop())
+            em.env.pop(ca)
+        else:
+            _store(em, item.name, em.expr(expr), item.axes)
+    for f in plan.fold_outputs:
+        _store(em, f.owner, em.states[f.name], f.state_axes)
+
+
+def _store(em: Emitter, name: str, tile: Tile, axes: tuple[str, ...]) -> None:
+    p = em.p
+    idx = [em.expr(Term("var", (), a)) for a in axes]
+    taxes = em.canon(sum((i.axes for i in idx), ()))
+    off = " + ".join(f"{em.bcast(i, taxes)} * {name}_s{k}" for k, i in enumerate(idx)) or "0"
+    val = em.f32(tile)
+    code = em.bcast(val, taxes)
+    if set(val.axes) != set(taxes):
+        code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
+    dt = _TL_DTYPE[p.dtype_of(name)]
+    m = em.mask(taxes)
+    em.emit(f"tl.store({name}_ptr + {off}, ({code}).to({dt}){', mask=' + m if m else ''})")
+
+
+def _kernel_text(name: str, sig: list[str], em: Emitter) -> list[str]:
+    body = em.pop()
+    body = em.pop() + body
+    return ["", "", "@triton.jit", f"def {name}(", *[f"    {s}," for s in sig], "):", *body]
+
+
+def generate(plan: TilePlan, name: str = "neptune_kernel",
+             bf16_dot_in_fp32: bool = False) -> KernelSource:
+    """Emit the Triton module for the plan (one kernel, or partial + combine for split-k).
+
+    ``bf16_dot_in_fp32`` upcasts bf16 contraction operands: the Triton CPU interpreter
+    (3.9) computes a bf16 ``tl.dot`` wrongly (a 16x16 product was off by 3e10), so the
+    interpreter target uses it; GPU kernels keep bf16 tensor-core dots."""
+    p = plan.program
+    ba = plan.block_axis
+    tensors = [ph.name for ph in p.inputs] + list(p.outputs)
+    strides = [(t, k) for t in tensors for k in range(len(p.shape_of(t)))]
+    tunables = {f"B_{ba}": 16, f"B_{LOOP}": 16}
+    if any(e.loop_axes for e in plan.epilogue):
+        tunables[f"B_{ECOL}"] = 16
+    fixed = {f"B_{a}": n for a, n in plan.whole_axes.items()}
+    even = {f"EVEN_{ba}": (f"B_{ba}", [plan.row_extent]),
+            f"EVEN_{LOOP}": (f"B_{LOOP}", [ps.extent for ps in plan.passes])}
+    if f"B_{ECOL}" in tunables:
+        even[f"EVEN_{ECOL}"] = (f"B_{ECOL}", [p.extents[a] for e in plan.epilogue for a in e.loop_axes])
+    consts = [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even)]
+    ptrs = [f"{t}_ptr" for t in tensors]
+    stride_args = [f"{t}_s{k}" for t, k in strides]
+    header = ["# generated by neptune_eq from the program:",
+              *[f"#   {line}" for line in str(p).splitlines()],
+              "import triton", "import triton.language as tl"]
+    common = dict(params=ptrs, stride_params=strides, tunables={**tunables, **fixed},
+                  grid_axes=plan.grid_axes, block_axis=ba, even_flags=even,
+                  row_extent=plan.row_extent, grid_size=_grid_size(plan))
+    if not plan.split:
+        em = Emitter(plan, name, bf16_dot_in_fp32)
+        _prologue(em, split_axis=False)
+        _init_states(em)
+        for k in range(len(plan.passes)):
+            _pass_loop(em, k, split=False)
+        _epilogue(em)
+        text = header + _kernel_text(name, ptrs + stride_args + consts, em)
+        return KernelSource(name, "\n".join(text) + "\n", **common)
+    # split-k: the partials kernel runs the pass on one chunk and stores fold states ...
+    em = Emitter(plan, name, bf16_dot_in_fp32)
+    _prologue(em, split_axis=True)
+    _init_states(em)
+    _pass_loop(em, 0, split=True)
+    scratch = _store_partials(em)
+    ws = [f"{w}_ptr" for w in scratch]
+    part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em)
+    # ... the combine kernel re-bases and folds them, then runs the epilogue.
+    em = Emitter(plan, name, bf16_dot_in_fp32)
+    _prologue(em, split_axis=False)
+    _init_states(em)
+    _combine(em)
+    _epilogue(em)
+    comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts, em)
+    return KernelSource(name, "\n".join(header + part + comb) + "\n", **common,
+                        split_extent=plan.passes[0].extent, scratch=scratch)

@@ -1,0 +1,111 @@
+"""Choosing the kernel: split-k lowering (two kernels), head packing, the GPU cost model's
+decisions, k-best extraction, and the candidate table."""
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq import examples
+from neptune_eq.choose import structure_of
+from neptune_eq.interp import evaluate
+from neptune_eq.runtime import Launcher, candidate_configs
+from helpers import random_inputs
+
+
+def _causal(sq, skv):
+    return lambda b, h, q, k: k <= q + (skv - sq)
+
+
+def _run_row(row, program, ins, splits=None):
+    cfg = candidate_configs(row.kernel, "interpreter")[0]
+    if splits:
+        cfg.splits = splits
+    outs = {n: torch.empty(program.shape_of(n), dtype=getattr(torch, program.dtype_of(n)))
+            for n in program.outputs}
+    Launcher(row.program, row.kernel, "interpreter", cfg)({**ins, **outs})
+    return outs[program.outputs[0]]
+
+
+def _split_row(kern):
+    return next(r for r in kern.candidates if r.plan is not None and r.plan.split)
+
+
+def test_decode_chooses_split_k_and_long_prefill_chooses_rolling():
+    dec = ne.superoptimize(ne.attention(1, 32, 1, 8192, 128, mask_mod=_causal(1, 8192)),
+                           target="interpreter", device="H200", cache=False)
+    pre = ne.superoptimize(ne.attention(1, 32, 4096, 4096, 128, mask_mod=_causal(4096, 4096)),
+                           target="interpreter", device="H200", cache=False)
+    assert dec.plan.split and dec.launches == ["neptune_kernel_partial", "neptune_kernel_combine"]
+    assert not pre.plan.split and pre.launches == ["neptune_kernel"]
+    # .candidates says why: predicted times for both strategies
+    for kern, winner in ((dec, "split-k"), (pre, "rolling")):
+        table = kern.candidate_table()
+        assert "split-k" in table and "rolling" in table and "<- chosen" in table
+        chosen = kern.chosen_row
+        assert chosen.description.startswith(winner) and chosen.rank == 1
+        others = [r for r in kern.candidates if not r.chosen and r.estimate]
+        assert all(r.predicted_us >= chosen.predicted_us for r in others)
+
+
+@pytest.mark.parametrize("hq, hkv, skv, dtype, splits", [
+    (4, 4, 70, "float32", 3),      # odd key count, chunks not multiples of the extent
+    (8, 2, 100, "float16", 2),     # GQA: 4 heads of a group packed into one row block
+    (6, 3, 33, "float32", 5),      # more splits than key blocks: empty chunks combine to 0
+])
+def test_split_k_decode_kernels_equal_the_reference(hq, hkv, skv, dtype, splits):
+    out = ne.attention(1, hq, 1, skv, 16, dtype, kv_heads=hkv, mask_mod=_causal(1, skv),
+                       score_mod=lambda s, b, h, q, k: s + 0.01 * (k - q))
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    row = _split_row(kern)
+    assert row.plan.packed == ((("y", hq // hkv)) if hq != hkv else None)
+    ins = random_inputs(kern.input_program)
+    got = _run_row(row, kern.input_program, ins, splits)
+    ref = evaluate(kern.input_program, ins)["o"]
+    tol = 2e-3 if dtype == "float16" else 1e-5
+    assert (got.double() - ref).abs().max().item() <= tol
+    assert "_combine" in row.kernel.source and "NSPLIT" in row.kernel.source
+
+
+@pytest.mark.parametrize("chain", examples.CHAINS + ["softmax"])
+def test_split_k_of_every_chain_equals_the_reference(chain):
+    """Partials re-based by the derived h: log-sum-exp (a fold output), h = sqrt(s/s'),
+    h = s/s', the centered matmul, a max consumer, softmax's column epilogue."""
+    out = (examples.softmax(3, 70) if chain == "softmax"
+           else examples.reduction_chain(chain, 5, 70, 6))
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    if not any(r.plan is not None and r.plan.split for r in kern.candidates):
+        pytest.skip(f"{chain}: no split-k candidate lowers ({[r.status for r in kern.candidates]})")
+    for _ in (0,):
+        row = _split_row(kern)
+        ins = random_inputs(kern.input_program, scale=30.0)
+        got = _run_row(row, kern.input_program, ins, 3)
+        ref = evaluate(kern.input_program, ins)[kern.input_program.outputs[0]]
+        assert (got.double() - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_split_k_fully_masked_rows_return_zero():
+    out = ne.attention(1, 2, 1, 40, 16, "float32", mask_mod=lambda b, h, q, k: k < 0)
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    ins = random_inputs(kern.input_program)
+    got = _run_row(_split_row(kern), kern.input_program, ins, 3)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_head_packing_shares_kv_loads():
+    kern = ne.superoptimize(ne.attention(1, 8, 1, 64, 16, "float32", kv_heads=2),
+                            target="interpreter", cache=False)
+    assert kern.plan.packed == ("y", 4)
+    assert "head-group packing" in kern.plan.describe()
+    # K and V are indexed by the program's KV head only: one tile per block, shared by 4 heads
+    assert "k_ptr + ax_z * k_s0 + ax_y * k_s1" in kern.source
+    no_pack = ne.superoptimize(ne.attention(1, 8, 64, 64, 16, "float32", kv_heads=2),
+                               target="interpreter", cache=False)
+    assert no_pack.plan.packed is None  # long rows: no packing
+
+
+def test_k_best_candidates_are_distinct_structures():
+    kern = ne.superoptimize(examples.attention(1, 2, 40, 72, 32, "float16"), target="interpreter",
+                            cache=False)
+    structures = [structure_of(r.plan) for r in kern.candidates if r.plan]
+    assert len(structures) == len(set(structures)) >= 3
+    ranks = [r.rank for r in kern.candidates]
+    assert ranks == sorted(ranks) == list(range(1, len(ranks) + 1))
