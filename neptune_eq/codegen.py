@@ -20,6 +20,7 @@ NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
 POS = repr(-MASKED)
 LOOP = "L"        # tile axis of the current pass's loop
 ECOL = "C"        # tile axis of the epilogue's column loop
+SPLIT = "P"       # tile axis of a block of split-k partials in the combine kernel
 _TL_DTYPE = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
              "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1"}
 _UNARY = {"exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})",
@@ -48,7 +49,7 @@ class Emitter:
         self.lines: list[str] = []
         self.scopes: list[tuple[list[str], dict, str]] = []  # (lines, cache, indent)
         self.tmp = 0
-        self.order = [plan.block_axis, LOOP, *plan.whole_axes, ECOL]
+        self.order = [SPLIT, plan.block_axis, LOOP, *plan.whole_axes, ECOL]
         # IR index variable -> kernel axis name, scalar code, or a Tile (packed rows)
         self.env: dict[str, str | Tile] = {}
         self.states: dict[str, Tile] = {}  # fold state name -> tile
@@ -204,7 +205,8 @@ class Emitter:
         if t.op == "ref":
             return st
         old, new = self.running[t.val]
-        return Tile(new if t.op == "run" else old, st.axes, "f32")
+        var = new if t.op == "run" else old
+        return Tile(var, self.states.get(var, st).axes, "f32")  # split-k partials carry axis P
 
     def reduce_tile(self, op: str, body_term: Term, axis_var: str, kaxis: str, scope: int,
                     extent: int) -> Tile:

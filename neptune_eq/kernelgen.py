@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, Emitter, Tile
+from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
 from .ir import Term, accessed, rename_axis
-from .lower import Fold, LoweringError, TilePlan
+from .lower import Fold, LoweringError, TilePlan, drop_atoms
 
 
 @dataclass
@@ -122,9 +122,13 @@ def _init_states(em: Emitter) -> None:
 
 
 def _pass_loop(em: Emitter, k: int, split: bool) -> None:
-    """The loop of pass ``k``: every fold of the pass updated once per block of keys."""
+    """The loops of pass ``k``: every fold of the pass updated once per block of keys.
+
+    With an affine mask the visible range becomes the loop bounds, and the range is cut
+    where blocks stop straddling the mask: blocks fully inside run a body with the mask
+    atoms dropped; only the boundary blocks evaluate them."""
     plan = em.plan
-    ps, ba = plan.passes[k], plan.block_axis
+    ps = plan.passes[k]
     em.emit(f"# pass {k + 1}: {', '.join(f'{f.name} ({f.op})' for f in ps.folds)}")
     lo, hi = "0", str(ps.extent)
     if ps.lo_offset is not None:  # affine mask -> first visible block of this row block
@@ -138,7 +142,29 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
         em.emit(f"j_lo{k}s = tl.maximum({lo}, pid_split * CHUNK)")
         em.emit(f"j_hi{k}s = tl.minimum({hi}, pid_split * CHUNK + CHUNK)")
         lo, hi = f"j_lo{k}s", f"j_hi{k}s"
-    em.emit(f"for l0 in range({lo}, {hi}, B_{LOOP}):")
+    if not ps.bound_atoms:
+        _loop(em, k, lo, hi, frozenset())
+        return
+    # interior: keys visible to every row of the block, aligned to whole key blocks
+    a, b = lo, hi
+    if ps.lo_offset is not None:
+        em.emit(f"j_in_lo{k} = tl.minimum(tl.maximum(((row_last + ({ps.lo_offset}) + B_{LOOP} - 1) "
+                f"// B_{LOOP}) * B_{LOOP}, {lo}), {hi})")
+        a = f"j_in_lo{k}"
+    if ps.hi_offset is not None:
+        em.emit(f"j_in_hi{k} = tl.maximum(tl.minimum(((row_first + ({ps.hi_offset})) // B_{LOOP}) "
+                f"* B_{LOOP}, {hi}), {a})")
+        b = f"j_in_hi{k}"
+    if a != lo:
+        _loop(em, k, lo, a, frozenset())
+    _loop(em, k, a, b, ps.bound_atoms)
+    if b != hi:
+        _loop(em, k, b, hi, frozenset())
+
+
+def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
+    ps = em.plan.passes[k]
+    em.emit(f"for l0 in range({lo}, {hi}, B_{LOOP}):" + ("  # interior: no mask" if known else ""))
     em.push(em.scopes[0][2] + "    ")
     em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
     em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_{LOOP}")
@@ -146,8 +172,9 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     # tile of attention) are computed once per block.
     loop_var = f"loop{k}"
     em.env[loop_var] = LOOP
-    folds = [Fold(f.name, rename_axis(f.term, f.axis, loop_var), f.state_axes, f.owner,
-                  f.pass_index) for f in ps.folds]
+    atoms = frozenset(rename_axis(t, "@j", loop_var) for t in known)
+    folds = [Fold(f.name, drop_atoms(rename_axis(f.term, f.axis, loop_var), atoms), f.state_axes,
+                  f.owner, f.pass_index) for f in ps.folds]
     ordered = _fold_order(folds)
     for f in ordered:
         em.running[f.name] = (f.name, f"{f.name}_new")
@@ -178,8 +205,8 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
         em.running.pop(f.name, None)
 
 
-def _scratch_offset(em: Emitter, f: Fold, split: str) -> tuple[str, int]:
-    """Offset of fold ``f``'s state tile in its scratch buffer for split ``split``:
+def _scratch_offset(em: Emitter, f: Fold, split: Tile) -> tuple[str, tuple[str, ...], int]:
+    """Offset tile of fold ``f``'s state in its scratch buffer at split(s) ``split``:
     layout [split, grid program, row, padded whole axes...]."""
     plan = em.plan
     st = em.states[f.name]
@@ -188,13 +215,14 @@ def _scratch_offset(em: Emitter, f: Fold, split: str) -> tuple[str, int]:
     for a in whole:
         width *= plan.whole_axes[a]
     ba = plan.block_axis
-    row = f"(({split} * {_grid_size(plan)} + pid_grid) * {plan.row_extent} + offs_{ba})"
-    parts = [f"{em.bcast(Tile(row, (ba,), 'int'), st.axes)} * {width}"]
+    axes = em.canon(split.axes + st.axes)
+    row_split = f"({em.bcast(split, axes)} * {_grid_size(plan)} + pid_grid) * {plan.row_extent}"
+    parts = [f"({row_split} + {em.bcast(Tile(f'offs_{ba}', (ba,), 'int'), axes)}) * {width}"]
     stride = width
     for a in whole:
         stride //= plan.whole_axes[a]
-        parts.append(f"{em.bcast(Tile(f'offs_{a}', (a,), 'int'), st.axes)} * {stride}")
-    return " + ".join(parts), width
+        parts.append(f"{em.bcast(Tile(f'offs_{a}', (a,), 'int'), axes)} * {stride}")
+    return " + ".join(parts), axes, width
 
 
 def _store_partials(em: Emitter) -> dict[str, int]:
@@ -203,7 +231,7 @@ def _store_partials(em: Emitter) -> dict[str, int]:
     em.emit("# split-k: store this chunk's fold states")
     for f in em.plan.passes[0].folds:
         st = em.states[f.name]
-        off, width = _scratch_offset(em, f, "pid_split")
+        off, _, width = _scratch_offset(em, f, Tile("pid_split", (), "int"))
         m = em.bcast(Tile(f"mask_{ba}", (ba,), "bool"), st.axes)
         em.emit(f"tl.store(ws_{f.name}_ptr + {off}, {f.name}, mask={m})")
         scratch[f"ws_{f.name}"] = width
@@ -211,10 +239,12 @@ def _store_partials(em: Emitter) -> dict[str, int]:
 
 
 def _combine(em: Emitter) -> None:
-    """States = the partials folded in order, each re-based by its own correction.
+    """States = the partials folded together, each re-based by its own correction.
 
     Folds are combined level by level (a fold's producers are complete before the loop
-    that re-bases it), one loop over the partials per level, each partial loaded once."""
+    that re-bases it).  Each loop takes ``B_P`` partials at once as tiles with a leading
+    split axis ``P`` -- the correction evaluated on them broadcasts by axis name -- and
+    reduces over ``P``, so a long split list costs few serial steps."""
     ba = em.plan.block_axis
     folds = em.plan.passes[0].folds
     by_name = {f.name: f for f in folds}
@@ -222,30 +252,43 @@ def _combine(em: Emitter) -> None:
     for f in _fold_order(folds):
         deps = accessed(f.term, ("run", "prev")) & set(by_name)
         level[f.name] = 1 + max((level[d] for d in deps), default=-1)
+    ident = {"max": NEG, "rollmax": NEG, "min": POS}
     em.emit("# split-k combine: fold the partial states, re-based by each fold's correction")
     for lv in range(max(level.values()) + 1):
         group = [f for f in folds if level[f.name] == lv]
-        em.emit("for sp in range(0, NSPLIT):")
+        em.emit(f"for sp0 in range(0, NSPLIT, B_{SPLIT}):")
         em.push(em.scopes[0][2] + "    ")
+        em.emit(f"offs_{SPLIT} = sp0 + tl.arange(0, B_{SPLIT})")
+        em.emit(f"mask_{SPLIT} = offs_{SPLIT} < NSPLIT")
         prevs = sorted({n for f in group if f.term.kind == "fold"
                         for n in accessed(f.term.args[1], ("prev",))})
-        for name in [f.name for f in group] + [n for n in prevs if n not in level or level[n] != lv]:
-            tile = em.states[name]
-            off, _ = _scratch_offset(em, by_name[name], "sp")
-            m = em.bcast(Tile(f"mask_{ba}", (ba,), "bool"), tile.axes)
-            em.emit(f"{name}_p = tl.load(ws_{name}_ptr + {off}, mask={m}, other=0.0)")
-        for name in prevs:  # prev := the partial's producer value, run := the combined one
+        split = Tile(f"offs_{SPLIT}", (SPLIT,), "int")
+        for name in dict.fromkeys([f.name for f in group] + prevs):
+            off, axes, _ = _scratch_offset(em, by_name[name], split)
+            m = em.mask([a for a in axes if a in (SPLIT, ba)])
+            m = em.bcast(Tile(f"({m})", em.canon((SPLIT, ba)), "bool"), axes)
+            other = ident.get(by_name[name].op, "0.0")
+            em.emit(f"{name}_p = tl.load(ws_{name}_ptr + {off}, mask={m}, other={other})")
+            em.states[f"{name}_p"] = Tile(f"{name}_p", axes, "f32")
+        for name in prevs:  # prev := the partials' producer values, run := the combined one
             em.running[name] = (f"{name}_p", name)
         for f in group:
             st = em.states[f.name]
+            part = em.states[f"{f.name}_p"]
+            inside = em.bcast(Tile(f"mask_{SPLIT}", (SPLIT,), "bool"), part.axes)
             if f.op in ("max", "min"):
-                upd = f"tl.{'maximum' if f.op == 'max' else 'minimum'}({f.name}, {f.name}_p)"
+                upd = f"tl.{'maximum' if f.op == 'max' else 'minimum'}({f.name}, tl.{f.op}({part.code}, axis=0))"
             elif f.op == "sum":
-                upd = f"{f.name} + {f.name}_p"
+                upd = f"{f.name} + tl.sum({part.code}, axis=0)"
             else:
-                corr = em.bcast(em.f32(em.expr(f.term.args[1])), st.axes)
-                upd = (f"tl.maximum({f.name}, {f.name}_p + {corr})" if f.op == "rollmax"
-                       else f"{f.name} + {f.name}_p * {corr}")
+                corr = em.f32(em.expr(f.term.args[1]))
+                axes = em.canon(part.axes + corr.axes)
+                c = em.bcast(corr, axes)
+                if f.op == "rollmax":
+                    upd = (f"tl.maximum({f.name}, tl.max(tl.where({inside}, {part.code} + {c}, {NEG}), "
+                           "axis=0))")
+                else:  # padded splits must add exactly 0, even where h is inf or NaN there
+                    upd = f"{f.name} + tl.sum(tl.where({inside}, {part.code} * {c}, 0.0), axis=0)"
             em.emit(f"{f.name} = {upd}")
         em.scopes[1][0].extend(em.pop())
         for name in prevs:
@@ -356,6 +399,7 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     _init_states(em)
     _combine(em)
     _epilogue(em)
-    comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts, em)
+    comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
+                        + [f"B_{SPLIT}: tl.constexpr"], em)
     return KernelSource(name, "\n".join(header + part + comb) + "\n", **common,
                         split_extent=plan.passes[0].extent, scratch=scratch)

@@ -73,6 +73,7 @@ class Pass:
     folds: list[Fold]
     lo_offset: int | None = None
     hi_offset: int | None = None
+    bound_atoms: frozenset = frozenset()  # mask atoms (fold axis named "@j") the bounds encode
 
 
 @dataclass
@@ -133,7 +134,8 @@ class TilePlan:
             if p.lo_offset is not None or p.hi_offset is not None:
                 lo = f"i{p.lo_offset:+d}" if p.lo_offset is not None else "0"
                 hi = f"i{p.hi_offset:+d}" if p.hi_offset is not None else "end"
-                skip = f" (mask -> loop bounds: j in [{lo}, {hi}), other blocks skipped)"
+                skip = (f" (mask -> loop bounds: j in [{lo}, {hi}), other blocks skipped; "
+                        "blocks fully inside evaluate no mask, only boundary blocks do)")
             how = (" split into parallel chunks (partials kernel), then a combine kernel "
                    "re-bases the partials with the folds' corrections" if self.split else "")
             lines.append(f"pass {k + 1}: loop over {p.extent}{skip}{how} -> {fs}")
@@ -211,8 +213,8 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
         if len(extents) != 1:
             raise LoweringError(f"Pass {k + 1} mixes reduction extents {sorted(extents)}; "
                                 "folds fused into one loop must reduce over equal extents.")
-        lo, hi = loop_bounds(members, row_axes[-1])
-        passes.append(Pass(extents.pop(), members, lo, hi))
+        lo, hi, atoms = loop_bounds(members, row_axes[-1])
+        passes.append(Pass(extents.pop(), members, lo, hi, atoms))
     fold_names = {f.name for f in folds}
     epilogue, fold_outputs = [], []
     for name in program.outputs:
@@ -356,20 +358,48 @@ def _bound(atom: Term, i: str, j: str) -> tuple[int | None, int | None]:
     return None, None
 
 
-def loop_bounds(folds: list[Fold], i: str) -> tuple[int | None, int | None]:
-    """Offsets bounding the loop for conditions that gate *every* fold of a pass."""
+def loop_bounds(folds: list[Fold], i: str) -> tuple[int | None, int | None, frozenset]:
+    """Offsets bounding the loop for conditions that gate *every* fold of a pass, and
+    the condition atoms they encode (with the fold axis named ``@j``)."""
     common: set[Term] | None = None
     for f in folds:
         ident = _IDENTITY_OF.get(f.op)
         if ident is None:
-            return None, None
+            return None, None, frozenset()
         # Alpha-rename the fold's axis so conditions of different folds compare equal.
         gates = {rename_axis(g, f.axis, "@j") for g in _gates(f.term.args[0], ident)}
         common = gates if common is None else common & gates
     lo = hi = None
+    used = set()
     for atom in common or ():
         l, h = _bound(atom, i, "@j")
+        if l is not None or h is not None:
+            used.add(atom)
         lo = l if l is not None and (lo is None or l > lo) else lo
         hi = h if h is not None and (hi is None or h < hi) else hi
-    return lo, hi
+    return lo, hi, frozenset(used)
 
+
+def drop_atoms(t: Term, atoms: frozenset) -> Term:
+    """``t`` where the condition atoms ``atoms`` are known true (a block fully inside the
+    visible region): ``where(c, a, b) -> a`` when every atom of ``c`` is known."""
+    if not atoms:
+        return t
+    if t.op == "where":
+        c = _simplify_cond(t.args[0], atoms)
+        if c is None:
+            return drop_atoms(t.args[1], atoms)
+        return Term("where", (c, drop_atoms(t.args[1], atoms), drop_atoms(t.args[2], atoms)))
+    return t.map_args(lambda a: drop_atoms(a, atoms))
+
+
+def _simplify_cond(c: Term, atoms: frozenset) -> Term | None:
+    """The condition with known-true atoms removed; None when nothing is left."""
+    if c in atoms:
+        return None
+    if c.op == "and":
+        a, b = (_simplify_cond(x, atoms) for x in c.args)
+        if a is None or b is None:
+            return b if a is None else a
+        return Term("and", (a, b))
+    return c

@@ -181,7 +181,8 @@ class Launcher:
         rows = nsplit * self.ks.grid_size * self.ks.row_extent
         ws = [torch.empty(rows * w, dtype=torch.float32, device=dev) for w in self.ks.scratch.values()]
         self.fns[0][self.grid() + (nsplit,)](*args, *ws, *strides, chunk, **consts, **kw)
-        self.fns[1][self.grid()](*args, *ws, *strides, nsplit, **consts, **kw)
+        bp = 8 if max(self.ks.scratch.values()) > 32 else 32  # partials per combine step
+        self.fns[1][self.grid()](*args, *ws, *strides, nsplit, **consts, B_P=bp, **kw)
 
 
 def check_inputs(program: Program, args, kwargs, target: str) -> dict:
