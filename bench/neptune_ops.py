@@ -29,6 +29,8 @@ from triton.testing import do_bench
 
 import neptune_eq as ne
 
+torch._dynamo.config.recompile_limit = 10_000  # every shape compiles Flex/plain afresh, never eager
+torch._dynamo.config.cache_size_limit = 10_000
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     FLEX = torch.compile(flex_attention)
