@@ -184,7 +184,8 @@ class Launcher:
         # The combine reads few bytes per row: narrow row blocks give it more programs, and
         # each takes a block of partials per step (tiles of B_P x rows x width stay small).
         ba = f"B_{self.ks.block_axis}"
-        rows = 2 if self.target == "cuda" else consts[ba]
+        combine_src = self.ks.source.split(f"def {self.ks.name}_combine(")[1]
+        rows = 2 if self.target == "cuda" and "tl.dot(" not in combine_src else consts[ba]
         comb = {**consts, ba: rows, f"EVEN_{self.ks.block_axis}": self.ks.row_extent % rows == 0}
         width = max(self.ks.scratch.values())
         bp = max(2, min(64, 8192 // (rows * width), 1 << max(1, (nsplit - 1).bit_length())))
