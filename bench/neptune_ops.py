@@ -127,7 +127,7 @@ def peers(spec, q, k, v, slopes):
     hq, hkv, sq, skv, off, alibi, softcap, masked, window = spec
     out = {}
     g = hq // hkv
-    if not softcap:
+    if not softcap and (not alibi or sq * skv * hq * 2 <= 16 * 2 ** 30):  # SDPA+bias: S² bias
         if alibi:
             i = torch.arange(sq, device="cuda")[:, None] + off
             j = torch.arange(skv, device="cuda")[None, :]

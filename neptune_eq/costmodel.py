@@ -13,7 +13,8 @@ factor,
 * grid fill: programs vs SMs, with wave quantisation; a grid smaller than the GPU gets
   only its share of bandwidth and compute -- which is why decode wants split-k.
 
-time = max(bytes / BW_eff, compute / fill) + waves * passes * pass latency
+time = max(bytes / BW_eff, compute / fill, program waves * loop steps * step latency)
+       + waves * passes * pass latency
        + launches * launch overhead.  Device constants
 are measured (``bench/results``): H200 copy 4.3 TB/s, fp16 dense dot 790 TFLOP/s.
 """
@@ -41,6 +42,8 @@ class Device:
     alu_per_s: float         # fp32 elementwise ops per second, whole GPU
     launch_s: float = 4e-6   # launch + tail of one kernel
     pass_s: float = 1e-6     # a pass over memory starts with a DRAM round trip and pipeline fill
+    iter_s: float = 0.6e-6   # one pipelined loop step of a program that has its SM to itself
+    occupancy: int = 2       # programs resident per SM that hide each other's latency
     bw_per_sm_share: float = 1.3  # one program streams ~1.3x an SM's fair share of bandwidth
 
 
@@ -116,6 +119,7 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
     programs = row_blocks * grid * max(1, splits)
     hbm = 0.0
     dot = sfu = alu = 0.0
+    steps = 0  # loop steps one program runs (a split runs its chunk only)
     for ps in plan.passes:
         # each input read by this pass once (the loop's tiles are shared through L2)
         read = {n.val for f in ps.folds for n in f.term.walk() if n.op == "load"}
@@ -129,6 +133,7 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
             span = min(ps.extent, mean_row + hi + block_rows / 2) - max(0, mean_row + lo - block_rows / 2)
             visible = max(block_keys, min(ps.extent, span))
         iters = math.ceil(visible / block_keys)
+        steps = max(steps, math.ceil(iters / max(1, splits)))
         dims = {plan.block_axis: block_rows, **plan.whole_axes}
         seen: set = set()
         dims["@L"] = block_keys  # every fold of the pass shares one loop variable
@@ -153,7 +158,9 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
     compute = dot / device.dot_flops + sfu / device.sfu_per_s + alu / device.alu_per_s
     launches = plan.launches
     serial = waves * (len(plan.passes) + len(col_passes)) * device.pass_s
-    seconds = max(hbm / bw, compute / max(fill, 1e-9)) + serial + launches * device.launch_s
+    # a program's loop steps are serial: few programs with long loops are latency-bound
+    latency = math.ceil(programs / (device.sms * device.occupancy)) * steps * len(plan.passes) * device.iter_s
+    seconds = max(hbm / bw, compute / max(fill, 1e-9), latency) + serial + launches * device.launch_s
     cfg = {"block_rows": block_rows, "block_keys": block_keys, "splits": splits}
     return Estimate(seconds, launches, hbm, dot, sfu, alu, programs, fill, cfg)
 

@@ -181,15 +181,12 @@ class Launcher:
         rows = nsplit * self.ks.grid_size * self.ks.row_extent
         ws = [torch.empty(rows * w, dtype=torch.float32, device=dev) for w in self.ks.scratch.values()]
         self.fns[0][self.grid() + (nsplit,)](*args, *ws, *strides, chunk, **consts, **kw)
-        # The combine reads few bytes per row: narrow row blocks give it more programs, and
-        # each takes a block of partials per step (tiles of B_P x rows x width stay small).
+        # Each combine step takes a block of B_P partials (tiles of B_P x rows x width).
         ba = f"B_{self.ks.block_axis}"
-        combine_src = self.ks.source.split(f"def {self.ks.name}_combine(")[1]
-        rows = 2 if self.target == "cuda" and "tl.dot(" not in combine_src else consts[ba]
-        comb = {**consts, ba: rows, f"EVEN_{self.ks.block_axis}": self.ks.row_extent % rows == 0}
         width = max(self.ks.scratch.values())
-        bp = max(2, min(64, 8192 // (rows * width), 1 << max(1, (nsplit - 1).bit_length())))
-        grid2 = (-(-self.ks.row_extent // rows), self.ks.grid_size)
+        bp = max(2, min(64, 8192 // (consts[ba] * width), 1 << max(1, (nsplit - 1).bit_length())))
+        grid2 = self.grid()
+        comb = consts
         self.fns[1][grid2](*args, *ws, *strides, nsplit, **comb, B_P=bp, **kw)
 
 
