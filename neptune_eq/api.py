@@ -74,6 +74,11 @@ class Kernel:
         """The saturated e-graph in egraph-serialize JSON (nodes, e-classes, roots)."""
         return self._egraph_json
 
+    def egraph_svg(self) -> str:
+        """The saturated e-graph as SVG (layered by depth from the roots; no Graphviz needed)."""
+        from .svg import egraph_svg
+        return egraph_svg(EGraphView.from_json(self._egraph_json))
+
     def egraph_dot(self) -> str:
         """The saturated e-graph as Graphviz DOT (render with ``dot -Tsvg``)."""
         return self._egraph_dot

@@ -51,7 +51,8 @@ def _versions() -> dict:
 
 def make_key(program, rule_files, target: str, device: str, options: dict) -> str:
     rules = [(Path(f).name, hashlib.sha256(Path(f).read_bytes()).hexdigest()) for f in rule_files]
-    blob = json.dumps({"program": str(program), "rules": rules, "target": target,
+    from .ir import canonical_text
+    blob = json.dumps({"program": canonical_text(program), "rules": rules, "target": target,
                        "device": device, "options": options, "versions": _versions()},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

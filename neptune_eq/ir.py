@@ -230,6 +230,23 @@ class Program:
         return format_program(self)
 
 
+def canonical_text(p: Program) -> str:
+    """The program's text with reduce axes renamed in order of appearance (r0, r1, …):
+    two builds of the same computation get the same text whatever the DSL named the axes."""
+    lines = [f"input {ph.name}{list(ph.shape)}:{ph.dtype}" for ph in p.inputs]
+    for d in p.defs:
+        body, k = d.body, 0
+        for n in list(d.body.walk()):
+            if n.kind in ("reduce", "fold") and not n.val.startswith("@r"):
+                old = n.val
+                if any(m.kind in ("reduce", "fold") and m.val == old for m in body.walk()):
+                    body = rename_axis(body, old, f"@r{k}")
+                    k += 1
+        lines.append(f"{d.name}[{','.join(d.axes)}]:{d.dtype} = {fmt(body)}")
+    lines.append("outputs " + ",".join(p.outputs))
+    return "\n".join(lines)
+
+
 def format_program(p: Program) -> str:
     lines = []
     for ph in p.inputs:

@@ -25,7 +25,12 @@ def resolve_target(target: str) -> str:
     if target not in ("auto", "cuda", "interpreter"):
         raise ValueError(f"Expected target 'auto', 'cuda' or 'interpreter', got {target!r}.")
     if target == "auto":
-        return "cuda" if torch.cuda.is_available() else "interpreter"
+        if torch.cuda.is_available():
+            return "cuda"
+        warnings.warn("No CUDA GPU is visible: generated kernels run in the Triton interpreter on "
+                      "CPU (slow; keep shapes small), and the cost model alone chooses the kernel. "
+                      "Pass target='interpreter' to silence this.", RuntimeWarning, stacklevel=3)
+        return "interpreter"
     if target == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("target='cuda' but torch sees no CUDA device; use target='auto' to "
                            "fall back to the Triton interpreter on CPU.")
