@@ -63,17 +63,7 @@ def build(op, S):
     off = skv - sq  # query i sits at position i + off
     slopes = ne.placeholder((hq,), "float32", "slopes") if alibi else None
 
-    def score_mod(s, b, h, i, j):
-        if alibi:
-            s = s + slopes[h] * (j - (i + off))
-        if softcap:
-            s = ne.tanh(s / CAP) * CAP
-        return s
-
-    def mask_mod(b, h, i, j):
-        m = j <= i + off
-        return (m & (i + off - j < WINDOW)) if window else m
-
+    score_mod, mask_mod = make_mods(off, alibi, softcap, window, slopes, ne.tanh)
     out = ne.attention(1, hq, sq, skv, D, "float16", kv_heads=hkv,
                        score_mod=score_mod if (alibi or softcap) else None,
                        mask_mod=mask_mod if (causal or window) else None)
@@ -85,14 +75,14 @@ def build(op, S):
     return out, (hq, hkv, sq, skv, off, alibi, softcap, causal or window, window), work, unit
 
 
-def torch_mods(spec, slopes):
-    hq, hkv, sq, skv, off, alibi, softcap, masked, window = spec
-
+def make_mods(off, alibi, softcap, window, slopes, tanh):
+    """score_mod / mask_mod of an operator, for ne expressions (tanh=ne.tanh) and for
+    FlexAttention (tanh=torch.tanh): one definition, so both sides compute the same thing."""
     def score_mod(s, b, h, i, j):
         if alibi:
             s = s + slopes[h] * (j - (i + off))
         if softcap:
-            s = torch.tanh(s / CAP) * CAP
+            s = tanh(s / CAP) * CAP
         return s
 
     def mask_mod(b, h, i, j):
@@ -140,7 +130,7 @@ def peers(spec, q, k, v, slopes):
             out["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                  enable_gqa=g > 1)
     if FLEX is not None:
-        score_mod, mask_mod = torch_mods(spec, slopes)
+        score_mod, mask_mod = make_mods(off, alibi, softcap, window, slopes, torch.tanh)
         bm = create_block_mask(mask_mod, 1, 1, sq, skv, device="cuda") if masked else None
         sm = score_mod if (alibi or softcap) else None
         out["flex"] = lambda: FLEX(q, k, v, score_mod=sm, block_mask=bm, enable_gqa=g > 1)
