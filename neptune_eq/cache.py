@@ -67,14 +67,11 @@ def load(key: str) -> tuple[object | None, str]:
     path = _path(key)
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
+    except OSError:  # absent (or unreadable): build it
         return None, "miss"
-    except OSError:
-        return None, "miss"
-    head, _, rest = data.partition(b"\n")
     ok = data.startswith(MAGIC)
     if ok:
-        digest, _, payload = rest.partition(b"\n")
+        digest, _, payload = data[len(MAGIC):].partition(b"\n")
         ok = hashlib.sha256(payload).hexdigest().encode() == digest
     if ok:
         try:

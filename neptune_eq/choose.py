@@ -43,10 +43,6 @@ class CandidateRow:
         return self.estimate.seconds * 1e6 if self.estimate else float("inf")
 
     @property
-    def predicted_cost(self) -> float:  # kept for callers of the first release
-        return self.predicted_us
-
-    @property
     def structure(self) -> str:
         return structure_of(self.plan) if self.plan else "not lowered"
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .ir import FLOAT_DTYPES, MASKED, Term, free_axes, rename_axis
-from .lower import Fold, LoweringError, TilePlan
+from .ir import FLOAT_DTYPES, MASKED, Term, free_axes
+from .lower import LoweringError, TilePlan
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
 POS = repr(-MASKED)

@@ -165,6 +165,13 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
     return Estimate(seconds, launches, hbm, dot, sfu, alu, programs, fill, cfg)
 
 
+def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
+    """Split factors worth considering for a grid of ``programs``: enough programs to fill
+    ``sms`` one, two and four times over, with chunks of at least two key blocks."""
+    most = max(1, extent // (2 * block_keys))
+    return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})
+
+
 def best_estimate(plan: TilePlan, device: Device) -> Estimate:
     """The cheapest tile config of the plan under the model (block sizes, split factor)."""
     rows_opts = (16,) if plan.row_extent <= 16 else (64, 128)
@@ -173,9 +180,8 @@ def best_estimate(plan: TilePlan, device: Device) -> Estimate:
     for br in rows_opts:
         for bk in (32, 64, 128):
             if plan.split:
-                most = max(1, keys // (2 * bk))
                 base = -(-plan.row_extent // br) * math.prod(plan.grid_extent(a) for a in plan.grid_axes)
-                for k in sorted({min(most, max(1, -(-m * device.sms // base))) for m in (1, 2, 4)}):
+                for k in split_factors(base, keys, bk, device.sms):
                     out.append(estimate(plan, device, br, bk, k))
             else:
                 out.append(estimate(plan, device, br, bk))

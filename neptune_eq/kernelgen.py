@@ -273,7 +273,6 @@ def _combine(em: Emitter) -> None:
         for name in prevs:  # prev := the partials' producer values, run := the combined one
             em.running[name] = (f"{name}_p", name)
         for f in group:
-            st = em.states[f.name]
             part = em.states[f"{f.name}_p"]
             inside = em.bcast(Tile(f"mask_{SPLIT}", (SPLIT,), "bool"), part.axes)
             if f.op in ("max", "min"):

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .costmodel import split_factors
 from .kernelgen import KernelSource
 from .ir import Program, ProgramError
 
@@ -113,15 +114,6 @@ class TileConfig:
                 "num_stages": self.num_stages, "splits": self.splits}
 
 
-def split_factors(ks: KernelSource, row_block: int, block_l: int, sms: int) -> list[int]:
-    """Split factors worth timing: enough programs to fill ``sms`` a few times over, with
-    chunks of at least two key blocks."""
-    programs = -(-ks.row_extent // row_block) * ks.grid_size
-    most = max(1, ks.split_extent // (2 * block_l))
-    want = [max(1, -(-k * sms // programs)) for k in (1, 2, 4)]
-    return sorted({min(most, w) for w in want})
-
-
 def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
     """Tile configs to try: one small config in the interpreter, a handful on the GPU."""
     tun = [k for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"]
@@ -140,7 +132,8 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
         blocks = {}
         for k in tun:
             blocks[k] = bi if k == f"B_{ks.block_axis}" else bl
-        for sp in (split_factors(ks, bi, bl, sms) if ks.split_extent else [0]):
+        programs = -(-ks.row_extent // bi) * ks.grid_size
+        for sp in (split_factors(programs, ks.split_extent, bl, sms) if ks.split_extent else [0]):
             out.append(TileConfig(blocks, w, s, sp))
     return out
 
@@ -190,9 +183,7 @@ class Launcher:
         ba = f"B_{self.ks.block_axis}"
         width = max(self.ks.scratch.values())
         bp = max(2, min(64, 8192 // (consts[ba] * width), 1 << max(1, (nsplit - 1).bit_length())))
-        grid2 = self.grid()
-        comb = consts
-        self.fns[1][grid2](*args, *ws, *strides, nsplit, **comb, B_P=bp, **kw)
+        self.fns[1][self.grid()](*args, *ws, *strides, nsplit, **consts, B_P=bp, **kw)
 
 
 def check_inputs(program: Program, args, kwargs, target: str) -> dict:
