@@ -151,6 +151,9 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"Expected top_k to be a positive int (candidates timed on the GPU), "
                          f"got {top_k!r}.")
+    if limits is not None and not isinstance(limits, Limits):
+        raise TypeError(f"Expected limits to be ne.Limits(...), got {type(limits).__name__}; "
+                        "e.g. ne.Limits(rows=20_000, match_limit=500).")
     from . import rules as rule_registry
     from .egraph.rulefiles import shipped_rule_files
     rule_files = ([Path(f) for f in rules] if rules is not None else shipped_rule_files()) \

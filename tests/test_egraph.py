@@ -102,9 +102,43 @@ def test_growth_past_the_row_budget_stops_and_keeps_the_best_so_far(tmp_path):
         "(rewrite (Mul (Mul a (Flt c1)) (Flt c2)) (Mul a (Flt (* c1 c2))) :name \"fold\")\n")
     p = ne.build_program(examples.attention(1, 1, 5, 9, 8, "float32"))
     st = EGraphStage(p, None, [blowup])
-    trace = st.saturate(Limits(rows=3000))
+    trace = st.saturate(Limits(rows=3000, match_limit=None))  # back-off off: it would hold it
     assert trace.stop_reason == "row limit"
     assert trace.iterations[-1].stage.endswith("(rolled back)") and st.rows() <= 3000
     cand = extract_program(EGraphView.from_json(st.serialize()), p)
     ins = {n: torch.randn(1, 1, s, 8, dtype=torch.float64) for n, s in (("q", 5), ("k", 9), ("v", 9))}
     assert torch.allclose(evaluate(cand.program, ins)["o"], evaluate(p, ins)["o"], atol=1e-12)
+
+
+def test_back_off_bans_an_explosive_rule_and_still_saturates(tmp_path):
+    from neptune_eq.egraph.saturate import Limits
+    ac = tmp_path / "ac.egg"
+    ac.write_text("; a·b = b·a\n(rewrite (Mul a b) (Mul b a) :name \"mul-comm\")\n"
+                  "; (a·b)·c = a·(b·c)\n"
+                  "(rewrite (Mul (Mul a b) c) (Mul a (Mul b c)) :name \"mul-assoc\")\n")
+    p = ne.build_program(examples.attention(1, 1, 5, 9, 8, "float32"))
+    st = EGraphStage(p, None, [ac])
+    trace = st.saturate(Limits(match_limit=20, ban_length=2))
+    bans = [(it.iteration, r, until) for it in trace.iterations for r, until in it.banned.items()]
+    assert ("mul-comm" in {r for _, r, _ in bans}) and all(until > i for i, _, until in bans)
+    assert "back-off: mul-comm matched too often" in str(trace)
+    # a banned rule is left out until its ban ends (or nothing else changes) ...
+    first_ban, _, until = bans[0]
+    assert trace.iterations[first_ban - 1].matches.get(bans[0][1], 0) == 0
+    # ... and every rule is back in before the stage may call itself saturated
+    assert trace.stop_reason == "saturated"
+    assert trace.iterations[-1].matches.get("mul-comm", 0) <= 20 << 3
+    cand = extract_program(EGraphView.from_json(st.serialize()), p)
+    ins = {n: torch.randn(1, 1, s, 8, dtype=torch.float64) for n, s in (("q", 5), ("k", 9), ("v", 9))}
+    assert torch.allclose(evaluate(cand.program, ins)["o"], evaluate(p, ins)["o"], atol=1e-12)
+
+
+def test_without_back_off_the_explosive_rule_keeps_matching(tmp_path):
+    from neptune_eq.egraph.saturate import Limits
+    ac = tmp_path / "ac.egg"
+    ac.write_text("; a·b = b·a\n(rewrite (Mul a b) (Mul b a) :name \"mul-comm\")\n")
+    p = ne.build_program(examples.attention(1, 1, 5, 9, 8, "float32"))
+    st = EGraphStage(p, None, [ac])
+    trace = st.saturate(Limits(match_limit=None))
+    assert not any(it.banned for it in trace.iterations)
+    assert any(it.matches.get("mul-comm", 0) > 20 for it in trace.iterations)

@@ -141,3 +141,9 @@ def test_bad_options():
         ne.superoptimize(examples.softmax(2, 5), target="interpreter", top_k=0)
     with pytest.raises(ValueError, match="Expected target 'auto', 'cuda' or 'interpreter', got 'tpu'"):
         ne.superoptimize(examples.softmax(2, 5), target="tpu")
+    with pytest.raises(TypeError, match=r"Expected limits to be ne.Limits\(...\), got dict"):
+        ne.superoptimize(examples.softmax(2, 5), target="interpreter", limits={"rows": 10})
+    with pytest.raises(ValueError, match="Expected Limits.match_limit to be a positive int or None"):
+        ne.Limits(match_limit=0)
+    with pytest.raises(ValueError, match="Expected Limits.rows to be a positive int, got -5"):
+        ne.Limits(rows=-5)

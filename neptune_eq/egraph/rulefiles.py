@@ -2,7 +2,8 @@
 
 A rule file holds ``rewrite``, ``birewrite`` and ``rule`` commands written against the
 constructors of ``terms.py``.  Every rule needs a unique kebab-case ``:name``; it joins
-the ruleset named after the file (``rules/algebra.egg`` -> ``algebra``).  A file is
+the ruleset named after the file (``rules/algebra.egg`` -> ``algebra``); in egglog each
+rule gets a ruleset of its own (``algebra.exp-div``) so that single rules can be banned.  A file is
 checked on a scratch e-graph first, so a bad file is rejected with ``file:line``, the
 rule name and the reason, and leaves the real e-graph untouched.
 """
@@ -40,6 +41,16 @@ class RuleInfo:
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}"
+
+    @property
+    def egg_ruleset(self) -> str:
+        """Every rule sits in a ruleset of its own, so the back-off scheduler can leave a
+        banned rule out of an iteration (egglog runs rulesets, not single rules)."""
+        return rule_ruleset(self.ruleset, self.name)
+
+
+def rule_ruleset(ruleset: str, name: str) -> str:
+    return f"{ruleset}.{name}"
 
 
 def shipped_rule_files() -> list[Path]:
@@ -110,15 +121,16 @@ def parse_rule_file(path: Path | str, taken: set[str] | None = None,
         if isinstance(c, bindings.RewriteCommand):
             rw = c.rewrite
             span, name = rw.span, rw.name
-            new = bindings.RewriteCommand(ruleset, rw, c.subsume)
+            new = bindings.RewriteCommand(rule_ruleset(ruleset, name), rw, c.subsume)
         elif isinstance(c, bindings.BiRewriteCommand):
             rw = c.rewrite
             span, name = rw.span, rw.name
-            new = bindings.BiRewriteCommand(ruleset, rw)
+            new = bindings.BiRewriteCommand(rule_ruleset(ruleset, name), rw)
         elif isinstance(c, bindings.RuleCommand):
             r = c.rule
             span, name = r.span, r.name
-            new = bindings.RuleCommand(bindings.Rule(r.span, r.head, r.body, r.name, ruleset))
+            new = bindings.RuleCommand(bindings.Rule(r.span, r.head, r.body, r.name,
+                                                     rule_ruleset(ruleset, name)))
         else:
             span = getattr(c, "span", None)
             line = _line_of(text, span.i) if span is not None else 0
@@ -141,9 +153,10 @@ def parse_rule_file(path: Path | str, taken: set[str] | None = None,
         out.append(new)
     # Type-check on the scratch e-graph: unknown constructors, unbound variables, bad sorts.
     try:
-        low.run_program(*low.parse_program(f"(ruleset {ruleset})", filename="<ruleset>"))
         for c, info in zip(out, infos):
             try:
+                low.run_program(*low.parse_program(f"(ruleset {info.egg_ruleset})",
+                                                   filename="<ruleset>"))
                 low.run_program(c)
             except Exception as e:
                 raise _error(path, text, str(e), info.name) from None

@@ -1,9 +1,11 @@
 """Program -> e-graph, saturation under a schedule with limits, and the rewrite trace.
 
 Each outer iteration first saturates the structural rules (analyses, substitution), then
-runs every rule file's ruleset once, in load order.  Growth is bounded from Python: the
-e-graph is pushed before an iteration and popped if the iteration pushes the row count
-past the budget (egglog has no node limit).
+runs the stage's rules once, all matched on the same e-graph.  Growth is bounded from
+Python: the e-graph is pushed before an iteration and popped if the iteration pushes the
+row count past the budget (egglog has no node limit).  A rule that matches too often is
+banned for a while by an exponential back-off scheduler (egg's ``BackoffScheduler``), so
+one explosive rule (a user's commutativity, say) cannot starve the others.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ir import Program, ProgramError, Term, free_axes, substitute
-from .rulefiles import RuleFileError, RuleInfo, new_egraph, parse_rule_file, shipped_rule_files
+from .rulefiles import (RuleFileError, RuleInfo, new_egraph, parse_rule_file, rule_ruleset,
+                        shipped_rule_files)
 from .structural import ANALYSIS, SUBST
 from .table import EGG_NAME, CONSTRUCTORS
 
@@ -97,6 +100,7 @@ class IterationRecord:
     matches: dict[str, int]
     rows: int
     seconds: float
+    banned: dict[str, int] = field(default_factory=dict)  # rule -> banned until iteration
 
 
 @dataclass
@@ -127,6 +131,9 @@ class Trace:
             body = ", ".join(f"{r}×{n}" for r, n in sorted(fired.items())) or "(nothing new)"
             lines.append(f"  iter {it.iteration:>2} [{it.stage}] rows={it.rows:<6} "
                          f"{it.seconds * 1e3:7.1f} ms  {body}")
+            for r, until in sorted(it.banned.items()):
+                lines.append(f"           back-off: {r} matched too often, banned until "
+                             f"iteration {until}")
         if self.fold_checks:
             ok = sum(c.ok for c in self.fold_checks)
             lines.append(f"fold checks (Eq. 3 and Eq. 4 of every derived fold): {ok}/"
@@ -142,10 +149,64 @@ class Trace:
 # ----------------------------------------------------------------------------------
 @dataclass
 class Limits:
-    """Hard bounds on saturation as a whole (iterations over all stages)."""
+    """Hard bounds on saturation as a whole (iterations over all stages), and the
+    back-off: a rule matching more than ``match_limit`` times in one iteration is left
+    out for ``ban_length`` iterations; both double with every ban of that rule.
+    ``match_limit=None`` turns back-off off."""
     iterations: int = 48
     rows: int = 50_000
     seconds: float = 60.0
+    match_limit: int | None = 1000
+    ban_length: int = 4
+
+    def __post_init__(self):
+        for name in ("iterations", "rows", "ban_length"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Expected Limits.{name} to be a positive int, got {v!r}.")
+        if not isinstance(self.seconds, (int, float)) or self.seconds <= 0:
+            raise ValueError(f"Expected Limits.seconds to be a positive number, got "
+                             f"{self.seconds!r}.")
+        if self.match_limit is not None and (not isinstance(self.match_limit, int)
+                                             or self.match_limit < 1):
+            raise ValueError(f"Expected Limits.match_limit to be a positive int or None (no "
+                             f"back-off), got {self.match_limit!r}.")
+
+
+class BackOff:
+    """Exponential rule back-off (as in egg): rule r's threshold is
+    ``match_limit · 2^bans(r)``; past it, r is banned for ``ban_length · 2^bans(r)``
+    iterations and that iteration is redone without r."""
+
+    def __init__(self, match_limit: int | None, ban_length: int):
+        self.match_limit, self.ban_length = match_limit, ban_length
+        self.times_banned: dict[str, int] = {}
+        self.banned_until: dict[str, int] = {}
+
+    def is_banned(self, rule: str, it: int) -> bool:
+        return self.banned_until.get(rule, 0) >= it
+
+    def over_limit(self, matches: dict[str, int]) -> list[str]:
+        if self.match_limit is None:
+            return []
+        return sorted(r for r, n in matches.items()
+                      if n > self.match_limit << self.times_banned.get(r, 0))
+
+    def ban(self, rules: list[str], it: int) -> dict[str, int]:
+        out = {}
+        for r in rules:
+            k = self.times_banned.get(r, 0)
+            self.banned_until[r] = out[r] = it + (self.ban_length << k) - 1
+            self.times_banned[r] = k + 1
+        return out
+
+    def lift(self, rules: list[str], it: int) -> list[str]:
+        """Fast-forward: once nothing else changes, banned rules run again (a stage is
+        only saturated with every rule taking part)."""
+        lifted = [r for r in rules if self.is_banned(r, it)]
+        for r in lifted:
+            del self.banned_until[r]
+        return lifted
 
 
 @dataclass(frozen=True)
@@ -187,7 +248,9 @@ class EGraphStage:
         self.eg = new_egraph()
         self.low = self.eg._egraph
         self.trace = Trace()
-        self.rulesets: list[str] = []
+        self.rulesets: list[str] = []                  # rule files, in load order
+        self.rules_of: dict[str, list[str]] = {}       # rule file -> its rule names
+        self._combined: dict[tuple[str, ...], str] = {}
         files = shipped_rule_files() if rule_files is None else [Path(f) for f in rule_files]
         for f in list(files) + [Path(f) for f in extra_rule_files]:
             self.load_rules(f)
@@ -207,9 +270,10 @@ class EGraphStage:
             return []
         if rs in self.rulesets:
             raise RuleFileError(f"{path}: a rule file named {rs!r} is already loaded; rename it.")
-        self._run(f"(ruleset {rs})", "<ruleset>")
+        self._run("\n".join(f"(ruleset {i.egg_ruleset})" for i in infos), "<ruleset>")
         self.low.run_program(*cmds)
         self.rulesets.append(rs)
+        self.rules_of[rs] = [i.name for i in infos]
         for i in infos:
             self.trace.rules[i.name] = i
         return infos
@@ -225,54 +289,88 @@ class EGraphStage:
         ``on_iteration(stage, iteration)`` is called after every kept iteration."""
         t0 = time.perf_counter()
         stages = _resolve(schedule or DEFAULT_SCHEDULE, self.rulesets)
-        reasons, it = [], 0
+        backoff = BackOff(limits.match_limit, limits.ban_length)
+        reasons, it, reason = [], 0, "saturated"
         for stage in stages:
+            rules = [r for rs in stage.rulesets for r in self.rules_of[rs]]
             reason = "iteration limit"
             for _ in range(stage.iterations):
                 if time.perf_counter() - t0 > limits.seconds:
                     reason = "time limit"
                     break
+                if it >= limits.iterations:
+                    break
                 it += 1
                 before = self.rows()
-                self.eg.push()
                 t1 = time.perf_counter()
-                matches, changed = self._iterate(stage.rulesets)
+                # Rulesets are made before the push: a pop would take them away.
+                active = self._active_ruleset([r for r in rules if not backoff.is_banned(r, it)])
+                self.eg.push()
+                matches, changed = self._iterate(active)
+                banned = backoff.ban(backoff.over_limit(matches), it)
+                if banned:  # redo the iteration without the rules that matched too often
+                    self.eg.pop()
+                    active = self._active_ruleset(
+                        [r for r in rules if not backoff.is_banned(r, it)])
+                    self.eg.push()
+                    matches, changed = self._iterate(active)
                 rows = self.rows()
+                record = IterationRecord(it, stage.name, matches, rows, 0.0, banned)
                 if rows > limits.rows:
                     self.eg.pop()  # back to the last state within budget
                     reason = "row limit"
-                    self.trace.iterations.append(IterationRecord(
-                        it, f"{stage.name} (rolled back)", matches, rows, time.perf_counter() - t1))
+                    record.stage += " (rolled back)"
+                    record.seconds = time.perf_counter() - t1
+                    self.trace.iterations.append(record)
                     break
                 # egglog has no "drop snapshot": the copy stays on its stack until the stage
                 # is discarded (bounded by iterations x rows).
-                self.trace.iterations.append(IterationRecord(it, stage.name, matches, rows,
-                                                             time.perf_counter() - t1))
+                record.seconds = time.perf_counter() - t1
+                self.trace.iterations.append(record)
                 if on_iteration is not None:
                     on_iteration(self, it)
-                if rows == before and not changed:
+                if rows == before and not changed and not banned:
+                    if backoff.lift(rules, it):
+                        continue
                     reason = "saturated"
                     break
             reasons.append(f"{stage.name}: {reason}")
             if reason in ("row limit", "time limit") or it >= limits.iterations:
                 if reason == "saturated":
                     reason = "iteration limit"
-                self.trace.stop_reason = reason
-                self.trace.stage_reasons = reasons
-                return self.trace
+                break
         self.trace.stage_reasons = reasons
-        self.trace.stop_reason = ("saturated" if all(r.endswith("saturated") for r in reasons)
-                                  else "iteration limit")
+        if reason in ("row limit", "time limit"):
+            self.trace.stop_reason = reason
+        elif all(r.endswith("saturated") for r in reasons) and len(reasons) == len(stages):
+            self.trace.stop_reason = "saturated"
+        else:
+            self.trace.stop_reason = "iteration limit"
         return self.trace
 
-    def _iterate(self, rulesets: tuple[str, ...]) -> tuple[dict[str, int], bool]:
-        """One iteration: structural rules to fixpoint, each ruleset once, structural
-        again.  Returns matches per rule and whether any ruleset changed the e-graph."""
+    def _active_ruleset(self, rules: list[str]) -> str | None:
+        """One egglog ruleset holding exactly these rules, so they all match on the same
+        e-graph (created once per distinct set: bans change it rarely).  None if empty."""
+        if not rules:
+            return None
+        key = tuple(rules)
+        if key not in self._combined:
+            name = f"active-{len(self._combined)}"
+            owner = {r: rs for rs, names in self.rules_of.items() for r in names}
+            parts = " ".join(rule_ruleset(owner[r], r) for r in rules)
+            self._run(f"(unstable-combined-ruleset {name} {parts})", "<schedule>")
+            self._combined[key] = name
+        return self._combined[key]
+
+    def _iterate(self, ruleset: str | None) -> tuple[dict[str, int], bool]:
+        """One iteration: structural rules to fixpoint, the ruleset once (its rules all
+        matched on the same e-graph), structural again.  Returns matches per rule and
+        whether the rules changed the e-graph."""
         self._run(f"(run-schedule (saturate (run {ANALYSIS}) (run {SUBST})))", "<schedule>")
         matches: dict[str, int] = {}
         changed = False
-        for rs in rulesets:
-            for report in self._run(f"(run-schedule (run {rs}))", "<schedule>"):
+        if ruleset is not None:
+            for report in self._run(f"(run-schedule (run {ruleset}))", "<schedule>"):
                 changed |= bool(report.report.updated)
                 for r, n in report.report.num_matches_per_rule.items():
                     matches[r] = matches.get(r, 0) + n
