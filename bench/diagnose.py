@@ -1,0 +1,137 @@
+"""Where the time goes: host overhead vs GPU time, and what the compiler made of a kernel.
+
+    python bench/diagnose.py overhead [--ops causal-dc alibi-dc ...] [--seqs 512 2048]
+    python bench/diagnose.py compiled [--ops global-pf] [--seqs 8192]
+    python bench/diagnose.py loop --ops global-pf --seqs 8192   # for ncu: a few launches
+
+``overhead`` times each call three ways: ``do_bench`` of the full call (what
+neptune_ops.py reports), ``do_bench_cudagraph`` (GPU time only: launches replayed from a
+CUDA graph) and the host time per call (a loop of calls without synchronising).  When
+the host time exceeds the GPU time, the call is launch-bound and a faster kernel cannot
+show.  The same for SDPA and FlexAttention.
+``compiled`` prints every timed config of the chosen candidate with registers, spills,
+shared memory and whether the tensor-core ops are Hopper ``wgmma``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).parent))
+import neptune_ops as nb  # noqa: E402
+
+import neptune_eq as ne  # noqa: E402
+
+
+def _host_us(fn, n=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def _setup(op, S):
+    out, spec, work, unit = nb.build(op, S)
+    hq, hkv, sq, skv = spec[:4]
+    torch.manual_seed(0)
+    q = torch.randn(1, hq, sq, nb.D, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, hkv, skv, nb.D, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    slopes = nb.alibi_slopes(hq).cuda()
+    args = (q, k, v, slopes) if spec[5] else (q, k, v)
+    kern = ne.superoptimize(out, target="cuda", top_k=2)
+    return kern, args, spec, (q, k, v, slopes), work, unit
+
+
+def overhead(op, S):
+    kern, args, spec, qkvs, work, unit = _setup(op, S)
+    rows = [("neptune_eq", lambda: kern(*args))]
+    if kern._launcher is not None:
+        bound = dict(zip([p.name for p in kern.program.inputs], args))
+        outs = {n: torch.empty(kern.program.shape_of(n), dtype=torch.float16, device="cuda")
+                for n in kern.program.outputs}
+        rows.append(("  launcher only", lambda: kern._launcher({**bound, **outs})))
+    rows += list(nb.peers(spec, *qkvs).items())
+    print(f"{op} S={S}: chosen {kern.chosen_row.structure} [{kern.config}]")
+    for name, fn in rows:
+        try:
+            fn()
+            call = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+            graph = do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+            host = _host_us(fn)
+            print(f"  {name:<16} call {call:8.1f} us  gpu(graph) {graph:8.1f} us  host {host:8.1f} us"
+                  f"  -> {work / (graph * 1e-6):.2f} {unit} on the GPU alone", flush=True)
+        except Exception as ex:  # noqa: BLE001
+            print(f"  {name:<16} failed: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+    for c in kern.candidates:
+        print(f"    cand #{c.rank} {c.structure} predicted {c.predicted_us:.1f} us measured "
+              f"{'—' if c.measured_ms is None else f'{c.measured_ms * 1e3:.1f} us'} {c.status}")
+
+
+def compiled(op, S):
+    from neptune_eq.runtime import Launcher, candidate_configs
+    kern, args, *_ = _setup(op, S)
+    bound = dict(zip([p.name for p in kern.program.inputs], args))
+    outs = {n: torch.empty(kern.program.shape_of(n), dtype=torch.float16, device="cuda")
+            for n in kern.program.outputs}
+    tensors = {**bound, **outs}
+    ks = kern.kernel_source
+    print(f"{op} S={S}: {kern.chosen_row.structure}; chosen [{kern.config}]")
+    for cfg in candidate_configs(ks, "cuda"):
+        try:
+            la = Launcher(kern.program, ks, "cuda", cfg)
+            la(tensors)
+            ms = do_bench(lambda: la(tensors), warmup=25, rep=100, return_mode="median")
+            for fn in la.fns:
+                for ck in _compiled_kernels(fn):
+                    ptx = ck.asm.get("ptx", "")
+                    print(f"  [{cfg}] {ms * 1e3:8.1f} us  {fn.__name__}: regs {ck.n_regs} spills "
+                          f"{ck.n_spills} smem {ck.metadata.shared} wgmma {'wgmma' in ptx} "
+                          f"mma.sync {'mma.sync' in ptx}", flush=True)
+        except Exception as ex:  # noqa: BLE001
+            print(f"  [{cfg}] failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+
+
+def _compiled_kernels(fn):
+    for cache in fn.device_caches.values():
+        yield from cache[0].values()
+
+
+def loop(op, S, n=5):
+    """Ours n times, then each peer n times (for ncu's --launch-skip/--launch-count)."""
+    kern, args, spec, qkvs, *_ = _setup(op, S)
+    for name, fn in [("neptune_eq", lambda: kern(*args))] + list(nb.peers(spec, *qkvs).items()):
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        print(f"{op} S={S}: {n} launches of {name} done", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["overhead", "compiled", "loop"])
+    ap.add_argument("--ops", nargs="+", default=["causal-dc", "alibi-dc", "gqa-dc"],
+                    choices=list(nb.OPS))
+    ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 8192])
+    a = ap.parse_args()
+    fn = {"overhead": overhead, "compiled": compiled, "loop": loop}[a.what]
+    for S in a.seqs:
+        for op in a.ops:
+            try:
+                fn(op, S)
+            except Exception as ex:  # noqa: BLE001
+                print(f"{op} S={S}: FAILED {type(ex).__name__}: {ex}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
