@@ -73,9 +73,25 @@ def overhead(op, S):
                   f"  -> {work / (graph * 1e-6):.2f} {unit} on the GPU alone", flush=True)
         except Exception as ex:  # noqa: BLE001
             print(f"  {name:<16} failed: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+    print(f"    fast launch: {kern._launcher.fast_ok} {kern._launcher.fast_reason}")
+    for name, us in _kernel_times(lambda: kern(*args)):
+        print(f"    GPU kernel {name[:60]:<60} {us:8.1f} us")
     for c in kern.candidates:
         print(f"    cand #{c.rank} {c.structure} predicted {c.predicted_us:.1f} us measured "
               f"{'—' if c.measured_ms is None else f'{c.measured_ms * 1e3:.1f} us'} {c.status}")
+
+
+def _kernel_times(fn, n=20):
+    """Mean GPU time per call of each kernel ``fn`` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.key, e.device_time_total / n) for e in prof.key_averages()
+            if e.device_time_total > 0]
 
 
 def compiled(op, S):
@@ -93,7 +109,7 @@ def compiled(op, S):
             la(tensors)
             ms = do_bench(lambda: la(tensors), warmup=25, rep=100, return_mode="median")
             for fn in la.fns:
-                for ck in _compiled_kernels(fn):
+                for ck in list(_compiled_kernels(fn))[-1:]:  # the one this config compiled
                     ptx = ck.asm.get("ptx", "")
                     print(f"  [{cfg}] {ms * 1e3:8.1f} us  {fn.__name__}: regs {ck.n_regs} spills "
                           f"{ck.n_spills} smem {ck.metadata.shared} wgmma {'wgmma' in ptx} "

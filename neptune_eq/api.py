@@ -41,6 +41,8 @@ class Kernel:
     cache_status: str = "disabled"   # hit / miss / corrupt entry rebuilt / stale entry rebuilt
     build_seconds: float = 0.0
     _launcher: Launcher | None = field(default=None, repr=False)
+    _expect: list = field(default=None, repr=False)
+    _out_specs: list = field(default=None, repr=False)
 
     def __getstate__(self):  # the compiled launcher is process-local: never cached
         state = dict(self.__dict__)
@@ -113,18 +115,38 @@ class Kernel:
 
     def __call__(self, *args, **kwargs):
         import torch
-        bound = check_inputs(self.program, args, kwargs, self.target)
-        dev = "cuda" if self.target == "cuda" else "cpu"
-        outs = {}
-        for name in self.program.outputs:
-            shape = self.program.shape_of(name)
-            dt = getattr(torch, self.program.dtype_of(name))
-            outs[name] = torch.empty(shape, dtype=dt, device=dev)
         if self._launcher is None:
             self._launcher = Launcher(self.program, self.kernel_source, self.target, self.config)
-        self._launcher({**bound, **outs})
+            dev = "cuda" if self.target == "cuda" else "cpu"
+            self._expect = [(ph.name, torch.Size(ph.shape), getattr(torch, ph.dtype), dev)
+                            for ph in self.program.inputs]
+            self._out_specs = [(n, self.program.shape_of(n), getattr(torch, self.program.dtype_of(n)),
+                                dev) for n in self.program.outputs]
+        bound = _bind_fast(self._expect, args, kwargs)
+        if bound is None:  # anything unusual: the full check, with its clear errors
+            bound = check_inputs(self.program, args, kwargs, self.target)
+        for name, shape, dt, dev in self._out_specs:
+            bound[name] = torch.empty(shape, dtype=dt, device=dev)
+        self._launcher(bound)
+        outs = bound
         res = [outs[n] for n in self.program.outputs]
         return res[0] if len(res) == 1 else tuple(res)
+
+
+def _bind_fast(expect: list, args: tuple, kwargs: dict) -> dict | None:
+    """The common call (all tensors positional, right shape, dtype and device) in a few
+    µs: launch overhead is what short decode kernels are made of.  None: take the slow,
+    explaining check."""
+    import torch
+    if kwargs or len(args) != len(expect):
+        return None
+    out = {}
+    for t, (name, shape, dt, dev) in zip(args, expect):
+        if not (isinstance(t, torch.Tensor) and t.dtype is dt and t.shape == shape
+                and t.device.type == dev):
+            return None
+        out[name] = t
+    return out
 
 
 def _indent(s: str) -> str:

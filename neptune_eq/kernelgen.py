@@ -36,6 +36,7 @@ class KernelSource:
     grid_size: int = 1                # programs along grid axis 1
     split_extent: int = 0             # >0: split-k over this many elements of the loop axis
     scratch: dict[str, int] = field(default_factory=dict)  # buffer -> fp32 elements per row
+    combine_width: tuple[str, int] | None = None  # (axis, padded extent) the combine splits
 
     @property
     def kernel_names(self) -> list[str]:
@@ -73,13 +74,15 @@ def _init(em: Emitter, f: Fold, axes) -> str:
     return f"tl.zeros({em.shape(axes)}, tl.float32)"
 
 
-def _prologue(em: Emitter, split_axis: bool) -> None:
+def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None) -> None:
     plan, p = em.plan, em.p
     em.push("    ")  # scope 0: axis set-up and hoisted loop invariants
     em.emit("pid_block = tl.program_id(0)")
     em.emit("pid_grid = tl.program_id(1)")
     if split_axis:
         em.emit("pid_split = tl.program_id(2)")
+    if width_axis:
+        em.emit("pid_width = tl.program_id(2)")
     rest = "pid_grid"
     for a in reversed(plan.grid_axes):
         n = plan.grid_extent(a)
@@ -108,6 +111,10 @@ def _prologue(em: Emitter, split_axis: bool) -> None:
         em.emit(f"row_last = pid_block * B_{ba} + B_{ba} - 1")
     for a in plan.whole_axes:
         em.env.setdefault(a, a)
+        if a == width_axis:  # the combine spreads this axis over programs (grid axis 2)
+            em.emit(f"offs_{a} = pid_width * B_{a} + tl.arange(0, B_{a})")
+            em.emit(f"mask_{a} = offs_{a} < {p.extents[a]}")
+            continue
         em.emit(f"offs_{a} = tl.arange(0, B_{a})")
         full = " | True" if p.extents[a] == plan.whole_axes[a] else ""
         em.emit(f"mask_{a} = (offs_{a} < {p.extents[a]}){full}")
@@ -393,12 +400,35 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     ws = [f"{w}_ptr" for w in scratch]
     part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em)
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
+    width = _combine_width_axis(plan)
     em = Emitter(plan, name, bf16_dot_in_fp32)
-    _prologue(em, split_axis=False)
+    _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
     _combine(em)
     _epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
                         + [f"B_{SPLIT}: tl.constexpr"], em)
     return KernelSource(name, "\n".join(header + part + comb) + "\n", **common,
-                        split_extent=plan.passes[0].extent, scratch=scratch)
+                        split_extent=plan.passes[0].extent, scratch=scratch,
+                        combine_width=(width, plan.whole_axes[width]) if width else None)
+
+
+def _combine_width_axis(plan: TilePlan) -> str | None:
+    """The one column axis of the fold states (the head dim of attention's output), if
+    the combine may spread it over programs: every wide state and every epilogue value
+    built from one is pointwise in it.  A decode has few rows, so without this a handful
+    of programs would fold every partial serially."""
+    folds = plan.passes[0].folds
+    wide = {a for f in folds for a in f.state_axes if a != plan.block_axis and a in plan.whole_axes}
+    if len(wide) != 1:
+        return None
+    (w,) = wide
+    wide_folds = {f.name for f in folds if w in f.state_axes}
+    for f in folds:  # a narrow fold must not read a wide one (that would reduce over w)
+        if w not in f.state_axes and accessed(f.term, ("run", "prev")) & wide_folds:
+            return None
+    for item in plan.epilogue:
+        reads = accessed(_replace_folds(item.expr, plan.state_of), ("ref",))
+        if item.loop_axes or (w not in item.axes and reads & wide_folds):
+            return None
+    return w

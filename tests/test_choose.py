@@ -65,12 +65,32 @@ def test_split_k_decode_kernels_equal_the_reference(hq, hkv, skv, dtype, splits)
     assert "_combine" in row.kernel.source and "NSPLIT" in row.kernel.source
 
 
+def test_split_k_combine_spreads_the_head_dim_over_programs(monkeypatch):
+    """Decode has few rows: the combine kernel splits the output width (padded 48 -> 64,
+    four programs of 16, the last partly masked) and folds the partials two at a time."""
+    from neptune_eq import runtime
+    monkeypatch.setattr(runtime, "COMBINE_TILE", 256)
+    out = ne.attention(1, 4, 1, 70, 48, "float32", kv_heads=2, mask_mod=_causal(1, 70))
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    row = _split_row(kern)
+    assert row.kernel.combine_width == ("e", 64) and "pid_width" in row.kernel.source
+    la = Launcher(row.program, row.kernel, "interpreter", candidate_configs(row.kernel, "interpreter")[0])
+    assert la._combine_shape(3) == (2, {"B_e": 16}, 4)
+    ins = random_inputs(kern.input_program)
+    got = _run_row(row, kern.input_program, ins, 3)
+    ref = evaluate(kern.input_program, ins)["o"]
+    assert (got.double() - ref).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("chain", examples.CHAINS + ["softmax"])
-def test_split_k_of_every_chain_equals_the_reference(chain):
+def test_split_k_of_every_chain_equals_the_reference(chain, monkeypatch):
     """Partials re-based by the derived h: log-sum-exp (a fold output), h = sqrt(s/s'),
-    h = s/s', the centered matmul, a max consumer, softmax's column epilogue."""
+    h = s/s', the centered matmul, a max consumer, softmax's column epilogue.  A small
+    combine tile makes the combine take several steps and split the width where it may."""
+    from neptune_eq import runtime
+    monkeypatch.setattr(runtime, "COMBINE_TILE", 64)
     out = (examples.softmax(3, 70) if chain == "softmax"
-           else examples.reduction_chain(chain, 5, 70, 6))
+           else examples.reduction_chain(chain, 5, 70, 40))  # width 40: 3 of 4 programs
     kern = ne.superoptimize(out, target="interpreter", cache=False)
     if not any(r.plan is not None and r.plan.split for r in kern.candidates):
         pytest.skip(f"{chain}: no split-k candidate lowers ({[r.status for r in kern.candidates]})")
