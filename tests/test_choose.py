@@ -96,7 +96,9 @@ def test_split_k_of_every_chain_equals_the_reference(chain, monkeypatch):
         pytest.skip(f"{chain}: no split-k candidate lowers ({[r.status for r in kern.candidates]})")
     for _ in (0,):
         row = _split_row(kern)
-        ins = random_inputs(kern.input_program, scale=30.0)
+        # scores up to ~±60: far apart partials, yet exp(x)·v stays in fp32 range for the
+        # chains with no max to subtract
+        ins = random_inputs(kern.input_program, scale=20.0)
         got = _run_row(row, kern.input_program, ins, 3)
         ref = evaluate(kern.input_program, ins)[kern.input_program.outputs[0]]
         assert (got.double() - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
