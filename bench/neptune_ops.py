@@ -1,7 +1,7 @@
 """Neptune's ten attention operators vs SDPA, FlexAttention and torch.compile, same process.
 
     python bench/neptune_ops.py [--ops causal-dc gqa-pf ...] [--seqs 512 2048 8192 32768]
-                                [--out bench/results] [--accuracy]
+                                [--out bench/results] [--accuracy-max-s 2048] [--merge --run NAME]
 
 Every neptune_eq kernel is derived by ``ne.attention`` + the rules (nothing templated),
 checked against each peer's output on the same inputs before anything is timed, and
@@ -10,8 +10,10 @@ timed with ``triton.testing.do_bench`` (median).  Prefill TFLOP/s = 4·B·Hq·Sq
 Peers: SDPA (cuDNN/flash; an explicit bias for ALiBi), FlexAttention under
 torch.compile, and torch.compile of the plain PyTorch code (skipped where its S² scores
 would not fit).  Also records cold and warm ``superoptimize`` times (warm = cache hit).
-``--accuracy`` instead writes RMS / max error vs an fp64 reference for ours, SDPA, Flex.
-Writes ``neptune_ops.{csv,json,md}`` (or ``accuracy.{csv,md}``) under --out.
+Setups with S <= --accuracy-max-s also get RMS / max error vs an fp64 reference for ours
+and every peer on the same inputs (accuracy.{csv,md}).  Writes neptune_ops.{csv,json,md}
+under --out; ``--merge`` keeps the rows of setups this run does not repeat (the ``run``
+column says which run measured a row).
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def make_mods(off, alibi, softcap, window, slopes, tanh):
 
 
 def reference(spec, q, k, v, slopes, dtype=torch.float32):
-    """Plain attention in ``dtype`` (the fp64 oracle for --accuracy, and what
+    """Plain attention in ``dtype`` (the fp64 oracle for the accuracy report, and what
     torch.compile gets as the plain code)."""
     hq, hkv, sq, skv, off, alibi, softcap, masked, window = spec
     g = hq // hkv
@@ -140,7 +142,7 @@ def peers(spec, q, k, v, slopes):
     return out
 
 
-def run_op(op, S, rows, acc_rows, accuracy):
+def run_op(op, S, rows, acc_rows, accuracy, run):
     out, spec, work, unit = build(op, S)
     hq, hkv, sq, skv = spec[:4]
     torch.manual_seed(0)
@@ -157,14 +159,14 @@ def run_op(op, S, rows, acc_rows, accuracy):
     warm_k = ne.superoptimize(out, target="cuda", top_k=2)  # a cache hit
     warm = time.perf_counter() - t0
     ours = kern(*args)
-    row = {"op": op, "S": S, "unit": unit, "neptune_eq": None, "cold_s": round(cold, 1),
+    row = {"op": op, "S": S, "unit": unit, "neptune_eq": None, "run": run, "cold_s": round(cold, 1),
            "warm_s": round(warm, 3), "cache": warm_k.cache_status,
            "chosen": kern.chosen_row.description, "structure": kern.chosen_row.structure,
            "config": str(kern.config), "spearman": kern.ranking_spearman,
            "candidates": [(c.description, c.structure, round(c.predicted_us, 1),
                            None if c.measured_ms is None else round(c.measured_ms * 1e3, 1))
                           for c in kern.candidates]}
-    if accuracy:
+    if S <= accuracy:
         ref = reference(spec, q, k, v, slopes, torch.float64).double()
         for name, fn in [("neptune_eq", lambda: kern(*args))] + list(peers(spec, q, k, v, slopes).items()):
             try:
@@ -174,8 +176,8 @@ def run_op(op, S, rows, acc_rows, accuracy):
             except Exception as ex:  # noqa: BLE001
                 acc_rows.append({"op": op, "S": S, "impl": name, "rms": None, "max": None,
                                  "note": type(ex).__name__})
-            print(acc_rows[-1], flush=True)
-        return
+        del ref
+        torch.cuda.empty_cache()
     row["neptune_eq"] = work / (do_bench(lambda: kern(*args), warmup=25, rep=100,
                                          return_mode="median") / 1e3)
     for name, fn in peers(spec, q, k, v, slopes).items():
@@ -205,22 +207,52 @@ def _sci(x):
     return "—" if x is None else f"{x:.2e}"
 
 
-def write(out: Path, rows, acc_rows, meta):
+def _read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for r in csv.DictReader(open(path)):
+        for k, v in r.items():
+            try:
+                r[k] = float(v) if k not in ("op", "unit", "structure", "config", "run", "impl",
+                                             "note") and v not in ("", None) else v
+            except ValueError:
+                pass
+        r["S"] = int(r["S"])
+        out.append(r)
+    return out
+
+
+def _merged(old: list[dict], new: list[dict], key) -> list[dict]:
+    """Old rows, each replaced by this run's row for the same setup; order by op then S."""
+    by = {key(r): r for r in old}
+    by.update({key(r): r for r in new})
+    order = {op: n for n, op in enumerate(OPS)}
+    return sorted(by.values(), key=lambda r: (order.get(r["op"], 99), r["S"], r.get("impl", "")))
+
+
+def write(out: Path, rows, acc_rows, meta, merge=False):
     out.mkdir(parents=True, exist_ok=True)
+    if merge:
+        rows = _merged(_read_csv(out / "neptune_ops.csv"), rows, lambda r: (r["op"], r["S"]))
+        acc_rows = _merged(_read_csv(out / "accuracy.csv"), acc_rows,
+                           lambda r: (r["op"], r["S"], r["impl"]))
     if acc_rows:
         with open(out / "accuracy.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, ["op", "S", "impl", "rms", "max", "note"])
+            w = csv.DictWriter(fh, ["op", "S", "impl", "rms", "max", "note"], extrasaction="ignore")
             w.writeheader()
             w.writerows(acc_rows)
         md = [f"# Accuracy vs fp64 on {meta['gpu']} ({meta['date']})", "",
+              "Same random inputs for every implementation (q, k, v ~ N(0, 1), fp16).", "",
               "| op | S | impl | RMS error | max error |", "| --- | --- | --- | --- | --- |"]
         md += [f"| {r['op']} | {r['S']} | {r['impl']} | {_sci(r['rms'])} | {_sci(r['max'])} |"
                for r in acc_rows]
         (out / "accuracy.md").write_text("\n".join(md) + "\n")
+    if not rows:
         return
     (out / "neptune_ops.json").write_text(json.dumps({**meta, "rows": rows}, indent=1, default=str))
     keys = ["op", "S", "unit", "neptune_eq", "sdpa", "flex", "compile", "vs_best_peer",
-            "vs_best_compiler", "cold_s", "warm_s", "cache", "structure", "config", "spearman"]
+            "vs_best_compiler", "cold_s", "warm_s", "cache", "structure", "config", "spearman", "run"]
     with open(out / "neptune_ops.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, keys, extrasaction="ignore")
         w.writeheader()
@@ -230,9 +262,9 @@ def write(out: Path, rows, acc_rows, meta):
         return f"{x:.2f}" if isinstance(x, float) else ("—" if x is None else str(x))
     md = [f"# Neptune's operators on {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}, "
           f"{meta['date']})", "", "| op | S | unit | neptune_eq | SDPA | Flex | compile | vs best peer "
-          "| vs best compiler | cold s | warm s | chosen |", "|" + " --- |" * 12]
+          "| vs best compiler | cold s | warm s | chosen | run |", "|" + " --- |" * 13]
     md += [f"| {r['op']} | {r['S']} | {r['unit']} | " + " | ".join(f(r.get(k)) for k in keys[3:11])
-           + f" | {r.get('structure', '—')} |" for r in rows]
+           + f" | {r.get('structure', '—')} | {r.get('run', '—')} |" for r in rows]
     ratios = [r["vs_best_peer"] for r in rows if r.get("vs_best_peer")]
     comp = [r["vs_best_compiler"] for r in rows if r.get("vs_best_compiler")]
     if ratios:
@@ -247,7 +279,10 @@ def main():
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--accuracy-max-s", type=int, default=2048,
+                    help="also measure accuracy vs fp64 for setups up to this S (0: never)")
+    ap.add_argument("--merge", action="store_true", help="keep rows of setups not rerun")
+    ap.add_argument("--run", default=time.strftime("run-%H%M"), help="label of this run's rows")
     a = ap.parse_args()
     import os
     import tempfile
@@ -258,12 +293,13 @@ def main():
     for S in a.seqs:
         for op in a.ops:
             try:
-                run_op(op, S, rows, acc_rows, a.accuracy)
+                run_op(op, S, rows, acc_rows, a.accuracy_max_s, a.run)
             except Exception as ex:  # noqa: BLE001 - record and go on to the next setup
                 print(f"{op} S={S}: FAILED {type(ex).__name__}: {ex}", flush=True)
-                rows.append({"op": op, "S": S, "unit": "", "neptune_eq": f"failed: {type(ex).__name__}"})
+                rows.append({"op": op, "S": S, "unit": "", "run": a.run,
+                             "neptune_eq": f"failed: {type(ex).__name__}"})
             torch.cuda.empty_cache()
-            write(Path(a.out), rows, acc_rows, meta)
+            write(Path(a.out), rows, acc_rows, meta, a.merge)
 
 
 if __name__ == "__main__":
