@@ -28,6 +28,9 @@ import neptune_ops as nb  # noqa: E402
 import neptune_eq as ne  # noqa: E402
 
 
+PEERS = True
+
+
 def _host_us(fn, n=200):
     for _ in range(10):
         fn()
@@ -61,7 +64,8 @@ def overhead(op, S):
         outs = {n: torch.empty(kern.program.shape_of(n), dtype=torch.float16, device="cuda")
                 for n in kern.program.outputs}
         rows.append(("  launcher only", lambda: kern._launcher({**bound, **outs})))
-    rows += list(nb.peers(spec, *qkvs).items())
+    if PEERS:
+        rows += list(nb.peers(spec, *qkvs).items())
     print(f"{op} S={S}: chosen {kern.chosen_row.structure} [{kern.config}]")
     for name, fn in rows:
         try:
@@ -73,7 +77,8 @@ def overhead(op, S):
                   f"  -> {work / (graph * 1e-6):.2f} {unit} on the GPU alone", flush=True)
         except Exception as ex:  # noqa: BLE001
             print(f"  {name:<16} failed: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
-    print(f"    fast launch: {kern._launcher.fast_ok} {kern._launcher.fast_reason}")
+    la = kern._launcher
+    print(f"    fast launch: {la.fast_ok} {la.fast_reason} checked keys {len(la._checked)}")
     for name, us in _kernel_times(lambda: kern(*args)):
         print(f"    GPU kernel {name[:60]:<60} {us:8.1f} us")
     for c in kern.candidates:
@@ -139,7 +144,10 @@ def main():
     ap.add_argument("--ops", nargs="+", default=["causal-dc", "alibi-dc", "gqa-dc"],
                     choices=list(nb.OPS))
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--no-peers", action="store_true")
     a = ap.parse_args()
+    global PEERS
+    PEERS = not a.no_peers
     fn = {"overhead": overhead, "compiled": compiled, "loop": loop}[a.what]
     for S in a.seqs:
         for op in a.ops:
