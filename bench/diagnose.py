@@ -128,6 +128,24 @@ def _compiled_kernels(fn):
         yield from cache[0].values()
 
 
+def hostprofile(op, S, n=2000):
+    """cProfile of n calls (host side): where the per-call microseconds go."""
+    import cProfile
+    import pstats
+    kern, args, *_ = _setup(op, S)
+    for _ in range(20):
+        kern(*args)
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        kern(*args)
+    pr.disable()
+    torch.cuda.synchronize()
+    print(f"{op} S={S}: [{kern.config}] fast {kern._launcher.fast_ok} {kern._launcher.fast_reason}")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+
+
 def loop(op, S, n=5):
     """Ours n times, then each peer n times (for ncu's --launch-skip/--launch-count)."""
     kern, args, spec, qkvs, *_ = _setup(op, S)
@@ -140,7 +158,7 @@ def loop(op, S, n=5):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["overhead", "compiled", "loop"])
+    ap.add_argument("what", choices=["overhead", "compiled", "loop", "hostprofile"])
     ap.add_argument("--ops", nargs="+", default=["causal-dc", "alibi-dc", "gqa-dc"],
                     choices=list(nb.OPS))
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 8192])
@@ -148,7 +166,7 @@ def main():
     a = ap.parse_args()
     global PEERS
     PEERS = not a.no_peers
-    fn = {"overhead": overhead, "compiled": compiled, "loop": loop}[a.what]
+    fn = {"overhead": overhead, "compiled": compiled, "loop": loop, "hostprofile": hostprofile}[a.what]
     for S in a.seqs:
         for op in a.ops:
             try:
