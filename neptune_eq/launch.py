@@ -3,10 +3,10 @@
 ``kernel[grid](...)`` re-binds and re-specialises all ~30 arguments on every call
 (tens of µs in Python), which is longer than a short decode kernel runs on the GPU.
 ``FastLaunch`` keeps the ``CompiledKernel`` that Triton chose for a call and launches it
-directly while every fact Triton specialises on stays the same: the key is each
-pointer's 16-byte alignment and the exact value of every integer argument, which is at
-least as fine as Triton's own specialisation (alignment, ``== 1``, ``% 16``, i32/i64), so
-a hit always reuses the kernel Triton itself would have picked.
+directly while every fact Triton specialises on stays the same (``launch_key``: each
+pointer's 16-byte alignment and the exact value of every integer argument, at least as
+fine as Triton's own specialisation on alignment, ``== 1``, ``% 16`` and i32/i64), so a
+hit always reuses the kernel Triton itself would have picked.
 
 The direct call relies on Triton internals (``CompiledKernel.run``'s argument order),
 so the first call under every key is *checked*: the fast launch must reproduce the
@@ -14,8 +14,6 @@ normal launch bit for bit (``Launcher.__call__`` compares the outputs), else the
 path is switched off for good and ``reason`` says why.
 """
 from __future__ import annotations
-
-import torch
 
 
 def _hooks():
@@ -27,9 +25,18 @@ def _hooks():
         return CompiledKernel.launch_enter_hook, CompiledKernel.launch_exit_hook
 
 
-def _stream(device: int):
+def current_stream(device: int):
     from triton.runtime import driver
     return driver.active.get_current_stream(device)
+
+
+def launch_key(tensors: list, ints: list) -> tuple:
+    """What Triton specialises a launch on, or finer: the device, each pointer's 16-byte
+    alignment and every integer argument's value (scratch buffers are ours and always
+    aligned; chunk sizes are fixed per launcher)."""
+    import torch
+    return (torch.cuda.current_device(), tuple(t.data_ptr() & 15 == 0 for t in tensors),
+            tuple(ints))
 
 
 class FastLaunch:
@@ -40,20 +47,12 @@ class FastLaunch:
             consts, options
         names = list(getattr(fn, "arg_names", None) or consts)  # interpreter: unused
         self.const_values = [consts[n] for n in names[len(names) - len(consts):]]
-        self.kernels: dict[tuple, object] = {}
-
-    def key(self, args: list) -> tuple:
-        return (torch.cuda.current_device(),) + tuple(
-            (a.data_ptr() & 15) == 0 if isinstance(a, torch.Tensor) else a for a in args)
 
     def slow(self, args: list):
-        """Triton's own launch; remembers the compiled kernel it picked."""
-        ck = self.fn[self.grid](*args, **self.consts, **self.options)
-        return ck
+        """Triton's own launch; returns the compiled kernel it picked."""
+        return self.fn[self.grid](*args, **self.consts, **self.options)
 
-    def fast(self, ck, args: list) -> None:
-        dev = torch.cuda.current_device()
-        stream = _stream(dev)
+    def fast(self, ck, args: list, stream) -> None:
         enter, exit_ = _hooks()
         meta = ck.launch_metadata(self.grid, stream, *args, *self.const_values)
         ck.run(*self.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_,

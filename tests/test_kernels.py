@@ -62,3 +62,52 @@ def test_triton_imported_first_in_gpu_mode_gives_a_clear_error():
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode != 0 and "Import neptune_eq before triton" in r.stderr
+
+
+def _fake_gpu_launches(monkeypatch):
+    """Run the fast-launch logic on CPU: Triton's launch and the direct launch both run
+    the interpreted kernel (CUDA device and stream lookups stubbed)."""
+    from neptune_eq import launch, runtime
+    calls = []
+    monkeypatch.setattr(runtime, "launch_key",
+                        lambda ts, ints: (0, tuple(t.data_ptr() & 15 == 0 for t in ts), tuple(ints)))
+    monkeypatch.setattr(runtime, "current_stream", lambda dev: None)
+
+    def slow(fl, args):
+        calls.append("slow")
+        fl.fn[fl.grid](*args, **fl.consts, **fl.options)
+        return "compiled"
+
+    def fast(fl, ck, args, stream):
+        calls.append("fast")
+        fl.fn[fl.grid](*args, **fl.consts, **fl.options)
+    monkeypatch.setattr(launch.FastLaunch, "slow", slow)
+    monkeypatch.setattr(launch.FastLaunch, "fast", fast)
+    return calls
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_fast_launch_is_used_only_after_it_reproduces_tritons_launch(monkeypatch, corrupt):
+    from neptune_eq import launch
+    from neptune_eq.runtime import Launcher, candidate_configs
+    kern = ne.superoptimize(examples.softmax(3, 10), target="interpreter", cache=False)
+    calls = _fake_gpu_launches(monkeypatch)
+    if corrupt:
+        real_fast = launch.FastLaunch.fast
+
+        def bad(fl, ck, args, stream):
+            real_fast(fl, ck, args, stream)
+            args[1].add_(1.0)  # the output pointer of softmax: a wrong answer
+        monkeypatch.setattr(launch.FastLaunch, "fast", bad)
+    la = Launcher(kern.program, kern.kernel_source, "cuda", candidate_configs(kern.kernel_source, "interpreter")[0])
+    assert la.fast_ok
+    x = torch.randn(3, 10)
+    for _ in range(3):
+        y = torch.empty(3, 10)
+        la({"x": x, "y": y})
+        assert torch.allclose(y, torch.softmax(x, -1), atol=1e-5)  # never the corrupted output
+    if corrupt:
+        assert not la.fast_ok and "differed" in la.fast_reason and calls.count("slow") >= 2
+    else:
+        # slow + one checked fast launch, then only fast launches
+        assert calls == ["slow", "fast", "fast", "fast"] and len(la._checked) == 1
