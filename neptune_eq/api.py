@@ -128,8 +128,7 @@ class Kernel:
         for name, shape, dt, dev in self._out_specs:
             bound[name] = torch.empty(shape, dtype=dt, device=dev)
         self._launcher(bound)
-        outs = bound
-        res = [outs[n] for n in self.program.outputs]
+        res = [bound[n] for n in self.program.outputs]
         return res[0] if len(res) == 1 else tuple(res)
 
 
