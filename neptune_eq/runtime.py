@@ -163,8 +163,8 @@ class Launcher:
                         and os.environ.get("NEPTUNE_EQ_FAST_LAUNCH", "1") != "0")
         self.fast_reason = "" if self.fast_ok else "off (interpreter or NEPTUNE_EQ_FAST_LAUNCH=0)"
         self._checked: dict[tuple, list] = {}
-        self._launches = None
         self._chunks = self.chunking() if self.ks.split_extent else None
+        self._launches = self._plan_launches()
 
     def grid(self) -> tuple[int, int]:
         blk = self.config.blocks.get(f"B_{self.ks.block_axis}", self.ks.tunables[f"B_{self.ks.block_axis}"])
@@ -223,8 +223,6 @@ class Launcher:
         return [args + ws + strides + [chunk], args + ws + strides + [nsplit]], key
 
     def __call__(self, tensors: dict):
-        if self._launches is None:
-            self._launches = self._plan_launches()
         arg_lists, key = self._arg_lists(tensors)
         steps = self._launches
         if self.target == "interpreter":

@@ -304,14 +304,13 @@ class EGraphStage:
                 before = self.rows()
                 t1 = time.perf_counter()
                 # Rulesets are made before the push: a pop would take them away.
-                active = self._active_ruleset([r for r in rules if not backoff.is_banned(r, it)])
+                active = self._active_ruleset(rules, backoff, it)
                 self.eg.push()
                 matches, changed = self._iterate(active)
                 banned = backoff.ban(backoff.over_limit(matches), it)
                 if banned:  # redo the iteration without the rules that matched too often
                     self.eg.pop()
-                    active = self._active_ruleset(
-                        [r for r in rules if not backoff.is_banned(r, it)])
+                    active = self._active_ruleset(rules, backoff, it)
                     self.eg.push()
                     matches, changed = self._iterate(active)
                 rows = self.rows()
@@ -348,9 +347,11 @@ class EGraphStage:
             self.trace.stop_reason = "iteration limit"
         return self.trace
 
-    def _active_ruleset(self, rules: list[str]) -> str | None:
-        """One egglog ruleset holding exactly these rules, so they all match on the same
-        e-graph (created once per distinct set: bans change it rarely).  None if empty."""
+    def _active_ruleset(self, rules: list[str], backoff: BackOff, it: int) -> str | None:
+        """One egglog ruleset holding the rules not banned at iteration ``it``, so they
+        all match on the same e-graph (created once per distinct set: bans change it
+        rarely).  None if every rule is banned."""
+        rules = [r for r in rules if not backoff.is_banned(r, it)]
         if not rules:
             return None
         key = tuple(rules)
