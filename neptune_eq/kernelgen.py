@@ -185,10 +185,18 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
     ordered = _fold_order(folds)
     for f in ordered:
         em.running[f.name] = (f.name, f"{f.name}_new")
+    blk: dict[str, str] = {}  # plain fold -> its value over this block alone
     for f in ordered:
         st = em.states[f.name]
-        part = em.reduce_tile(f.op, f.term.args[0], f.axis, LOOP, -1, ps.extent)
+        local = _block_local(em, f, blk)
+        body = _at_block(f.term.args[0], local, "run") if local else f.term.args[0]
+        part = em.reduce_tile(f.op, body, f.axis, LOOP, -1, ps.extent)
         partc = em.bcast(part, st.axes)
+        if f.op in ("max", "min") and em.plan.block_rebase:
+            blk[f.name] = f"{f.name}_blk"
+            em.emit(f"{f.name}_blk = {partc}")
+            em.states[f"{f.name}_blk"] = Tile(f"{f.name}_blk", st.axes, "f32")
+            partc = f"{f.name}_blk"
         if f.op == "max":
             upd = f"tl.maximum({f.name}, {partc})"
         elif f.op == "min":
@@ -198,11 +206,14 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
         elif f.op == "rollmax":
             corr = em.f32(em.expr(f.term.args[1]))
             upd = f"tl.maximum({f.name} + {em.bcast(corr, st.axes)}, {partc})"
-        else:  # rollsum / splitk: t' = t·h + Σ_block g
+        else:  # rollsum / splitk: t' = t·h(R→R') + Σ_block g(R')
             corr = em.f32(em.expr(f.term.args[1]))
             if not set(corr.axes) <= set(st.axes):
                 raise LoweringError(f"The correction of {f.name} depends on the loop axis.")
             upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
+            if local:  # ... + h(R_blk→R')·Σ_block g(R_blk): the split-k combine, per block
+                rb = em.f32(em.expr(_at_block(f.term.args[1], local, "prev")))
+                upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc} * {em.bcast(rb, st.axes)}"
         em.emit(f"{f.name}_new = {upd}")
     for f in ordered:
         em.emit(f"{f.name} = {f.name}_new")
@@ -210,6 +221,30 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
     em.env.pop(loop_var, None)
     for f in ps.folds:
         em.running.pop(f.name, None)
+
+
+def _block_local(em: Emitter, f: Fold, blk: dict[str, str]) -> dict[str, str]:
+    """Producers of rolling sum ``f`` whose block value stands in for their running one
+    (``TilePlan.block_rebase``): plain max/min folds of this pass -- a block's own value is
+    self-contained and, like the running one, a stabiliser (exp(s − m_blk) ≤ 1).  A sum's
+    block value is neither (1/√0 on a padded block), so its readers keep the running one.
+    Empty: update ``f`` the usual way."""
+    if not (em.plan.block_rebase and f.op in ("rollsum", "splitk")):
+        return {}
+    prods = accessed(f.term, ("run", "prev"))
+    if not prods or not prods <= set(blk):
+        return {}
+    return {p: blk[p] for p in prods}
+
+
+def _at_block(t: Term, local: dict[str, str], op: str) -> Term:
+    """``t`` with each ``op`` access (run / prev) of a producer in ``local`` reading the
+    producer's block value instead.  exp(s − m_blk) is exactly 1 at the block's max: the
+    fp16 P fed to the P·V dot then rounds one term per block and row exactly, as
+    FlashDecoding's splits do (measurably lower RMS error in decode)."""
+    if t.op == op and t.val in local:
+        return Term("ref", (), local[t.val])
+    return t.map_args(lambda a: _at_block(a, local, op))
 
 
 def _scratch_offset(em: Emitter, f: Fold, split: Tile) -> tuple[str, tuple[str, ...], int]:

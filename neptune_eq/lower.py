@@ -114,6 +114,15 @@ class TilePlan:
         return n // self.packed[1] if self.packed and axis == self.packed[0] else n
 
     @property
+    def block_rebase(self) -> bool:
+        """Re-base each key block's rolling sums on the block's own max (see
+        ``kernelgen._loop``): one exactly-represented p = 1 per block and row, as FlashDecoding
+        gets per split, for the price of one multiply of the block's [rows x width] product.
+        Worth it where that product is one row block of a memory-bound kernel (decode);
+        in prefill the extra pass over a 128-row accumulator competes with the tensor cores."""
+        return self.row_extent <= 16
+
+    @property
     def launches(self) -> int:
         return 2 if self.split else 1
 
@@ -138,7 +147,10 @@ class TilePlan:
                         "blocks fully inside evaluate no mask, only boundary blocks do)")
             how = (" split into parallel chunks (partials kernel), then a combine kernel "
                    "re-bases the partials with the folds' corrections" if self.split else "")
-            lines.append(f"pass {k + 1}: loop over {p.extent}{skip}{how} -> {fs}")
+            rebase = (" (each key block's rolling sums taken at the block's own max, then "
+                      "re-based by the fold's correction)" if self.block_rebase and any(
+                          f.op in ("rollsum", "splitk") for f in p.folds) else "")
+            lines.append(f"pass {k + 1}: loop over {p.extent}{skip}{how}{rebase} -> {fs}")
         for e in self.epilogue:
             how = f"pass over {list(e.loop_axes)}" if e.loop_axes else "from registers"
             lines.append(f"epilogue: {e.name}[{', '.join(e.axes)}] ({how})")

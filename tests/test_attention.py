@@ -112,3 +112,25 @@ def test_non_affine_masks_keep_the_full_loop():
                                          mask_mod=lambda b, h, i, j: doc[i] == doc[j]),
                             target="interpreter")
     assert kern.plan.passes[0].lo_offset is None and kern.plan.passes[0].hi_offset is None
+
+
+def test_decode_rebases_each_key_block_on_its_own_max():
+    """Decode (one row block): every key block's P is taken at the block's own max and
+    re-based by the fold's correction (FlashDecoding's split rule, per block).  Leading
+    blocks fully masked (a captured mask: no loop bound to skip them), scores of ±1e3, and
+    a row with nothing visible still equal the reference; prefill keeps the plain update."""
+    keep = ne.placeholder((2, 53), "int32", "keep")
+    out = ne.attention(1, 2, 1, 53, D, "float32", scale=1.0,
+                       mask_mod=lambda b, h, i, j: keep[h, j] > 0)
+    kern = ne.superoptimize(out, target="interpreter")
+    assert "block's own max" in kern.plan.describe() and "o_f0 * " in kern.source
+    assert "mx_blk" in kern.source
+    q, k, v = (torch.randn(1, 2, n, D) * s for n, s in ((1, 8.0), (53, 8.0), (53, 1.0)))
+    mask = torch.zeros(2, 53, dtype=torch.int32)
+    mask[0, 35:] = 1  # head 0: the first two 16-key blocks fully masked; head 1: nothing visible
+    got = kern(q, k, v, mask)
+    ref = evaluate(kern.input_program, {"q": q, "k": k, "v": v, "keep": mask})["o"]
+    assert torch.isfinite(got).all() and got[0, 1].abs().max() == 0
+    assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-4)
+    prefill = ne.superoptimize(ne.attention(1, 2, 40, 40, D, "float32"), target="interpreter")
+    assert "_blk" not in prefill.source and "own max" not in prefill.plan.describe()
