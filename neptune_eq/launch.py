@@ -16,13 +16,15 @@ path is switched off for good and ``reason`` says why.
 from __future__ import annotations
 
 
-def _hooks():
+def _hook_source():
+    """Where Triton keeps its launch hooks (profilers set them at any time, so they are
+    read on every launch -- from an object found once, not by an import per call)."""
     try:
         from triton import knobs
-        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        return knobs.runtime, "launch_enter_hook", "launch_exit_hook"
     except (ImportError, AttributeError):  # pragma: no cover - older Triton
         from triton.compiler import CompiledKernel
-        return CompiledKernel.launch_enter_hook, CompiledKernel.launch_exit_hook
+        return CompiledKernel, "launch_enter_hook", "launch_exit_hook"
 
 
 def current_stream(device: int):
@@ -47,13 +49,17 @@ class FastLaunch:
             consts, options
         names = list(getattr(fn, "arg_names", None) or consts)  # interpreter: unused
         self.const_values = [consts[n] for n in names[len(names) - len(consts):]]
+        self._hooks = None
 
     def slow(self, args: list):
         """Triton's own launch; returns the compiled kernel it picked."""
         return self.fn[self.grid](*args, **self.consts, **self.options)
 
     def fast(self, ck, args: list, stream) -> None:
-        enter, exit_ = _hooks()
+        if self._hooks is None:
+            self._hooks = _hook_source()
+        src, enter_name, exit_name = self._hooks
+        enter, exit_ = getattr(src, enter_name), getattr(src, exit_name)
         meta = ck.launch_metadata(self.grid, stream, *args, *self.const_values)
         ck.run(*self.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_,
                *args, *self.const_values)
