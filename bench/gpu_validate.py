@@ -1,10 +1,11 @@
 """Correctness of generated kernels on the GPU (the CPU tests use the interpreter).
 
-    python bench/gpu_validate.py [--out bench/results]
+    python bench/gpu_validate.py [--out bench/results] [--only decode chain ...]
 
 Every program is superoptimized for CUDA and compared with the fp64 reference
 interpreter on fresh random inputs, including odd sizes and large-magnitude scores.
-Writes gpu_validate.json; exits non-zero on any mismatch.
+Split-k kernels are also run in the form not chosen (two launches / one launch).
+Writes gpu_validate.json after every case; exits non-zero on any mismatch.
 """
 from __future__ import annotations
 
@@ -50,7 +51,24 @@ def case(name, out, scale=1.0):
         ok &= bool(torch.isfinite(got).all()) and e <= b
         err, bound = max(err, e), max(bound, b)
     la = kern._launcher
-    return {"case": name, "ok": ok, "max_abs_err": err, "bound": bound,
+    other = ""
+    if kern.config is not None and kern.config.splits:  # the split-k form not chosen, too
+        from dataclasses import replace
+        from neptune_eq.runtime import Launcher
+        cfg = replace(kern.config, fused=not kern.config.fused)
+        alt = Launcher(kern.program, kern.kernel_source, "cuda", cfg)
+        dev = {k: v.cuda() for k, v in ins.items()}
+        for _ in range(3):  # slow launch + check, then the direct launch twice
+            outs = {n: torch.empty(prog.shape_of(n), dtype=getattr(torch, dt), device="cuda")
+                    for n in prog.outputs}
+            alt({**dev, **outs})
+            got = outs[prog.outputs[0]].cpu()
+            ref = evaluate(prog, ins)[prog.outputs[0]]
+            e = (got.double() - ref).abs().max().item()
+            ok &= bool(torch.isfinite(got).all()) and e <= TOL[dt] * max(1.0, ref.abs().max().item())
+            err = max(err, e)
+        other = f"{cfg} also checked (fast {alt.fast_ok})"
+    return {"case": name, "ok": ok, "max_abs_err": err, "bound": bound, "also": other,
             "passes": kern.plan.n_passes, "config": str(kern.config),
             "launches": len(kern.launches), "fast_launch": la.fast_ok, "fast_note": la.fast_reason,
             "seconds": round(time.perf_counter() - t0, 2)}
@@ -59,30 +77,48 @@ def case(name, out, scale=1.0):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--only", nargs="*", default=None, help="run cases whose name has one of these")
     a = ap.parse_args()
-    rows = []
+    rows = _Rows(a.out, a.only)
     for n, m in ((5, 37), (64, 1000), (3, 4099)):
-        rows.append(case(f"softmax {n}x{m}", examples.softmax(n, m)))
-    rows.append(case("softmax scores ±1e4", examples.softmax(16, 300), scale=1e4))
+        rows.append((f"softmax {n}x{m}", lambda n=n, m=m: examples.softmax(n, m), 1.0))
+    rows.append(("softmax scores ±1e4", lambda: examples.softmax(16, 300), 1e4))
     for shape, dt in (((1, 2, 20, 37, 24), "float16"), ((2, 3, 129, 257, 64), "float16"),
                       ((1, 2, 77, 300, 128), "bfloat16"), ((1, 1, 33, 65, 32), "float32")):
-        rows.append(case(f"attention {shape} {dt}", examples.attention(*shape, dt)))
-    rows.append(case("attention scores x30", examples.attention(1, 2, 64, 200, 64, "float16"), 30.0))
+        rows.append((f"attention {shape} {dt}", lambda shape=shape, dt=dt: examples.attention(*shape, dt),
+                     1.0))
+    rows.append(("attention scores x30", lambda: examples.attention(1, 2, 64, 200, 64, "float16"), 30.0))
     causal = lambda b, h, i, j: j <= i + 999  # noqa: E731 - decode: the query is the last key
     for kvh in (8, 2):  # decode (split-k candidates), plain and GQA-packed
-        rows.append(case(f"decode kv_heads={kvh}", ne.attention(1, 8, 1, 1000, 64, "float16",
-                                                                 kv_heads=kvh, mask_mod=causal)))
+        rows.append((f"decode kv_heads={kvh}", lambda kvh=kvh: ne.attention(
+            1, 8, 1, 1000, 64, "float16", kv_heads=kvh, mask_mod=causal), 1.0))
+    rows.append(("decode 32 heads S=4099 fp16", lambda: ne.attention(
+        1, 32, 1, 4099, 128, "float16", mask_mod=lambda b, h, i, j: j <= i + 4098), 1.0))
     for c in examples.CHAINS:
-        rows.append(case(f"chain:{c}", examples.reduction_chain(c, 40, 333, 48)))
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), "cases": rows}
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "gpu_validate.json").write_text(json.dumps(res, indent=2))
-    for r in rows:
+        rows.append((f"chain:{c}", lambda c=c: examples.reduction_chain(c, 40, 333, 48), 1.0))
+    sys.exit(0 if all(r["ok"] for r in rows.rows) else 1)
+
+
+class _Rows:
+    """Cases run as they are appended; the JSON is rewritten after each (a run cut short
+    by a time limit keeps what it measured)."""
+
+    def __init__(self, out: str, only):
+        self.out, self.only, self.rows = Path(out), only, []
+
+    def append(self, thunk):
+        name, build, scale = thunk
+        if self.only and not any(o in name for o in self.only):
+            return
+        r = case(name, build(), scale)
+        self.rows.append(r)
         print(f"{'ok ' if r['ok'] else 'BAD'} {r['case']:<40} err={r['max_abs_err']:.2e} "
               f"passes={r['passes']} launches={r['launches']} fast={r['fast_launch']} "
-              f"{r['fast_note']} {r['seconds']}s")
-    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+              f"{r['fast_note']} {r['seconds']}s {r['also']}", flush=True)
+        res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), "cases": self.rows}
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_validate.json").write_text(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":

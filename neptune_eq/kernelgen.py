@@ -40,7 +40,11 @@ class KernelSource:
 
     @property
     def kernel_names(self) -> list[str]:
-        return [f"{self.name}_partial", f"{self.name}_combine"] if self.split_extent else [self.name]
+        """Every kernel of the module; a split-k module holds both ways to run it: partial +
+        combine (two launches), or ``_fused`` (one launch, see ``_fused_combine``)."""
+        if not self.split_extent:
+            return [self.name]
+        return [f"{self.name}_partial", f"{self.name}_combine", f"{self.name}_fused"]
 
 
 def _fold_order(folds: list[Fold]) -> list[Fold]:
@@ -74,9 +78,10 @@ def _init(em: Emitter, f: Fold, axes) -> str:
     return f"tl.zeros({em.shape(axes)}, tl.float32)"
 
 
-def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None) -> None:
+def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
+              indent: str = "    ") -> None:
     plan, p = em.plan, em.p
-    em.push("    ")  # scope 0: axis set-up and hoisted loop invariants
+    em.push(indent)  # scope 0: axis set-up and hoisted loop invariants
     em.emit("pid_block = tl.program_id(0)")
     em.emit("pid_grid = tl.program_id(1)")
     if split_axis:
@@ -118,7 +123,7 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None) -> N
         em.emit(f"offs_{a} = tl.arange(0, B_{a})")
         full = " | True" if p.extents[a] == plan.whole_axes[a] else ""
         em.emit(f"mask_{a} = (offs_{a} < {p.extents[a]}){full}")
-    em.push("    ")  # scope 1: the passes and the epilogue
+    em.push(indent)  # scope 1: the passes and the epilogue
 
 
 def _init_states(em: Emitter) -> None:
@@ -280,7 +285,7 @@ def _store_partials(em: Emitter) -> dict[str, int]:
     return scratch
 
 
-def _combine(em: Emitter) -> None:
+def _combine(em: Emitter, cache: str = "") -> None:
     """States = the partials folded together, each re-based by its own correction.
 
     Folds are combined level by level (a fold's producers are complete before the loop
@@ -310,7 +315,7 @@ def _combine(em: Emitter) -> None:
             m = em.mask([a for a in axes if a in (SPLIT, ba)])
             m = em.bcast(Tile(f"({m})", em.canon((SPLIT, ba)), "bool"), axes)
             other = ident.get(by_name[name].op, "0.0")
-            em.emit(f"{name}_p = tl.load(ws_{name}_ptr + {off}, mask={m}, other={other})")
+            em.emit(f"{name}_p = tl.load(ws_{name}_ptr + {off}, mask={m}, other={other}{cache})")
             em.states[f"{name}_p"] = Tile(f"{name}_p", axes, "f32")
         for name in prevs:  # prev := the partials' producer values, run := the combined one
             em.running[name] = (f"{name}_p", name)
@@ -334,6 +339,32 @@ def _combine(em: Emitter) -> None:
         em.scopes[1][0].extend(em.pop())
         for name in prevs:
             em.running.pop(name, None)
+
+
+def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: bool) -> None:
+    """Split-k in one launch: after storing its partials, each chunk program counts itself
+    in on its row block's semaphore; the last to arrive folds all partials and runs the
+    epilogue (CUTLASS's serial split-k, FlashDecoding's combine).  It saves the combine
+    launch -- host and GPU -- that short decodes are made of.  The barrier + acq_rel
+    atomic publish every thread's partial stores before the count; the last program reads
+    them past L1 (.cg), and resets the counter so the buffer is zero for the next launch."""
+    em.emit("# split-k in one launch: the last chunk of this row block to finish combines")
+    em.emit("tl.debug_barrier()")
+    em.emit("sem = sem_ptr + pid_grid * tl.num_programs(0) + pid_block")
+    em.emit("arrived = tl.atomic_add(sem, 1, sem='acq_rel')")
+    em.emit("if arrived == NSPLIT - 1:")
+    inner = em.scopes[-1][2] + "    "
+    last = Emitter(plan, name, bf16_dot_in_fp32)
+    last.tmp = em.tmp  # fresh names: Triton types every name assigned under the ``if``
+    _prologue(last, split_axis=False, indent=inner)
+    last.emit("tl.store(sem, 0)")
+    _init_states(last)
+    _combine(last, cache=", cache_modifier='.cg'")
+    _epilogue(last)
+    body = last.pop()
+    for line in last.pop() + body:
+        em.scopes[-1][0].append(line)
+    em.tmp = last.tmp
 
 
 def _grid_size(plan: TilePlan) -> int:
@@ -443,7 +474,16 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     _epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
                         + [f"B_{SPLIT}: tl.constexpr"], em)
-    return KernelSource(name, "\n".join(header + part + comb) + "\n", **common,
+    # ... or both in one launch
+    em = Emitter(plan, name, bf16_dot_in_fp32)
+    _prologue(em, split_axis=True)
+    _init_states(em)
+    _pass_loop(em, 0, split=True)
+    _store_partials(em)
+    _fused_combine(em, plan, name, bf16_dot_in_fp32)
+    fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
+                         + consts + [f"B_{SPLIT}: tl.constexpr"], em)
+    return KernelSource(name, "\n".join(header + part + comb + fused) + "\n", **common,
                         split_extent=plan.passes[0].extent, scratch=scratch,
                         combine_width=(width, plan.whole_axes[width]) if width else None)
 

@@ -105,15 +105,17 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     splits: int = 0          # split-k chunks (0: not a split-k kernel)
+    fused: bool = False      # split-k in one launch (the last chunk combines)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
         sp = f" splits={self.splits}" if self.splits else ""
+        sp += " one-launch" if self.fused else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
 
     def as_dict(self) -> dict:
         return {"blocks": dict(self.blocks), "num_warps": self.num_warps,
-                "num_stages": self.num_stages, "splits": self.splits}
+                "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused}
 
 
 def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
@@ -137,6 +139,8 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
         programs = -(-ks.row_extent // bi) * ks.grid_size
         for sp in (split_factors(programs, ks.split_extent, bl, sms) if ks.split_extent else [0]):
             out.append(TileConfig(blocks, w, s, sp))
+            if sp:  # and split-k in one launch: timing decides
+                out.append(TileConfig(blocks, w, s, sp, fused=True))
     return out
 
 
@@ -163,6 +167,7 @@ class Launcher:
                         and os.environ.get("NEPTUNE_EQ_FAST_LAUNCH", "1") != "0")
         self.fast_reason = "" if self.fast_ok else "off (interpreter or NEPTUNE_EQ_FAST_LAUNCH=0)"
         self._checked: dict[tuple, list] = {}
+        self._sems: dict = {}  # (device, stream) -> zeroed counters of the one-launch split-k
         self._chunks = self.chunking() if self.ks.split_extent else None
         self._launches = self._plan_launches()
 
@@ -178,14 +183,14 @@ class Launcher:
         chunk = per * bl
         return chunk, -(-self.ks.split_extent // chunk)
 
-    def _combine_shape(self, nsplit: int) -> tuple[int, dict, int]:
+    def _combine_shape(self, nsplit: int, spread_width: bool = True) -> tuple[int, dict, int]:
         """(B_P, constexpr overrides, programs along grid axis 2) of the combine kernel.
         Each step folds B_P partials as one tile of B_P x rows x width (at most 8192
         values); where the combine may spread the width axis over programs, it takes
         all partials in one step and as many programs as that leaves width for."""
         rows, tile = self.consts[f"B_{self.ks.block_axis}"], COMBINE_TILE
         all_p = 1 << max(1, (nsplit - 1).bit_length())
-        if self.ks.combine_width:
+        if self.ks.combine_width and spread_width:
             axis, ext = self.ks.combine_width
             bp = min(all_p, 64)
             bw = max(16, min(ext, _pow2_floor(tile // (bp * rows))))
@@ -199,6 +204,10 @@ class Launcher:
         if not self.ks.split_extent:
             return [FastLaunch(self.fns[0], self.grid(), self.consts, self.options)]
         _, nsplit = self._chunks
+        if self.config.fused:  # one program per row block combines: no width split
+            bp = self._combine_shape(nsplit, spread_width=False)[0]
+            return [FastLaunch(self.fns[2], self.grid() + (nsplit,), {**self.consts, "B_P": bp},
+                               self.options)]
         bp, over, nw = self._combine_shape(nsplit)
         return [FastLaunch(self.fns[0], self.grid() + (nsplit,), self.consts, self.options),
                 FastLaunch(self.fns[1], self.grid() + (nw,), {**self.consts, **over, "B_P": bp},
@@ -220,7 +229,22 @@ class Launcher:
         pad = [-(-n // 4) * 4 for n in sizes]
         buf = torch.empty(sum(pad), dtype=torch.float32, device=args[0].device)
         ws = [buf[at:at + n] for n, at in zip(sizes, itertools.accumulate([0] + pad))]
+        if self.config.fused:
+            return [args + ws + [self._semaphores(args[0].device)] + strides + [chunk, nsplit]], key
         return [args + ws + strides + [chunk], args + ws + strides + [nsplit]], key
+
+    def _semaphores(self, device):
+        """Arrival counters of the one-launch split-k, one per row-block program: zero
+        before a launch, and the last arrival resets its own, so they stay zero between
+        launches.  One buffer per stream: launches on different streams may overlap."""
+        import torch
+        where = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" \
+            else (device, 0)
+        sem = self._sems.get(where)
+        if sem is None:
+            rows, grid = self.grid()
+            sem = self._sems[where] = torch.zeros(rows * grid, dtype=torch.int32, device=device)
+        return sem
 
     def __call__(self, tensors: dict):
         arg_lists, key = self._arg_lists(tensors)

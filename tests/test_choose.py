@@ -15,13 +15,16 @@ def _causal(sq, skv):
     return lambda b, h, q, k: k <= q + (skv - sq)
 
 
-def _run_row(row, program, ins, splits=None):
+def _run_row(row, program, ins, splits=None, fused=False):
     cfg = candidate_configs(row.kernel, "interpreter")[0]
     if splits:
-        cfg.splits = splits
+        cfg.splits, cfg.fused = splits, fused
     outs = {n: torch.empty(program.shape_of(n), dtype=getattr(torch, program.dtype_of(n)))
             for n in program.outputs}
-    Launcher(row.program, row.kernel, "interpreter", cfg)({**ins, **outs})
+    la = Launcher(row.program, row.kernel, "interpreter", cfg)
+    la({**ins, **outs})
+    if fused:  # the last arrival of every row block reset its counter for the next launch
+        assert [int(s.abs().sum()) for s in la._sems.values()] == [0]
     return outs[program.outputs[0]]
 
 
@@ -46,23 +49,25 @@ def test_decode_chooses_split_k_and_long_prefill_chooses_rolling():
         assert all(r.predicted_us >= chosen.predicted_us for r in others)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "one-launch"])
 @pytest.mark.parametrize("hq, hkv, skv, dtype, splits", [
     (4, 4, 70, "float32", 3),      # odd key count, chunks not multiples of the extent
     (8, 2, 100, "float16", 2),     # GQA: 4 heads of a group packed into one row block
     (6, 3, 33, "float32", 5),      # more splits than key blocks: empty chunks combine to 0
 ])
-def test_split_k_decode_kernels_equal_the_reference(hq, hkv, skv, dtype, splits):
+def test_split_k_decode_kernels_equal_the_reference(hq, hkv, skv, dtype, splits, fused):
     out = ne.attention(1, hq, 1, skv, 16, dtype, kv_heads=hkv, mask_mod=_causal(1, skv),
                        score_mod=lambda s, b, h, q, k: s + 0.01 * (k - q))
     kern = ne.superoptimize(out, target="interpreter", cache=False)
     row = _split_row(kern)
     assert row.plan.packed == ((("y", hq // hkv)) if hq != hkv else None)
     ins = random_inputs(kern.input_program)
-    got = _run_row(row, kern.input_program, ins, splits)
-    ref = evaluate(kern.input_program, ins)["o"]
-    tol = 2e-3 if dtype == "float16" else 1e-5
-    assert (got.double() - ref).abs().max().item() <= tol
-    assert "_combine" in row.kernel.source and "NSPLIT" in row.kernel.source
+    for _ in range(2):  # twice: the one-launch form's counters must be zero again
+        got = _run_row(row, kern.input_program, ins, splits, fused)
+        ref = evaluate(kern.input_program, ins)["o"]
+        tol = 2e-3 if dtype == "float16" else 1e-5
+        assert (got.double() - ref).abs().max().item() <= tol
+    assert "_combine" in row.kernel.source and "atomic_add(sem" in row.kernel.source
 
 
 def test_split_k_combine_spreads_the_head_dim_over_programs(monkeypatch):
@@ -94,12 +99,12 @@ def test_split_k_of_every_chain_equals_the_reference(chain, monkeypatch):
     kern = ne.superoptimize(out, target="interpreter", cache=False)
     if not any(r.plan is not None and r.plan.split for r in kern.candidates):
         pytest.skip(f"{chain}: no split-k candidate lowers ({[r.status for r in kern.candidates]})")
-    for _ in (0,):
+    for fused in (False, True):
         row = _split_row(kern)
         # scores up to ~±60: far apart partials, yet exp(x)·v stays in fp32 range for the
         # chains with no max to subtract
         ins = random_inputs(kern.input_program, scale=20.0)
-        got = _run_row(row, kern.input_program, ins, 3)
+        got = _run_row(row, kern.input_program, ins, 3, fused)
         ref = evaluate(kern.input_program, ins)[kern.input_program.outputs[0]]
         assert (got.double() - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
@@ -108,8 +113,9 @@ def test_split_k_fully_masked_rows_return_zero():
     out = ne.attention(1, 2, 1, 40, 16, "float32", mask_mod=lambda b, h, q, k: k < 0)
     kern = ne.superoptimize(out, target="interpreter", cache=False)
     ins = random_inputs(kern.input_program)
-    got = _run_row(_split_row(kern), kern.input_program, ins, 3)
-    assert torch.equal(got, torch.zeros_like(got))
+    for fused in (False, True):
+        got = _run_row(_split_row(kern), kern.input_program, ins, 3, fused)
+        assert torch.equal(got, torch.zeros_like(got))
 
 
 def test_head_packing_shares_kv_loads():
