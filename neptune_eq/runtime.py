@@ -129,6 +129,12 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
               (64, 128, 4, 2), (32, 128, 4, 3))
     if ks.row_extent <= 16:  # decode: one row block; the loop block and split matter
         shapes = ((16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 8, 3), (16, 128, 8, 4))
+        if not ks.split_extent:
+            # A single-pass decode is short (long ones split): host-bound, so the loop block
+            # hardly moves its time, but it is the accuracy granularity -- P is re-based per
+            # key block (TilePlan.block_rebase), one exact p = 1 each; 64 keys match the
+            # split length of FlashDecoding-style kernels.
+            shapes = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 3), (16, 32, 4, 3))
     out = []
     for bi, bl, w, s in shapes:
         if wide > 128 and bi * bl > 128 * 64:
