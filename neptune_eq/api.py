@@ -70,10 +70,7 @@ class Kernel:
     @property
     def launches(self) -> list[str]:
         """The Triton kernels one call runs, in order."""
-        names = self.kernel_source.kernel_names
-        if len(names) == 3:  # split-k: partial + combine, or the one-launch form
-            return names[2:] if self.config is not None and self.config.fused else names[:2]
-        return names
+        return self.kernel_source.launched(self.config is not None and self.config.fused)
 
     def egraph_json(self) -> dict:
         """The saturated e-graph in egraph-serialize JSON (nodes, e-classes, roots)."""

@@ -46,6 +46,14 @@ class KernelSource:
             return [self.name]
         return [f"{self.name}_partial", f"{self.name}_combine", f"{self.name}_fused"]
 
+    def launched(self, fused: bool) -> list[str]:
+        """The kernels one call runs, in order: split-k runs partial + combine, or the one
+        ``_fused`` kernel."""
+        names = self.kernel_names
+        if not self.split_extent:
+            return names
+        return names[2:] if fused else names[:2]
+
 
 def _fold_order(folds: list[Fold]) -> list[Fold]:
     """Producers before the folds that read their running values."""
@@ -215,10 +223,10 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
             corr = em.f32(em.expr(f.term.args[1]))
             if not set(corr.axes) <= set(st.axes):
                 raise LoweringError(f"The correction of {f.name} depends on the loop axis.")
-            upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
             if local:  # ... + h(R_blk→R')·Σ_block g(R_blk): the split-k combine, per block
                 rb = em.f32(em.expr(_at_block(f.term.args[1], local, "prev")))
-                upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc} * {em.bcast(rb, st.axes)}"
+                partc = f"{partc} * {em.bcast(rb, st.axes)}"
+            upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
         em.emit(f"{f.name}_new = {upd}")
     for f in ordered:
         em.emit(f"{f.name} = {f.name}_new")
@@ -362,8 +370,7 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     _combine(last, cache=", cache_modifier='.cg'")
     _epilogue(last)
     body = last.pop()
-    for line in last.pop() + body:
-        em.scopes[-1][0].append(line)
+    em.scopes[-1][0].extend(last.pop() + body)
     em.tmp = last.tmp
 
 

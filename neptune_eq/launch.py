@@ -49,15 +49,13 @@ class FastLaunch:
             consts, options
         names = list(getattr(fn, "arg_names", None) or consts)  # interpreter: unused
         self.const_values = [consts[n] for n in names[len(names) - len(consts):]]
-        self._hooks = None
+        self._hooks = _hook_source()
 
     def slow(self, args: list):
         """Triton's own launch; returns the compiled kernel it picked."""
         return self.fn[self.grid](*args, **self.consts, **self.options)
 
     def fast(self, ck, args: list, stream) -> None:
-        if self._hooks is None:
-            self._hooks = _hook_source()
         src, enter_name, exit_name = self._hooks
         enter, exit_ = getattr(src, enter_name), getattr(src, exit_name)
         meta = ck.launch_metadata(self.grid, stream, *args, *self.const_values)

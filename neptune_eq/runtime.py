@@ -219,15 +219,19 @@ class Launcher:
                 FastLaunch(self.fns[1], self.grid() + (nw,), {**self.consts, **over, "B_P": bp},
                            self.options)]
 
-    def _arg_lists(self, tensors: dict) -> tuple[list[list], tuple]:
-        """Arguments of each kernel in launch order, and the fast-launch key."""
+    def _arg_lists(self, tensors: dict) -> tuple[list[list], tuple | None, int | None]:
+        """Arguments of each kernel in launch order, the fast-launch key, and the stream the
+        launches go to (looked up once per call; None in the interpreter)."""
         import torch
         args = [tensors[n[:-4]] for n in self.ks.params]
         st = {t: tensors[t].stride() for t in self.stride_of}
         strides = [st[t][k] for t, k in self.ks.stride_params]
         key = launch_key(args, strides) if self.fast_ok else None
+        stream = None
+        if self.target == "cuda":
+            stream = current_stream(key[0] if key is not None else torch.cuda.current_device())
         if not self.ks.split_extent:
-            return [args + strides], key
+            return [args + strides], key, stream
         chunk, nsplit = self._chunks
         rows = nsplit * self.ks.grid_size * self.ks.row_extent
         sizes = [rows * w for w in self.ks.scratch.values()]
@@ -236,16 +240,16 @@ class Launcher:
         buf = torch.empty(sum(pad), dtype=torch.float32, device=args[0].device)
         ws = [buf[at:at + n] for n, at in zip(sizes, itertools.accumulate([0] + pad))]
         if self.config.fused:
-            return [args + ws + [self._semaphores(args[0].device)] + strides + [chunk, nsplit]], key
-        return [args + ws + strides + [chunk], args + ws + strides + [nsplit]], key
+            sem = self._semaphores(args[0].device, stream)
+            return [args + ws + [sem] + strides + [chunk, nsplit]], key, stream
+        return [args + ws + strides + [chunk], args + ws + strides + [nsplit]], key, stream
 
-    def _semaphores(self, device):
+    def _semaphores(self, device, stream):
         """Arrival counters of the one-launch split-k, one per row-block program: zero
         before a launch, and the last arrival resets its own, so they stay zero between
         launches.  One buffer per stream: launches on different streams may overlap."""
         import torch
-        where = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" \
-            else (device, 0)
+        where = (device, stream)
         sem = self._sems.get(where)
         if sem is None:
             rows, grid = self.grid()
@@ -253,7 +257,7 @@ class Launcher:
         return sem
 
     def __call__(self, tensors: dict):
-        arg_lists, key = self._arg_lists(tensors)
+        arg_lists, key, stream = self._arg_lists(tensors)
         steps = self._launches
         if self.target == "interpreter":
             for fl, a in zip(steps, arg_lists):
@@ -261,7 +265,6 @@ class Launcher:
             return
         cks = self._checked.get(key) if key is not None else None
         if cks is not None:
-            stream = current_stream(key[0])
             for fl, ck, a in zip(steps, cks, arg_lists):
                 fl.fast(ck, a, stream)
             return
@@ -273,11 +276,10 @@ class Launcher:
         """Launch the fast way into fresh outputs; keep it only if bit-identical."""
         import torch
         outs = {n: torch.empty_like(tensors[n]) for n in self.program.outputs}
-        arg_lists, key2 = self._arg_lists({**tensors, **outs})
+        arg_lists, key2, stream = self._arg_lists({**tensors, **outs})
         if key2 != key:
             return  # fresh outputs align differently: check on a later call
         try:
-            stream = current_stream(key[0])
             for fl, ck, a in zip(self._launches, cks, arg_lists):
                 fl.fast(ck, a, stream)
             same = all(torch.equal(tensors[n].contiguous().view(torch.uint8),
