@@ -227,9 +227,11 @@ class Launcher:
         st = {t: tensors[t].stride() for t in self.stride_of}
         strides = [st[t][k] for t, k in self.ks.stride_params]
         key = launch_key(args, strides) if self.fast_ok else None
-        stream = None
-        if self.target == "cuda":
-            stream = current_stream(key[0] if key is not None else torch.cuda.current_device())
+        stream = None  # needed by the direct launch and the one-launch split-k's counters
+        if key is not None:
+            stream = current_stream(key[0])
+        elif self.target == "cuda" and self.config.fused:
+            stream = current_stream(torch.cuda.current_device())
         if not self.ks.split_extent:
             return [args + strides], key, stream
         chunk, nsplit = self._chunks
