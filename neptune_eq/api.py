@@ -17,7 +17,8 @@ from .extract import CostModel, EGraphView, alternatives, check_folds, extract_p
 from .ir import Program
 from .kernelgen import KernelSource, generate
 from .lower import TilePlan, plan as make_plan
-from .runtime import Launcher, TileConfig, check_inputs, resolve_target
+from .runtime import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
+from .translation_validation import validate_translation
 
 
 @dataclass
@@ -156,15 +157,28 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
                   extra_rules: Sequence[str | Path] = (), target: str = "auto",
                   limits: Limits | None = None, example_inputs: dict | None = None,
                   top_k: int = 3, cache: bool = True, progress: bool = False,
-                  device: str | None = None) -> Kernel:
+                  device: str | None = None, allow_unchecked_rules: bool = False) -> Kernel:
     """Superoptimize the program that computes ``outputs`` (a ne.compute tensor or a list).
 
-    ``rules`` replaces the shipped rule files, ``extra_rules`` adds user rule files.
+    ``rules`` replaces the shipped rule files, ``extra_rules`` adds user rule files; every
+    user rule is checked for soundness first (``UnsoundRuleError`` for a refuted rule, and
+    for one that can be neither proved nor refuted unless ``allow_unchecked_rules=True``).
     The e-graph's cheapest distinct programs are lowered and ranked by the GPU cost model
     (``device``: 'H100' / 'H200', default the GPU present, else H200); on a GPU the best
     ``top_k`` are timed over tile configs on random inputs (or ``example_inputs``) and the
-    fastest is kept.  The winner is cached on disk (``$NEPTUNE_EQ_CACHE``) unless
-    ``cache=False``; a warm call returns without saturating."""
+    fastest is kept.  Before it is returned, the chosen program and its kernel are compared
+    with the input program on random inputs (translation validation; a mismatch raises
+    ``TranslationValidationError``).  The winner is cached on disk
+    (``$NEPTUNE_EQ_CACHE``) unless ``cache=False``; a warm call returns without saturating.
+
+        >>> import neptune_eq as ne
+        >>> x = ne.placeholder((4, 10), "float32", "x")
+        >>> j = ne.reduce_axis(10, "j")
+        >>> mx = ne.compute((4,), lambda i: ne.max(x[i, j], axis=j), "mx")
+        >>> kern = ne.superoptimize(mx, target="interpreter", cache=False)
+        >>> kern.launches
+        ['neptune_kernel_fused']
+    """
     import time
     t0 = time.perf_counter()
     program = outputs if isinstance(outputs, Program) else dsl.build_program(outputs)
@@ -179,6 +193,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     from .egraph.rulefiles import shipped_rule_files
     rule_files = ([Path(f) for f in rules] if rules is not None else shipped_rule_files()) \
         + [Path(f) for f in list(rule_registry.loaded()) + list(extra_rules)]
+    rule_report = rule_registry.vet(rule_files, allow_unchecked=allow_unchecked_rules)
     gpu_name = device or _gpu_name(target)
     key = make_key(program, rule_files, target, gpu_name,
                    {"top_k": top_k, "limits": repr(limits or Limits())})
@@ -191,6 +206,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
         status = "stale entry rebuilt" if hit is not None else status
     kern = _build(program, rules, extra_rules, target, limits, example_inputs, top_k,
                   progress, gpu_name)
+    kern.trace.rule_checks = rule_report
     kern.cache_status, kern.build_seconds = status, time.perf_counter() - t0
     if cache:
         cache_store(key, kern)
@@ -240,8 +256,35 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     rows = rank_candidates(pool, dev, bf16_dot_in_fp32=(target == "interpreter"))
     tensors = _random_inputs(program, example_inputs) if target == "cuda" else None
     chosen = choose(rows, target, tensors, top_k, dev.sms, progress)
+    trace.validation = validate_translation(
+        program, chosen.program, lambda: _blame(trace, chosen),
+        lambda small, data: _run_small_kernel(small, data, target))
     return Kernel(program, chosen.program, chosen.plan, chosen.kernel, trace, rows, target,
                   chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
+
+
+def _blame(trace: Trace, chosen: CandidateRow) -> str:
+    """The rules on the derivation path of the chosen candidate, for an error message."""
+    rules = {r.name: r.where for step in derivation(trace.snapshots, trace) for r in step.rules
+             if hasattr(r, "where")}
+    if not rules:  # no visible step: every rewrite rule that fired is a suspect
+        rules = {n: trace.rules[n].where for n in trace.fired() if n in trace.rules}
+    listed = ", ".join(f"{n} [{w}]" for n, w in rules.items()) or "none (a structural rule)"
+    return f"Chosen candidate: {chosen.description}. Rules on its derivation path: {listed}."
+
+
+def _run_small_kernel(program: Program, data: dict, target: str) -> dict:
+    """The chosen candidate's kernel generated for ``program`` (the shrunk sizes), run once."""
+    import torch
+    kernel = generate(make_plan(program), bf16_dot_in_fp32=(target == "interpreter"))
+    launcher = Launcher(program, kernel, target, candidate_configs(kernel, target)[0])
+    dev = "cuda" if target == "cuda" else "cpu"
+    bound = {k: v.to(dev) for k, v in data.items()}
+    for name in program.outputs:
+        bound[name] = torch.empty(program.shape_of(name), device=dev,
+                                  dtype=getattr(torch, program.dtype_of(name)))
+    launcher(bound)
+    return {name: bound[name] for name in program.outputs}
 
 
 def _random_inputs(program: Program, given: dict | None) -> dict:

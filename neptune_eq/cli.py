@@ -53,11 +53,15 @@ def _program_from_args(args):
         import runpy
         from pathlib import Path
         if not Path(args.file).is_file():
-            raise SystemExit(f"error: expected a Python file defining program(), got {args.file!r} "
+            raise ValueError(f"expected a Python file defining program(), got {args.file!r} "
                              "(no such file).")
-        mod = runpy.run_path(args.file)
+        try:
+            mod = runpy.run_path(args.file)
+        except Exception as e:  # noqa: BLE001 - the user's file failed, not neptune_eq
+            raise ValueError(f"running {args.file} raised {type(e).__name__}: {e}; fix the "
+                             "file (--debug shows the traceback).") from e
         if "program" not in mod or not callable(mod["program"]):
-            raise SystemExit(f"error: {args.file} must define program() returning the output "
+            raise ValueError(f"{args.file} must define program() returning the output "
                              "tensor(s) built with neptune_eq (got names: "
                              f"{sorted(k for k in mod if not k.startswith('_'))}).")
         return mod["program"]()
@@ -147,10 +151,44 @@ def _rules(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; errors are one or two lines on stderr and exit code 2
+    (``--debug`` shows the traceback instead)."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's one place that turns errors into text
+        if args.debug:
+            raise
+        print(_error_text(e), file=sys.stderr)
+        return 2
+
+
+def _error_text(e: Exception) -> str:
+    """An error as at most two lines.  neptune_eq's own errors already say expected / got /
+    what to try; anything else is a bug in neptune_eq, and says how to see more."""
+    from neptune_eq.errors import (ProgramError, RuleFileError, TranslationValidationError)
+    from neptune_eq.lower import LoweringError
+    ours = (ProgramError, RuleFileError, TranslationValidationError, LoweringError, ValueError,
+            TypeError, RuntimeError, FileNotFoundError)
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, ours):
+        return f"error: {text}"
+    return (f"internal error ({type(e).__name__}): {text}\n"
+            "run the same command with --debug for the traceback, and please report it")
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an error instead of a short message")
     ap = argparse.ArgumentParser(prog="neptune-eq", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="superoptimize a small plain attention (or softmax) and "
-                                    "print the trace, the chosen program and the Triton source")
+    d = sub.add_parser("demo", parents=[common],
+                       help="superoptimize a small plain attention (or softmax) and "
+                            "print the trace, the chosen program and the Triton source")
     d.add_argument("--op", choices=["attention", "softmax"], default="attention")
     d.add_argument("--batch", type=int, default=1)
     d.add_argument("--heads", type=int, default=2)
@@ -164,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "candidates and Triton source"),
                            ("explain", _explain, "print the derivation of the chosen kernel"),
                            ("bench", _bench, "superoptimize and time the kernel on the GPU")):
-        o = sub.add_parser(name, help=text)
+        o = sub.add_parser(name, help=text, parents=[common])
         o.add_argument("--file", help="a Python file defining program() (default: attention from flags)")
         o.add_argument("--batch", type=int, default=1)
         o.add_argument("--heads", type=int, default=2)
@@ -182,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         o.add_argument("--rules", nargs="*", help="extra rule files")
         o.add_argument("--svg", help="write the saturated e-graph as SVG to this path")
         o.set_defaults(fn=fn)
-    r = sub.add_parser("rules", help="list the rules, or check rule files for soundness")
+    r = sub.add_parser("rules", parents=[common],
+                       help="list the rules, or check rule files for soundness")
     r.add_argument("action", choices=["list", "check"])
     r.add_argument("files", nargs="*", help="rule files (default: the shipped ones)")
     r.set_defaults(fn=_rules)
-    args = ap.parse_args(argv)
-    return args.fn(args)
+    return ap
 
 
 if __name__ == "__main__":

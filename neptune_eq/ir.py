@@ -17,9 +17,10 @@ The same ``Term`` type carries the fused forms the rules derive:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-import networkx as nx
+if TYPE_CHECKING:  # networkx loads on first use: `import neptune_eq` stays light
+    import networkx as nx
 
 # op -> (arity or None for "any", kind).  Kinds: leaf, index, unary, binary, select,
 # reduce, fold.  The table is the single source of truth for the e-graph constructors,
@@ -210,8 +211,9 @@ class Program:
                 return p.dtype
         return self.definition(name).dtype
 
-    def dataflow(self) -> nx.DiGraph:
+    def dataflow(self) -> "nx.DiGraph":
         """Edges producer -> consumer over placeholders and definitions."""
+        import networkx as nx
         g = nx.DiGraph()
         for p in self.inputs:
             g.add_node(p.name, kind="input")
@@ -271,6 +273,7 @@ def validate(p: Program) -> Program:
     if not p.outputs:
         raise ProgramError("Expected at least one output definition, got none.")
     known = set(names)
+    import networkx as nx
     graph = p.dataflow()
     missing = [n for n in graph.nodes if n not in known]
     if missing:

@@ -20,6 +20,7 @@ from .costmodel import split_factors
 from .kernelgen import KernelSource
 from .launch import FastLaunch, current_stream, launch_key
 from .ir import Program, ProgramError
+from .triton_mode import check_interpreter_importable, enable_interpreter
 
 
 
@@ -38,36 +39,6 @@ def resolve_target(target: str) -> str:
         raise RuntimeError("target='cuda' but torch sees no CUDA device; use target='auto' to "
                            "fall back to the Triton interpreter on CPU.")
     return target
-
-
-def _enable_interpreter() -> None:
-    """Triton reads TRITON_INTERPRET both when a kernel is defined and when it first
-    launches, so a process that interprets keeps it set."""
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
-def _check_interpreter_importable() -> None:
-    """Triton turns its standard library (tl.sum, tl.max…) into interpreted functions only
-    if TRITON_INTERPRET is set when it is first imported."""
-    import triton.language as tl
-    if type(tl.sum).__name__ == "JITFunction":
-        raise RuntimeError(
-            "Triton was imported in GPU mode before neptune_eq chose the interpreter (no GPU "
-            "here), so its standard library cannot run interpreted. Import neptune_eq before "
-            "triton, or set TRITON_INTERPRET=1 in the environment before starting Python.")
-
-
-def prefer_interpreter_without_gpu() -> None:
-    """Called on import: on a machine without CUDA, make Triton import in interpreter
-    mode (it reads TRITON_INTERPRET when first imported)."""
-    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
-        return
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            _enable_interpreter()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
 
 
 def _cache_dir() -> Path:
@@ -90,8 +61,8 @@ def load_kernel(ks: KernelSource, interpret: bool) -> list:
     if modname in sys.modules:
         return [getattr(sys.modules[modname], n) for n in ks.kernel_names]
     if interpret:
-        _enable_interpreter()
-        _check_interpreter_importable()
+        enable_interpreter()
+        check_interpreter_importable()
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod

@@ -92,7 +92,7 @@ def test_explain_lists_the_rolling_steps_and_the_identities_used():
 
 def test_shipped_rules_all_pass_the_check():
     results = [r for f in ne.rules.shipped_rule_files() for r in ne.rules.check(f)]
-    assert results and not [r for r in results if r.status == "UNSOUND"]
+    assert results and not [r for r in results if r.status in ("UNSOUND", "unchecked")]
     assert sum(r.status == "proved" for r in results) >= 10
 
 

@@ -16,16 +16,13 @@ from pathlib import Path
 import egglog.bindings as bindings
 from egglog import EGraph
 
+from ..errors import RuleFileError
 from . import terms
 from .structural import analysis_rules, substitution_rules
 
 RULES_DIR = Path(__file__).resolve().parents[2] / "rules"
 _NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 _POS = re.compile(r"In (\d+):(\d+)")
-
-
-class RuleFileError(ValueError):
-    """A rule file that cannot be loaded."""
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,8 @@ class Trace:
     fold_checks: list = field(default_factory=list)   # verify.FoldCheck per derived fold
     stage_reasons: list = field(default_factory=list)  # "stage: why it stopped"
     snapshots: list = field(default_factory=list)     # (iteration, {def: best term})
+    rule_checks: list = field(default_factory=list)   # one line per user rule file checked
+    validation: object = None  # translation_validation.ValidationReport of the chosen kernel
 
     def fired(self) -> dict[str, int]:
         """Total matches per rule over the whole run (rules that matched at least once)."""
@@ -134,6 +136,10 @@ class Trace:
             for r, until in sorted(it.banned.items()):
                 lines.append(f"           back-off: {r} matched too often, banned until "
                              f"iteration {until}")
+        for line in self.rule_checks:
+            lines.append(f"user rules checked at load: {line}")
+        if self.validation is not None:
+            lines.append(str(self.validation))
         if self.fold_checks:
             ok = sum(c.ok for c in self.fold_checks)
             lines.append(f"fold checks (Eq. 3 and Eq. 4 of every derived fold): {ok}/"

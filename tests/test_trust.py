@@ -1,0 +1,185 @@
+"""Trust: an unsound rule never reaches a kernel, translation validation catches what the
+rule checker cannot, the CLI fails in one or two lines, and the package surface is small
+and light to import."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq import cli, examples
+from neptune_eq.interp import evaluate
+from neptune_eq.ir import Term
+from neptune_eq.translation_validation import shrink, size_map
+
+# One rule per unsound family: dropping a function, a wrong distribution, swapping the
+# reducer, and a rule that holds for positive inputs only.
+UNSOUND = {
+    "identity-drop": '; exp(a) = a   (wrong)\n(rewrite (Exp a) a :name "bad-exp-id")\n',
+    "wrong-distribution": '; a·(b + c) = a·b + c   (wrong)\n'
+                          '(rewrite (Mul a (Add b c)) (Add (Mul a b) c) :name "bad-distribute")\n',
+    "reducer-swap": '; Σ_j a = max_j a   (wrong)\n(rewrite (Sum j a) (Max j a) :name "bad-sum-max")\n',
+    "negative-inputs-only": '; √(a·a) = a   (wrong for a < 0)\n'
+                            '(rewrite (Sqrt (Mul a a)) a :name "bad-sqrt-square")\n',
+}
+
+
+def _rule_file(tmp_path, text, name="user.egg") -> Path:
+    f = tmp_path / name
+    f.write_text(text)
+    return f
+
+
+@pytest.mark.parametrize("family", sorted(UNSOUND))
+def test_an_unsound_rule_is_refused_at_load_with_its_counter_example(tmp_path, family):
+    f = _rule_file(tmp_path, UNSOUND[family])
+    rule = UNSOUND[family].split(':name "')[1].split('"')[0]
+    for load in (lambda: ne.superoptimize(examples.softmax(3, 9), extra_rules=[f],
+                                          target="interpreter", cache=False),
+                 lambda: ne.superoptimize(examples.softmax(3, 9), target="interpreter", cache=False,
+                                          rules=ne.rules.shipped_rule_files() + [f]),
+                 lambda: ne.rules.load(f)):
+        with pytest.raises(ne.UnsoundRuleError) as e:
+            load()
+        msg = str(e.value)
+        assert f"{f}:2" in msg and rule in msg and "counter-example" in msg
+    assert ne.rules.loaded() == []
+
+
+def test_the_negative_only_rule_is_refuted_on_signed_inputs(tmp_path):
+    (r,) = ne.rules.check(_rule_file(tmp_path, UNSOUND["negative-inputs-only"]))
+    assert r.status == "UNSOUND" and "[-3, 3]" in r.detail
+
+
+def test_a_sound_rule_that_is_undefined_outside_its_domain_still_passes(tmp_path):
+    # √a/√b → √(a/b) turns NaN (a, b < 0) into a number: a refinement, allowed.
+    (r,) = ne.rules.check(_rule_file(tmp_path, '; √a/√b = √(a/b)\n'
+                                     '(rewrite (Div (Sqrt a) (Sqrt b)) (Sqrt (Div a b)) :name "sd")\n'))
+    assert r.status in ("proved", "tested")
+
+
+UNDECIDED = ('; |cast(x)| = cast(|x|)\n'
+             '(rewrite (Abs (Cast t x)) (Cast t (Abs x)) :name "abs-through-cast")\n')
+
+
+def test_an_undecided_rule_needs_an_explicit_opt_in_and_the_trace_says_so(tmp_path):
+    f = _rule_file(tmp_path, UNDECIDED)
+    assert ne.rules.check(f)[0].status == "unchecked"
+    with pytest.raises(ne.UnsoundRuleError, match="allow_unchecked_rules=True"):
+        ne.superoptimize(examples.softmax(3, 9), extra_rules=[f], target="interpreter", cache=False)
+    kern = ne.superoptimize(examples.softmax(3, 9), extra_rules=[f], target="interpreter",
+                            cache=False, allow_unchecked_rules=True)
+    assert "used unchecked by opt-in: abs-through-cast" in str(kern.trace)
+
+
+def _wrong(t: Term) -> Term:
+    """exp ↔ exp2 everywhere: what a broken extraction could hand to lowering."""
+    t = t.map_args(_wrong)
+    swap = {"exp": "exp2", "exp2": "exp"}
+    return Term(swap[t.op], t.args) if t.op in swap else t
+
+
+def test_a_broken_extraction_is_caught_by_translation_validation(monkeypatch):
+    import neptune_eq.api as api
+    real = api.choose
+
+    def broken_choose(*args, **kw):
+        row = real(*args, **kw)
+        row.program = row.program.with_defs(d.__class__(d.name, d.axes, _wrong(d.body), d.dtype)
+                                            for d in row.program.defs)
+        return row
+    monkeypatch.setattr(api, "choose", broken_choose)
+    with pytest.raises(ne.TranslationValidationError) as e:
+        ne.superoptimize(examples.softmax(3, 20), target="interpreter", cache=False)
+    assert "disagrees with the input program" in str(e.value)
+    assert "Rules on its derivation path:" in str(e.value) and "rolling-" in str(e.value)
+
+
+def test_a_wrong_kernel_is_caught_by_translation_validation(monkeypatch):
+    import neptune_eq.api as api
+    real = api._run_small_kernel
+    monkeypatch.setattr(api, "_run_small_kernel",
+                        lambda p, data, target: {k: v * 1.05 for k, v in real(p, data, target).items()})
+    with pytest.raises(ne.TranslationValidationError, match="generated kernel disagrees"):
+        ne.superoptimize(examples.softmax(3, 20), target="interpreter", cache=False)
+
+
+def test_validation_runs_at_shrunk_sizes_and_is_reported_in_the_trace():
+    kern = ne.superoptimize(examples.attention(1, 2, 40, 72, 32, "float32"), target="interpreter",
+                            cache=False)
+    report = kern.trace.validation
+    assert report.sizes[72] < 72 and report.sizes[40] < report.sizes[72]
+    assert report.cases == ["normal", "large-magnitude", "few-ids"]
+    assert "agrees with the fp64 reference" in report.kernel
+    assert "translation validation:" in str(kern.trace)
+
+
+def _benchmark_programs():
+    """Neptune's operators at their benchmark sizes (built, never superoptimized here)."""
+    slopes = ne.placeholder((32,), "float32", "slopes")
+    cap = lambda s, b, h, i, j: ne.tanh(s / 50) * 50  # noqa: E731
+    yield ne.attention(1, 32, 32768, 32768, 128, mask_mod=lambda b, h, i, j: j <= i)
+    yield ne.attention(1, 32, 1, 32768, 128, kv_heads=8, score_mod=lambda s, b, h, i, j:
+                       cap(s, b, h, i, j) + slopes[h] * (j - i),
+                       mask_mod=lambda b, h, i, j: j <= i + 32767)
+    yield ne.attention(1, 64, 8192, 8192, 128, kv_heads=8)
+    yield ne.attention(1, 32, 8192, 8192, 128, kv_heads=8, score_mod=cap,
+                       mask_mod=lambda b, h, i, j: (j <= i) & (i - j < 4096))
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_benchmark_sized_programs_shrink_to_a_valid_small_program(k):
+    prog = ne.build_program(list(_benchmark_programs())[k])
+    sizes = size_map(prog)
+    assert max(sizes.values()) <= 16 + 2 * len(sizes)
+    assert sorted(sizes) == sorted(sizes, key=sizes.get)  # order kept, no two sizes merged
+    small = shrink(prog, sizes)
+    data = {ph.name: torch.randn(ph.shape, dtype=torch.float64) for ph in small.inputs}
+    out = evaluate(small, data)[small.outputs[0]]
+    assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------- CLI
+@pytest.mark.parametrize("argv, expected", [
+    (["optimize", "--heads", "6", "--kv-heads", "4"], "multiple of kv heads"),
+    (["optimize", "--file", "/no/such/file.py"], "no such file"),
+    (["demo", "--target", "cuda"], "CUDA"),
+])
+def test_cli_errors_are_short_and_exit_non_zero(capsys, argv, expected):
+    if argv[-1] == "cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is present: --target cuda is valid here")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2
+
+
+def test_cli_debug_flag_shows_the_traceback():
+    with pytest.raises(ne.ProgramError):
+        cli.main(["optimize", "--heads", "6", "--kv-heads", "4", "--debug"])
+
+
+def test_cli_error_in_a_fresh_process_has_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "neptune_eq", "optimize", "--heads", "6",
+                        "--kv-heads", "4"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: Expected q heads (6) to be a multiple of kv heads (4)")
+
+
+# ---------------------------------------------------------------------------- surface
+def test_public_surface_is_declared_typed_and_documented():
+    assert len(ne.__all__) == len(set(ne.__all__))
+    for name in ne.__all__:
+        obj = getattr(ne, name)
+        assert obj.__doc__ and obj.__doc__.strip(), f"ne.{name} has no docstring"
+    assert (Path(ne.__file__).parent / "py.typed").is_file()
+    with pytest.raises(AttributeError, match="public names"):
+        ne.no_such_name  # noqa: B018
+
+
+def test_import_loads_no_heavy_stage():
+    code = ("import sys, neptune_eq; heavy = [m for m in ('sympy', 'egglog', 'triton', 'networkx') "
+            "if m in sys.modules]; print(','.join(heavy))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == ""
