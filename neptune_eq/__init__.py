@@ -20,6 +20,7 @@ from .triton_mode import prefer_interpreter_without_gpu as _prefer_interpreter
 _prefer_interpreter()  # before anything imports triton: CPU-only machines interpret
 from .dsl import (placeholder, reduce_axis, compute, sum, max, min, exp, exp2, log, tanh,  # noqa: A004,E402
                   sqrt, rsqrt, abs, maximum, minimum, where, cast, build_program)
+from .sizes import size  # noqa: E402
 from .errors import (ProgramError, RuleFileError, TranslationValidationError,  # noqa: E402
                      UnsoundRuleError)
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
 
 __all__ = [
     # write a program
-    "placeholder", "reduce_axis", "compute", "build_program",
+    "placeholder", "reduce_axis", "compute", "build_program", "size",
     "sum", "max", "min", "exp", "exp2", "log", "tanh", "sqrt", "rsqrt", "abs",
     "maximum", "minimum", "where", "cast",
     "attention",

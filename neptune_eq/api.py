@@ -9,7 +9,7 @@ import sys
 
 from . import dsl
 from .cache import load as cache_load, make_key, store as cache_store
-from .choose import CandidateRow, choose, rank as rank_candidates, spearman
+from .choose import CandidateRow, spearman
 from .costmodel import device_for
 from .derive import Step, derivation
 from .egraph.saturate import EGraphStage, Limits, Trace
@@ -18,6 +18,8 @@ from .ir import Program
 from .kernelgen import KernelSource, generate
 from .lower import TilePlan, plan as make_plan
 from .runtime import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
+from .dispatch import SizeDispatch, choose_bucket
+from .sizes import Guards, bind, sizes_of, specialise, symbols
 from .translation_validation import validate_translation
 
 
@@ -41,6 +43,8 @@ class Kernel:
     device: str = ""
     cache_status: str = "disabled"   # hit / miss / corrupt entry rebuilt / stale entry rebuilt
     build_seconds: float = 0.0
+    sizes: dict = field(default_factory=dict)   # named sizes the first bucket was chosen at
+    _dispatch: SizeDispatch | None = field(default=None, repr=False)  # symbolic sizes only
     _launcher: Launcher | None = field(default=None, repr=False)
     _expect: list = field(default=None, repr=False)
     _out_specs: list = field(default=None, repr=False)
@@ -114,8 +118,24 @@ class Kernel:
     def chosen_row(self) -> CandidateRow | None:
         return next((c for c in self.candidates if c.chosen), None)
 
+    @property
+    def saturations(self) -> int:
+        """How many times this structure was saturated: once, whatever the sizes called."""
+        return 1
+
+    @property
+    def buckets(self) -> list[str]:
+        """The size buckets chosen so far (named sizes only): where each choice was made,
+        the guards that bound it, and the candidate chosen."""
+        if self._dispatch is None:
+            return []
+        return [f"{c.sizes}: {c.row.description}; {c.row.structure}; valid where {c.guards}"
+                for cs in self._dispatch.buckets.values() for c in cs]
+
     def __call__(self, *args, **kwargs):
         import torch
+        if self._dispatch is not None:
+            return self._call_symbolic(args, kwargs)
         if self._launcher is None:
             self._launcher = Launcher(self.program, self.kernel_source, self.target, self.config)
             dev = "cuda" if self.target == "cuda" else "cpu"
@@ -130,6 +150,22 @@ class Kernel:
             bound[name] = torch.empty(shape, dtype=dt, device=dev)
         self._launcher(bound)
         res = [bound[n] for n in self.program.outputs]
+        return res[0] if len(res) == 1 else tuple(res)
+
+    def _call_symbolic(self, args: tuple, kwargs: dict):
+        """Any size: read the named sizes off the inputs, launch the size's launcher (its
+        bucket's kernel; a new bucket is chosen once, without saturating)."""
+        import torch
+        prog = self.input_program
+        bound = check_inputs(prog, args, kwargs, self.target, symbolic=True)
+        values = sizes_of(prog, bound)
+        launcher = self._dispatch.launcher(values)
+        dev = "cuda" if self.target == "cuda" else "cpu"
+        for name in prog.outputs:
+            shape = tuple(values[n.name] if hasattr(n, "name") else n for n in prog.shape_of(name))
+            bound[name] = torch.empty(shape, dtype=getattr(torch, prog.dtype_of(name)), device=dev)
+        launcher(bound)
+        res = [bound[n] for n in prog.outputs]
         return res[0] if len(res) == 1 else tuple(res)
 
 
@@ -157,7 +193,8 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
                   extra_rules: Sequence[str | Path] = (), target: str = "auto",
                   limits: Limits | None = None, example_inputs: dict | None = None,
                   top_k: int = 3, cache: bool = True, progress: bool = False,
-                  device: str | None = None, allow_unchecked_rules: bool = False) -> Kernel:
+                  device: str | None = None, allow_unchecked_rules: bool = False,
+                  sizes: dict[str, int] | None = None) -> Kernel:
     """Superoptimize the program that computes ``outputs`` (a ne.compute tensor or a list).
 
     ``rules`` replaces the shipped rule files, ``extra_rules`` adds user rule files; every
@@ -168,7 +205,10 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     ``top_k`` are timed over tile configs on random inputs (or ``example_inputs``) and the
     fastest is kept.  Before it is returned, the chosen program and its kernel are compared
     with the input program on random inputs (translation validation; a mismatch raises
-    ``TranslationValidationError``).  The winner is cached on disk
+    ``TranslationValidationError``).  A program with named sizes (``ne.size("S")``) is
+    saturated once and the kernel runs at any size: the choice among candidates is made
+    per size bucket when a call first meets it (``sizes=`` gives the first bucket's sizes,
+    default the example inputs' or 1024).  The winner is cached on disk
     (``$NEPTUNE_EQ_CACHE``) unless ``cache=False``; a warm call returns without saturating.
 
         >>> import neptune_eq as ne
@@ -205,7 +245,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
             return hit
         status = "stale entry rebuilt" if hit is not None else status
     kern = _build(program, rules, extra_rules, target, limits, example_inputs, top_k,
-                  progress, gpu_name)
+                  progress, gpu_name, sizes)
     kern.trace.rule_checks = rule_report
     kern.cache_status, kern.build_seconds = status, time.perf_counter() - t0
     if cache:
@@ -216,7 +256,8 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
 def _fresh(kern: "Kernel") -> bool:
     """A cached kernel is used only if today's code generator emits the same source."""
     try:
-        again = generate(make_plan(kern.program), bf16_dot_in_fp32=(kern.target == "interpreter"))
+        prog = specialise(kern.program, kern.sizes, Guards()) if kern.sizes else kern.program
+        again = generate(make_plan(prog), bf16_dot_in_fp32=(kern.target == "interpreter"))
         return again.source == kern.kernel_source.source
     except Exception:  # noqa: BLE001 - an entry today's code cannot lower is stale
         return False
@@ -230,10 +271,13 @@ def _gpu_name(target: str) -> str:
 
 
 def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, progress,
-           gpu_name) -> Kernel:
+           gpu_name, sizes) -> Kernel:
     from . import rules as rule_registry
+    syms = symbols(program)
+    values = _first_sizes(program, syms, sizes, example_inputs)
+    concrete = bind(program, values) if syms else program   # what the cost model weighs
     stage = EGraphStage(program, rules, list(rule_registry.loaded()) + list(extra_rules))
-    model = CostModel(program)
+    model = CostModel(concrete)
 
     def snapshot(st: EGraphStage, it: int):
         cand = extract_program(EGraphView.from_json(st.serialize()), program, model)
@@ -249,18 +293,42 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     view = EGraphView.from_json(egraph_json)
     trace.fold_checks = check_folds(view, model)
     best_term = extract_program(view, program, model)
-    split_model = CostModel(program, allow_split_k=True)
+    split_model = CostModel(concrete, allow_split_k=True)
     split_model.banned = model.banned
     pool = alternatives(view, program, model, best_term) + top_programs(view, program, split_model)
     dev = device_for(gpu_name)
-    rows = rank_candidates(pool, dev, bf16_dot_in_fp32=(target == "interpreter"))
-    tensors = _random_inputs(program, example_inputs) if target == "cuda" else None
-    chosen = choose(rows, target, tensors, top_k, dev.sms, progress)
+    tensors = _random_inputs(concrete, example_inputs) if target == "cuda" else None
+    first = choose_bucket(pool, values, target, dev, tensors, top_k, progress)
+    chosen = first.row
     trace.validation = validate_translation(
-        program, chosen.program, lambda: _blame(trace, chosen),
-        lambda small, data: _run_small_kernel(small, data, target))
-    return Kernel(program, chosen.program, chosen.plan, chosen.kernel, trace, rows, target,
+        program, first.program, lambda: _blame(trace, chosen),
+        lambda small, named, data: _run_small_kernel(small, named, data, target))
+    kern = Kernel(program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
                   chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
+    if syms:
+        kern.sizes = dict(values)
+        kern._dispatch = SizeDispatch(pool, syms, target, dev)
+        kern._dispatch.add(first)
+    return kern
+
+
+def _first_sizes(program: Program, syms: list[str], sizes: dict | None,
+                 example_inputs: dict | None) -> dict[str, int]:
+    """Where the first bucket is chosen: ``sizes=``, else the example inputs' shapes, else
+    1024 per named size."""
+    if not syms:
+        return {}
+    if sizes is not None:
+        unknown = set(sizes) - set(syms)
+        missing = [s for s in syms if s not in sizes]
+        bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if unknown or missing or bad:
+            raise ValueError(f"Expected sizes= to give a positive int for each named size "
+                             f"{syms}, got {sizes!r}; e.g. sizes={{{', '.join(repr(s) + ': 1024' for s in syms)}}}.")
+        return dict(sizes)
+    if example_inputs and all(ph.name in example_inputs for ph in program.inputs):
+        return sizes_of(program, example_inputs)
+    return {s: 1024 for s in syms}
 
 
 def _blame(trace: Trace, chosen: CandidateRow) -> str:
@@ -273,11 +341,16 @@ def _blame(trace: Trace, chosen: CandidateRow) -> str:
     return f"Chosen candidate: {chosen.description}. Rules on its derivation path: {listed}."
 
 
-def _run_small_kernel(program: Program, data: dict, target: str) -> dict:
-    """The chosen candidate's kernel generated for ``program`` (the shrunk sizes), run once."""
+def _run_small_kernel(program: Program, values: dict[str, int], data: dict, target: str) -> dict:
+    """The chosen candidate's kernel generated for ``program`` (small sizes; its named
+    sizes, at ``values``, stay runtime arguments as in the real kernel), run once."""
     import torch
-    kernel = generate(make_plan(program), bf16_dot_in_fp32=(target == "interpreter"))
-    launcher = Launcher(program, kernel, target, candidate_configs(kernel, target)[0])
+    spec = specialise(program, values, Guards())
+    kernel = generate(make_plan(spec), bf16_dot_in_fp32=(target == "interpreter"))
+    conc = kernel.concrete(values)
+    program = bind(spec, values)
+    launcher = Launcher(program, conc, target, candidate_configs(conc, target)[0].at(values),
+                        tuple(values[s] for s in kernel.size_params))
     dev = "cuda" if target == "cuda" else "cpu"
     bound = {k: v.to(dev) for k, v in data.items()}
     for name in program.outputs:

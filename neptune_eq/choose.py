@@ -92,9 +92,10 @@ def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) ->
 
 
 def choose(rows: list[CandidateRow], target: str, tensors: dict | None, top_k: int,
-           sms: int, progress: bool = False) -> CandidateRow:
+           sms: int, progress: bool = False, values: dict | None = None) -> CandidateRow:
     """The measured best of the top ``top_k`` on a GPU; the predicted best otherwise.
-    Candidates that fail to compile are recorded and the next one is used."""
+    Candidates that fail to compile are recorded and the next one is used.  ``values``:
+    the named sizes ``tensors`` have, for kernels that take sizes at run time."""
     lowerable = [r for r in rows if r.kernel is not None]
     if target != "cuda":
         for r in lowerable:
@@ -113,7 +114,7 @@ def choose(rows: list[CandidateRow], target: str, tensors: dict | None, top_k: i
         if progress:
             print(f"\r[neptune_eq] timing candidate {n}/{min(top_k, len(lowerable))} "
                   f"({len(configs)} tile configs)", end="", file=sys.stderr, flush=True)
-        r.timings = time_configs(r.program, r.kernel, target, tensors, configs)
+        r.timings = time_configs(r.program, r.kernel, target, tensors, configs, values)
         ok = [(c, ms) for c, ms, _ in r.timings if ms is not None]
         if not ok:
             r.status = "failed to compile: " + (r.timings[0][2] if r.timings else "no config")

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from . import ir
 from .ir import ProgramError, Term
+from .sizes import Size, as_extent
 
 
 class Expr:
@@ -77,10 +78,13 @@ def as_term(x) -> Term:
                        f"({x!r}); build values with ne.placeholder/ne.compute and index them.")
 
 
-def _check_extent(e, what: str) -> int:
+def _check_extent(e, what: str) -> "int | Size":
+    """A positive int, or a named symbolic size (``ne.size("S")`` or just ``"S"``)."""
+    if isinstance(e, (str, Size)):
+        return as_extent(e)
     if isinstance(e, bool) or not isinstance(e, int) or e <= 0:
-        raise ProgramError(f"Expected {what} to be a positive int, got {e!r}; named symbolic "
-                           "sizes are not supported yet, pass concrete sizes.")
+        raise ProgramError(f"Expected {what} to be a positive int or a named size "
+                           f"(ne.size('S') or 'S'), got {e!r}.")
     return e
 
 
@@ -138,9 +142,10 @@ def placeholder(shape: Sequence[int], dtype: str = "float32", name: str = "x") -
     return Tensor(name, shape, dtype, None)
 
 
-def reduce_axis(extent: int, name: str = "k") -> IterVar:
-    """A reduction axis of the given extent; use each one in exactly one reduction."""
-    _check_extent(extent, f"the extent of reduce axis {name!r}")
+def reduce_axis(extent: "int | str | Size", name: str = "k") -> IterVar:
+    """A reduction axis of the given extent (an int or a named size); use each one in
+    exactly one reduction."""
+    extent = _check_extent(extent, f"the extent of reduce axis {name!r}")
     _check_name(name)
     n = next(_reduce_names.setdefault(name, itertools.count()))
     return IterVar(name if n == 0 else f"{name}_{n}", extent, True)

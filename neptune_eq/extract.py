@@ -237,8 +237,8 @@ def alternatives(view: EGraphView, program: Program, model: CostModel,
     out: list[Candidate] = [chosen]
     variants = [CostModel(program, forbid=frozenset(FOLD_OPS)),
                 CostModel(program, allow_split_k=True, forbid=frozenset({"RollSum", "RollMax"}))]
-    for m in variants:
-        m.banned = model.banned
+    for m in variants:  # same weights as ``model`` (named sizes: its representative extents)
+        m.banned, m.extents = model.banned, model.extents
     for m in variants:
         try:
             c = extract_program(view, program, m)

@@ -48,9 +48,22 @@ def _cache_dir() -> Path:
     return d
 
 
+_LOADED_KERNELS: dict[tuple[str, bool], list] = {}  # (source, interpret) -> kernels
+
+
 def load_kernel(ks: KernelSource, interpret: bool) -> list:
     """Import the generated module (Triton needs real source files); its kernels in
-    launch order."""
+    launch order.  Remembered per source: a kernel with runtime sizes gets a launcher per
+    size, and must not re-hash and re-stat its module every time."""
+    done = _LOADED_KERNELS.get((ks.source, interpret))
+    if done is not None:
+        return done
+    fns = _import_kernel(ks, interpret)
+    _LOADED_KERNELS[(ks.source, interpret)] = fns
+    return fns
+
+
+def _import_kernel(ks: KernelSource, interpret: bool) -> list:
     digest = hashlib.sha256((ks.source + str(interpret)).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{ks.name}_{digest}.py"
     if not path.exists():
@@ -83,6 +96,13 @@ class TileConfig:
         sp = f" splits={self.splits}" if self.splits else ""
         sp += " one-launch" if self.fused else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
+
+    def at(self, values: dict) -> "TileConfig":
+        """This config at the given sizes: a split factor chosen for a bucket is an
+        expression of the named sizes (more keys, more chunks)."""
+        from .sizes import value
+        return TileConfig(self.blocks, self.num_warps, self.num_stages,
+                          max(1, value(self.splits, values)) if self.splits else 0, self.fused)
 
     def as_dict(self) -> dict:
         return {"blocks": dict(self.blocks), "num_warps": self.num_warps,
@@ -129,6 +149,7 @@ class Launcher:
     ks: KernelSource
     target: str
     config: TileConfig
+    size_args: tuple = ()   # values of ks.size_params: a launcher serves one concrete size
     fns: list = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -143,6 +164,10 @@ class Launcher:
         self.fast_ok = (self.target == "cuda"
                         and os.environ.get("NEPTUNE_EQ_FAST_LAUNCH", "1") != "0")
         self.fast_reason = "" if self.fast_ok else "off (interpreter or NEPTUNE_EQ_FAST_LAUNCH=0)"
+        if self.size_args and self.fast_ok:
+            # A kernel with runtime sizes meets a new size on most calls (a growing KV
+            # cache): each would pay the bit-identical check of a second launch.
+            self.fast_ok, self.fast_reason = False, "off (runtime sizes: Triton's own launch)"
         self._checked: dict[tuple, list] = {}
         self._sems: dict = {}  # (device, stream) -> zeroed counters of the one-launch split-k
         self._chunks = self.chunking() if self.ks.split_extent else None
@@ -196,7 +221,7 @@ class Launcher:
         import torch
         args = [tensors[n[:-4]] for n in self.ks.params]
         st = {t: tensors[t].stride() for t in self.stride_of}
-        strides = [st[t][k] for t, k in self.ks.stride_params]
+        strides = [st[t][k] for t, k in self.ks.stride_params] + list(self.size_args)
         key = launch_key(args, strides) if self.fast_ok else None
         stream = None  # needed by the direct launch and the one-launch split-k's counters
         if key is not None:
@@ -273,8 +298,9 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def check_inputs(program: Program, args, kwargs, target: str) -> dict:
-    """Bind positional/keyword tensors to placeholders with clear errors."""
+def check_inputs(program: Program, args, kwargs, target: str, symbolic: bool = False) -> dict:
+    """Bind positional/keyword tensors to placeholders with clear errors (``symbolic``:
+    named sizes are read off the tensors by ``sizes.sizes_of``, not checked here)."""
     import torch
     names = [ph.name for ph in program.inputs]
     if len(args) > len(names):
@@ -295,7 +321,7 @@ def check_inputs(program: Program, args, kwargs, target: str) -> dict:
         t = bound[ph.name]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"Expected {ph.name} to be a torch.Tensor, got {type(t).__name__}.")
-        if tuple(t.shape) != ph.shape:
+        if not symbolic and tuple(t.shape) != ph.shape:
             raise ProgramError(f"Expected {ph.name} with shape {ph.shape}, got {tuple(t.shape)}; "
                                "the kernel is specialised to the shapes it was built for — call "
                                "ne.superoptimize again for new shapes.")
@@ -310,13 +336,20 @@ def check_inputs(program: Program, args, kwargs, target: str) -> dict:
 
 
 def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
-                 configs: list[TileConfig]) -> list[tuple[TileConfig, float | None, str]]:
-    """Time every config on the GPU (median ms); failures are recorded, not raised."""
+                 configs: list[TileConfig], values: dict | None = None
+                 ) -> list[tuple[TileConfig, float | None, str]]:
+    """Time every config on the GPU (median ms); failures are recorded, not raised.
+    ``values``: the named sizes of ``tensors`` when the kernel takes them at run time."""
     from triton.testing import do_bench
+    from .sizes import bind
+    values = values or {}
+    if ks.size_params:
+        program, ks = bind(program, values), ks.concrete(values)
+    size_args = tuple(values[s] for s in ks.size_params)
     out = []
     for cfg in configs:
         try:
-            la = Launcher(program, ks, target, cfg)
+            la = Launcher(program, ks, target, cfg.at(values), size_args)
             la(tensors)
             ms = do_bench(lambda: la(tensors), warmup=25, rep=100, return_mode="median")
             out.append((cfg, float(ms), "ok"))

@@ -25,6 +25,7 @@ import torch
 from .errors import TranslationValidationError
 from .interp import evaluate
 from .ir import Placeholder, Program, ProgramError, validate as validate_program
+from .sizes import Size
 from .verify import refinement_mismatch
 
 SMALL = 16
@@ -44,7 +45,7 @@ class ValidationReport:
     seconds: float = 0.0
 
     def __str__(self) -> str:
-        shrunk = ", ".join(f"{a}->{b}" for a, b in sorted(self.sizes.items()) if a != b)
+        shrunk = ", ".join(f"{a}->{b}" for a, b in sorted(self.sizes.items(), key=str) if a != b)
         return (f"translation validation: chosen program = input program on {len(self.cases)} "
                 f"random input(s) ({', '.join(self.cases)}) at "
                 f"{'sizes ' + shrunk if shrunk else 'the given sizes'} "
@@ -52,17 +53,19 @@ class ValidationReport:
                 f"{self.seconds * 1e3:.0f} ms")
 
 
-def size_map(program: Program, small: int = SMALL) -> dict[int, int]:
-    """Every size in the program -> its checked size (monotone, injective)."""
+def size_map(program: Program, small: int = SMALL) -> dict:
+    """Every size in the program (an int, or a named ``Size``) -> its checked size:
+    monotone and injective on the ints, named sizes after them."""
     sizes = set(program.extents.values()) | {n for ph in program.inputs for n in ph.shape}
-    big = sorted(s for s in sizes if s > small)
-    out = {s: s for s in sizes if s <= small}
+    big = sorted(s for s in sizes if isinstance(s, int) and s > small)
+    big += sorted((s for s in sizes if isinstance(s, Size)), key=lambda s: s.name)
+    out = {s: s for s in sizes if isinstance(s, int) and s <= small}
     out.update({s: small + 2 * k + 1 for k, s in enumerate(big)})
     return out
 
 
-def shrink(program: Program, sizes: dict[int, int]) -> Program:
-    """The same program with every size replaced through ``sizes``."""
+def shrink(program: Program, sizes: dict) -> Program:
+    """The same program with every size (int or ``Size``) replaced through ``sizes``."""
     inputs = [Placeholder(ph.name, tuple(sizes[n] for n in ph.shape), ph.dtype)
               for ph in program.inputs]
     return Program(inputs, list(program.defs), {a: sizes[n] for a, n in program.extents.items()},
@@ -84,9 +87,10 @@ def random_inputs(program: Program, seed: int, scale: float, int_high: int) -> d
 
 
 def validate_translation(input_program: Program, chosen: Program, blame: Callable[[], str],
-                         run_kernel: Callable[[Program, dict], dict] | None) -> ValidationReport:
-    """Compare ``chosen`` with ``input_program`` (and the kernel ``run_kernel`` builds for
-    the shrunk chosen program) on random inputs; raise ``TranslationValidationError``
+                         run_kernel: Callable[[Program, dict, dict], dict] | None) -> ValidationReport:
+    """Compare ``chosen`` with ``input_program`` (and the kernel ``run_kernel(program,
+    sizes, inputs)`` builds for the chosen program with its ints shrunk, at the checked
+    values of its named sizes) on random inputs; raise ``TranslationValidationError``
     with ``blame()`` (the rules on the derivation path) on a mismatch."""
     t0 = time.perf_counter()
     sizes = size_map(input_program)
@@ -97,6 +101,8 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
     except (ProgramError, IndexError, RuntimeError):
         # An index that only stays in bounds at the real sizes (x[i + 5] of a size S + 5
         # tensor): check at the given sizes instead.
+        if any(isinstance(n, Size) for n in sizes):
+            raise
         sizes = {n: n for n in sizes}
         small_in, small_out = input_program, chosen
     report = ValidationReport(sizes=sizes)
@@ -121,7 +127,10 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
                                            float((r[finite] - c[finite]).abs().max()) / denom)
         report.cases.append(label)
         if run_kernel is not None and label == KERNEL_CASE:
-            kernel_error = _check_kernel(small_out, data, ref, run_kernel, label, seed, blame)
+            ints_only = {k: (k if isinstance(k, Size) else v) for k, v in sizes.items()}
+            named = {k.name: v for k, v in sizes.items() if isinstance(k, Size)}
+            kernel_error = _check_kernel(shrink(chosen, ints_only), named, small_out, data, ref,
+                                         run_kernel, label, seed, blame)
     if kernel_error is not None:
         report.kernel = (f"the chosen candidate's kernel, run once at the checked sizes on the "
                          f"{KERNEL_CASE} inputs, agrees with the fp64 reference (max rel. err "
@@ -130,9 +139,9 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
     return report
 
 
-def _check_kernel(program: Program, data: dict, ref: dict, run_kernel, label: str, seed: int,
-                  blame) -> float:
-    got = run_kernel(program, data)
+def _check_kernel(kernel_program: Program, named: dict, program: Program, data: dict, ref: dict,
+                  run_kernel, label: str, seed: int, blame) -> float:
+    got = run_kernel(kernel_program, named, data)
     # A program that overflows fp32 as written (exp(x) with no max subtracted) may give
     # inf/NaN in a kernel that accumulates in fp32: only elements the fp32 evaluation of
     # the same program keeps finite are held to the fp64 reference.

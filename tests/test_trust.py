@@ -82,15 +82,15 @@ def _wrong(t: Term) -> Term:
 
 
 def test_a_broken_extraction_is_caught_by_translation_validation(monkeypatch):
-    import neptune_eq.api as api
-    real = api.choose
+    import neptune_eq.dispatch as dispatch
+    real = dispatch.choose_bucket
 
     def broken_choose(*args, **kw):
-        row = real(*args, **kw)
-        row.program = row.program.with_defs(d.__class__(d.name, d.axes, _wrong(d.body), d.dtype)
-                                            for d in row.program.defs)
-        return row
-    monkeypatch.setattr(api, "choose", broken_choose)
+        choice = real(*args, **kw)
+        choice.program = choice.program.with_defs(
+            d.__class__(d.name, d.axes, _wrong(d.body), d.dtype) for d in choice.program.defs)
+        return choice
+    monkeypatch.setattr("neptune_eq.api.choose_bucket", broken_choose)
     with pytest.raises(ne.TranslationValidationError) as e:
         ne.superoptimize(examples.softmax(3, 20), target="interpreter", cache=False)
     assert "disagrees with the input program" in str(e.value)
@@ -100,8 +100,8 @@ def test_a_broken_extraction_is_caught_by_translation_validation(monkeypatch):
 def test_a_wrong_kernel_is_caught_by_translation_validation(monkeypatch):
     import neptune_eq.api as api
     real = api._run_small_kernel
-    monkeypatch.setattr(api, "_run_small_kernel",
-                        lambda p, data, target: {k: v * 1.05 for k, v in real(p, data, target).items()})
+    monkeypatch.setattr(api, "_run_small_kernel", lambda p, sizes, data, target: {
+        k: v * 1.05 for k, v in real(p, sizes, data, target).items()})
     with pytest.raises(ne.TranslationValidationError, match="generated kernel disagrees"):
         ne.superoptimize(examples.softmax(3, 20), target="interpreter", cache=False)
 

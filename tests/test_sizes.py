@@ -1,0 +1,141 @@
+"""Symbolic sizes: one saturation per structure serves every size, in the interpreter."""
+import pickle
+
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq import examples
+from neptune_eq.egraph.saturate import EGraphStage
+from neptune_eq.interp import evaluate
+from neptune_eq.sizes import Guards, Size, SymInt, bind, bucket_of, sizes_of
+
+
+@pytest.fixture
+def saturations(monkeypatch):
+    """Counts e-graph saturations in this test."""
+    count = [0]
+    real = EGraphStage.saturate
+
+    def counted(self, *a, **kw):
+        count[0] += 1
+        return real(self, *a, **kw)
+    monkeypatch.setattr(EGraphStage, "saturate", counted)
+    return count
+
+
+def _reference(kern, values, ins):
+    prog = bind(kern.input_program, values)
+    return evaluate(prog, ins)[prog.outputs[0]]
+
+
+def _check(kern, values, ins, tol=2e-5):
+    got = kern(*ins.values())
+    ref = _reference(kern, values, ins)
+    assert got.shape == ref.shape
+    assert torch.isfinite(got).all()
+    err = (got.double() - ref).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), (values, err)
+
+
+def test_prefill_at_many_sizes_saturates_once(saturations):
+    out = ne.attention(1, 2, "S", "S", 16, "float32", mask_mod=lambda b, h, i, j: j <= i)
+    kern = ne.superoptimize(out, target="interpreter", cache=False, sizes={"S": 40})
+    for s in (40, 33, 1, 5, 17, 64, 100):
+        ins = {n: torch.randn(1, 2, s, 16) for n in "qkv"}
+        _check(kern, {"S": s}, ins)
+    assert saturations[0] == 1 and kern.saturations == 1
+    assert kern._dispatch.bucket_choices >= 3       # 1, 5, 17, 100 are new buckets ...
+    assert len(kern._dispatch.launchers) == 7        # ... 33 reused 40's kernel
+
+
+def test_growing_decode_reuses_buckets(saturations):
+    out = ne.attention(1, 4, 1, "T", 16, "float32", kv_heads=2)
+    kern = ne.superoptimize(out, target="interpreter", cache=False, sizes={"T": 24})
+    q = torch.randn(1, 4, 1, 16)
+    kv = torch.randn(2, 1, 2, 70, 16)
+    for t in range(20, 70, 7):  # the KV cache grows
+        ins = {"q": q, "k": kv[0, :, :, :t].contiguous(), "v": kv[1, :, :, :t].contiguous()}
+        _check(kern, {"T": t}, ins)
+    assert saturations[0] == 1
+    assert kern._dispatch.bucket_choices == 2  # 17-32 was chosen at build; 33-64, 65-128 new
+    assert all("valid where" in b for b in kern.buckets)
+
+
+def test_a_non_attention_chain_with_two_named_sizes():
+    out = examples.softmax("N", "M", "float32")
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    for n, m in ((3, 20), (7, 129), (1, 1)):
+        x = torch.randn(n, m) * 30  # large magnitudes: the max shift must be right
+        _check(kern, {"N": n, "M": m}, {"x": x})
+
+
+def test_symbolic_kernel_round_trips_through_the_disk_cache(tmp_path, monkeypatch, saturations):
+    monkeypatch.setenv("NEPTUNE_EQ_CACHE", str(tmp_path))
+    out = lambda: examples.softmax("N", 24, "float32")  # noqa: E731
+    first = ne.superoptimize(out(), target="interpreter")
+    again = ne.superoptimize(out(), target="interpreter")
+    assert (first.cache_status, again.cache_status) == ("miss", "hit") and saturations[0] == 1
+    _check(again, {"N": 9}, {"x": torch.randn(9, 24)})
+    assert "n_N" in again.source
+
+
+def test_inputs_that_disagree_on_a_size_are_refused():
+    kern = ne.superoptimize(ne.attention(1, 2, "S", "S", 16, "float32"), target="interpreter",
+                            cache=False, sizes={"S": 8})
+    with pytest.raises(ne.ProgramError, match="Size S is 8 in dim 2 of q but 9"):
+        kern(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16))
+    with pytest.raises(ne.ProgramError, match="dim 3 must be 16"):
+        kern(torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
+
+
+def test_bad_sizes_argument():
+    with pytest.raises(ValueError, match="positive int for each named size"):
+        ne.superoptimize(examples.softmax("N", 8), target="interpreter", cache=False,
+                         sizes={"M": 3})
+
+
+def test_symint_prints_code_computes_its_value_and_records_guards():
+    g = Guards()
+    s = SymInt.symbol("S", 40, g)
+    e = -(-s // 16) * 16 - 1
+    assert (str(e), e.hint, e.at({"S": 33})) == ("(((0 - ((0 - n_S) // 16)) * 16) - 1)", 47, 47)
+    assert s < 64 and not s <= 16
+    assert g.hold({"S": 33}) and not g.hold({"S": 70}) and not g.hold({"S": 16})
+    assert int(s) == 40 and not g.hold({"S": 41})   # a plain int pins the exact size
+    e2, g2 = pickle.loads(pickle.dumps((e, g)))
+    assert e2.at({"S": 100}) == 111 and g2.hold({"S": 40})
+
+
+def test_sizes_are_read_off_the_tensors():
+    prog = ne.build_program(ne.attention(2, 2, "Sq", "Skv", 16, "float32"))
+    ins = {"q": torch.zeros(2, 2, 3, 16), "k": torch.zeros(2, 2, 5, 16), "v": torch.zeros(2, 2, 5, 16)}
+    assert sizes_of(prog, ins) == {"Sq": 3, "Skv": 5}
+    assert bucket_of({"Sq": 3, "Skv": 5}) == bucket_of({"Sq": 4, "Skv": 8}) != bucket_of({"Sq": 5, "Skv": 8})
+    with pytest.raises(ne.ProgramError):
+        Size("not a name")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_split_k_kernel_generated_at_one_size_is_right_at_others(fused):
+    """The split-k decode chosen for T = 4096 takes T, the chunking and the scratch size at
+    run time: launched at other T (cheap in the interpreter), it equals the reference."""
+    from neptune_eq.choose import rank
+    from neptune_eq.costmodel import device_for
+    from neptune_eq.dispatch import specialised_pool
+    from neptune_eq.runtime import Launcher, candidate_configs
+    kern = ne.superoptimize(ne.attention(1, 2, 1, "T", 16, "float32"), target="interpreter",
+                            cache=False, sizes={"T": 64})
+    spec, _ = specialised_pool(kern._dispatch.pool, {"T": 4096})
+    row = next(r for r in rank(spec, device_for("H200"), True) if r.plan and r.plan.split)
+    assert "n_T" in row.kernel.source and "4096" not in row.kernel.source
+    for t in (37, 100):
+        values = {"T": t}
+        ks = row.kernel.concrete(values)
+        cfg = candidate_configs(ks, "interpreter")[0]
+        cfg.fused = fused
+        ins = {"q": torch.randn(1, 2, 1, 16), "k": torch.randn(1, 2, t, 16), "v": torch.randn(1, 2, t, 16)}
+        out = torch.empty(1, 2, 1, 16)
+        Launcher(bind(row.program, values), ks, "interpreter", cfg.at(values), (t,))({**ins, "o": out})
+        ref = _reference(kern, values, ins)
+        assert cfg.splits > 1 and (out.double() - ref).abs().max().item() < 1e-5
