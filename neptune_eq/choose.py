@@ -91,6 +91,9 @@ def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) ->
     return out
 
 
+PRUNE_RATIO = 1.3  # candidates predicted slower than this times the best are not timed
+
+
 def choose(rows: list[CandidateRow], target: str, tensors: dict | None, top_k: int,
            sms: int, progress: bool = False, values: dict | None = None) -> CandidateRow:
     """The measured best of the top ``top_k`` on a GPU; the predicted best otherwise.
@@ -109,10 +112,17 @@ def choose(rows: list[CandidateRow], target: str, tensors: dict | None, top_k: i
             return r
         raise LoweringError("Every candidate failed to compile: " + "; ".join(r.status for r in rows))
     best = None
-    for n, r in enumerate(lowerable[:top_k], 1):
+    # The cost model prunes what is worth a compile: a candidate predicted far slower than
+    # the best is recorded, not timed (each timed config costs a Triton compile, ~1 s).
+    best_pred = lowerable[0].predicted_us if lowerable else 0.0
+    timed = [r for r in lowerable[:top_k] if r.predicted_us <= PRUNE_RATIO * best_pred]
+    for r in lowerable[:top_k]:
+        if r not in timed:
+            r.status = f"not timed: predicted {r.predicted_us / best_pred:.2f}x the best"
+    for n, r in enumerate(timed, 1):
         configs = candidate_configs(r.kernel, target, sms)
         if progress:
-            print(f"\r[neptune_eq] timing candidate {n}/{min(top_k, len(lowerable))} "
+            print(f"\r[neptune_eq] timing candidate {n}/{len(timed)} "
                   f"({len(configs)} tile configs)", end="", file=sys.stderr, flush=True)
         r.timings = time_configs(r.program, r.kernel, target, tensors, configs, values)
         ok = [(c, ms) for c, ms, _ in r.timings if ms is not None]
