@@ -1,144 +1,69 @@
 """One PNG per operator from bench/results/neptune_ops.csv: throughput against S for
-neptune_eq and every peer (decodes also neptune_eq and the best peer captured in a CUDA
-graph, dashed).
+neptune_eq and every peer (decodes also captured in a CUDA graph, dashed).
 
     python bench/plot.py [--results bench/results]
 
-Writes ``plots/<op>.png`` beside the CSV.  No plotting library is among the project's
-packages, so this draws on a pixel canvas and encodes the PNG itself (zlib + CRC, the
-whole format in ``_png``); labels use a 3x5 bitmap font, upper case.
+Writes ``plots/<op>.png`` beside the CSV, drawn with matplotlib (``pip install -e
+".[bench]"``; the field's plotting library, headless through its Agg backend).
 """
 from __future__ import annotations
 
 import argparse
 import csv
-import math
-import struct
-import zlib
+import io
 from pathlib import Path
 
-_FONT = {  # 3 columns x 5 rows per glyph, rows separated by '|', '#' = ink
-    "A": ".#.|#.#|###|#.#|#.#", "B": "##.|#.#|##.|#.#|##.", "C": ".##|#..|#..|#..|.##",
-    "D": "##.|#.#|#.#|#.#|##.", "E": "###|#..|##.|#..|###", "F": "###|#..|##.|#..|#..",
-    "G": ".##|#..|#.#|#.#|.##", "H": "#.#|#.#|###|#.#|#.#", "I": "###|.#.|.#.|.#.|###",
-    "J": "..#|..#|..#|#.#|.#.", "K": "#.#|#.#|##.|#.#|#.#", "L": "#..|#..|#..|#..|###",
-    "M": "#.#|###|###|#.#|#.#", "N": "##.|#.#|#.#|#.#|#.#", "O": ".#.|#.#|#.#|#.#|.#.",
-    "P": "##.|#.#|##.|#..|#..", "Q": ".#.|#.#|#.#|##.|.##", "R": "##.|#.#|##.|#.#|#.#",
-    "S": ".##|#..|.#.|..#|##.", "T": "###|.#.|.#.|.#.|.#.", "U": "#.#|#.#|#.#|#.#|###",
-    "V": "#.#|#.#|#.#|#.#|.#.", "W": "#.#|#.#|###|###|#.#", "X": "#.#|#.#|.#.|#.#|#.#",
-    "Y": "#.#|#.#|.#.|.#.|.#.", "Z": "###|..#|.#.|#..|###", "0": "###|#.#|#.#|#.#|###",
-    "1": ".#.|##.|.#.|.#.|###", "2": "##.|..#|.#.|#..|###", "3": "##.|..#|.#.|..#|##.",
-    "4": "#.#|#.#|###|..#|..#", "5": "###|#..|##.|..#|##.", "6": ".##|#..|###|#.#|###",
-    "7": "###|..#|.#.|.#.|.#.", "8": "###|#.#|###|#.#|###", "9": "###|#.#|###|..#|##.",
-    ".": "...|...|...|...|.#.", "-": "...|...|###|...|...", "/": "..#|..#|.#.|#..|#..",
-    "_": "...|...|...|...|###", " ": "...|...|...|...|...", "(": ".#.|#..|#..|#..|.#.",
-    ")": ".#.|..#|..#|..#|.#.", ":": "...|.#.|...|.#.|...", "=": "...|###|...|###|...",
-    ",": "...|...|...|.#.|#..",
-}
-_FONT = {k: v.replace("|", "") for k, v in _FONT.items()}
-
-COLORS = {"neptune_eq": (214, 39, 40), "sdpa": (31, 119, 180), "flex": (44, 160, 44),
-          "compile": (148, 103, 189)}
-
-
-class Canvas:
-    def __init__(self, w: int, h: int):
-        self.w, self.h = w, h
-        self.px = bytearray(b"\xff" * (w * h * 3))
-
-    def dot(self, x: int, y: int, c, size: int = 1):
-        for dx in range(size):
-            for dy in range(size):
-                xx, yy = x + dx, y + dy
-                if 0 <= xx < self.w and 0 <= yy < self.h:
-                    i = (yy * self.w + xx) * 3
-                    self.px[i:i + 3] = bytes(c)
-
-    def line(self, x0, y0, x1, y1, c, width=2, dash=0):
-        n = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for k in range(n + 1):
-            if dash and (k // dash) % 2:
-                continue
-            self.dot(round(x0 + (x1 - x0) * k / n), round(y0 + (y1 - y0) * k / n), c, width)
-
-    def text(self, x: int, y: int, s: str, c=(0, 0, 0), scale: int = 2):
-        for ch in s.upper():
-            g = _FONT.get(ch, _FONT[" "])
-            for r in range(5):
-                for col in range(3):
-                    if g[r * 3 + col] == "#":
-                        self.dot(x + col * scale, y + r * scale, c, scale)
-            x += 4 * scale
-
-    def png(self) -> bytes:
-        return _png(self.w, self.h, self.px)
-
-
-def _png(w: int, h: int, rgb: bytes) -> bytes:
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    rows = b"".join(b"\x00" + bytes(rgb[y * w * 3:(y + 1) * w * 3]) for y in range(h))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b""))
+COLORS = {"neptune_eq": "#d62728", "sdpa": "#1f77b4", "flex": "#2ca02c", "compile": "#9467bd"}
+LABELS = {"neptune_eq": "neptune_eq", "sdpa": "SDPA", "flex": "FlexAttention",
+          "compile": "torch.compile"}
 
 
 def _num(v):
+    """A measured number, or None for an empty cell or a failure ('failed: ...')."""
     try:
         return float(v)
     except (TypeError, ValueError):
         return None
 
 
-def plot_op(op: str, rows: list[dict], title: str) -> bytes:
-    """Throughput vs S (log axis) for one operator."""
-    W, H, L, R, T, B = 720, 440, 90, 170, 50, 60
-    cv = Canvas(W, H)
+def series(rows: list[dict]) -> dict[tuple[str, bool], list[tuple[int, float]]]:
+    """(implementation, captured in a CUDA graph) -> [(S, throughput)], measured points only."""
     rows = sorted(rows, key=lambda r: int(r["S"]))
-    seqs = [int(r["S"]) for r in rows]
-    series = {}
+    out = {}
     for impl in COLORS:
-        pts = [(int(r["S"]), _num(r.get(impl))) for r in rows]
-        series[(impl, False)] = [(s, v) for s, v in pts if v is not None]
-        g = [(int(r["S"]), _num(r.get(f"graph_{impl}"))) for r in rows]
-        series[(impl, True)] = [(s, v) for s, v in g if v is not None]
-    top = max([v for pts in series.values() for _, v in pts] or [1.0]) * 1.1
-    lo, hi = math.log2(min(seqs)), math.log2(max(seqs))
+        for graphed in (False, True):
+            key = f"graph_{impl}" if graphed else impl
+            pts = [(int(r["S"]), _num(r.get(key))) for r in rows]
+            pts = [(s, v) for s, v in pts if v is not None]
+            if pts:
+                out[(impl, graphed)] = pts
+    return out
 
-    def X(s):
-        return L + (0 if hi == lo else (math.log2(s) - lo) / (hi - lo)) * (W - L - R)
 
-    def Y(v):
-        return H - B - v / top * (H - T - B)
-    grey, black = (210, 210, 210), (0, 0, 0)
-    for k in range(6):  # y grid and ticks
-        v = top * k / 5
-        cv.line(L, round(Y(v)), W - R, round(Y(v)), grey, 1)
-        cv.text(8, round(Y(v)) - 5, f"{v:.3g}" if v < 10 else f"{v:.0f}")
-    for s in seqs:
-        cv.line(round(X(s)), T, round(X(s)), H - B, grey, 1)
-        cv.text(round(X(s)) - 4 * len(str(s)), H - B + 10, str(s))
-    cv.line(L, H - B, W - R, H - B, black, 2)
-    cv.line(L, T, L, H - B, black, 2)
-    unit = rows[0].get("unit") or ""
-    cv.text(L, 14, title)
-    cv.text((W - R) // 2, H - 24, "S")
-    cv.text(8, T - 22, unit)
-    legend_y = T
-    for (impl, graphed), pts in series.items():
-        if not pts:
-            continue
-        c = COLORS[impl]
-        dash = 6 if graphed else 0
-        xy = [(round(X(s)), round(Y(v))) for s, v in pts]
-        for (x0, y0), (x1, y1) in zip(xy, xy[1:]):
-            cv.line(x0, y0, x1, y1, c, 2, dash)
-        for x, y in xy:
-            cv.dot(x - 3, y - 3, c, 7)
-        cv.line(W - R + 12, legend_y + 5, W - R + 36, legend_y + 5, c, 3, 4 if graphed else 0)
-        cv.text(W - R + 42, legend_y, impl.replace("neptune_eq", "ours") + (" GRAPH" if graphed else ""),
-                c)
-        legend_y += 18
-    return cv.png()
+def plot_op(op: str, rows: list[dict], title: str) -> bytes:
+    """Throughput vs S (log2 axis) for one operator, as PNG bytes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for (impl, graphed), pts in series(rows).items():
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, "--" if graphed else "-", marker="o", color=COLORS[impl],
+                label=LABELS[impl] + (" (CUDA graph)" if graphed else ""))
+    ax.set_xscale("log", base=2)
+    seqs = sorted({int(r["S"]) for r in rows})
+    ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.set_xlabel("S")
+    ax.set_ylabel(rows[0].get("unit") or "")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(True, color="#dddddd")
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
 
 
 def main():

@@ -1,33 +1,35 @@
-"""bench/plot.py: the hand-written PNG encoder and the per-operator plot."""
-import struct
+"""bench/plot.py: the per-operator plot (matplotlib)."""
 import sys
-import zlib
+
+import pytest
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import plot  # noqa: E402
 
 
-def _decode(png: bytes):
+ROWS = [{"op": "causal-dc", "S": s, "unit": "TB/s", "neptune_eq": v, "sdpa": v * 1.1,
+         "flex": "failed: X", "graph_neptune_eq": v * 1.3} for s, v in ((512, 0.5), (2048, 1.5))]
+
+
+def test_series_keeps_measured_points_and_drops_failures():
+    got = plot.series(ROWS)
+    assert got[("neptune_eq", False)] == [(512, 0.5), (2048, 1.5)]
+    assert [s for s, _ in got[("neptune_eq", True)]] == [512, 2048]
+    assert [v for _, v in got[("neptune_eq", True)]] == pytest.approx([0.65, 1.95])
+    assert ("flex", False) not in got and ("sdpa", True) not in got
+
+
+def test_plot_draws_a_png_with_every_series_in_its_colour():
+    import io
+
+    import matplotlib.image as mpimg
+    png = plot.plot_op("causal-dc", ROWS, "causal-dc on test")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(png):
-        n, kind = struct.unpack(">I4s", png[pos:pos + 8])
-        data = png[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", png[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + data)
-        chunks[kind] = data
-        pos += 12 + n
-    w, h = struct.unpack(">II", chunks[b"IHDR"][:8])
-    raw = zlib.decompress(chunks[b"IDAT"])
-    assert len(raw) == h * (1 + 3 * w)
-    return w, h, raw
+    img = (mpimg.imread(io.BytesIO(png), format="png")[..., :3] * 255).round().astype(int)
+    colours = {tuple(p) for p in img.reshape(-1, 3)}
 
-
-def test_plot_draws_every_series_into_a_valid_png():
-    rows = [{"op": "causal-dc", "S": s, "unit": "TB/s", "neptune_eq": v, "sdpa": v * 1.1,
-             "flex": "failed: X", "graph_neptune_eq": v * 1.3} for s, v in ((512, 0.5), (2048, 1.5))]
-    w, h, raw = _decode(plot.plot_op("causal-dc", rows, "causal-dc on test"))
-    pixels = {raw[y * (1 + 3 * w) + 1 + 3 * x:y * (1 + 3 * w) + 4 + 3 * x]
-              for y in range(h) for x in range(0, w, 2)}
-    assert bytes(plot.COLORS["neptune_eq"]) in pixels and bytes(plot.COLORS["sdpa"]) in pixels
-    assert bytes(plot.COLORS["flex"]) not in pixels  # a failed peer draws nothing
+    def rgb(hexc):
+        return tuple(int(hexc[k:k + 2], 16) for k in (1, 3, 5))
+    assert rgb(plot.COLORS["neptune_eq"]) in colours and rgb(plot.COLORS["sdpa"]) in colours
+    assert rgb(plot.COLORS["flex"]) not in colours  # a failed peer draws nothing
