@@ -21,13 +21,16 @@ _prefer_interpreter()  # before anything imports triton: CPU-only machines inter
 from .dsl import (placeholder, reduce_axis, compute, sum, max, min, exp, exp2, log, tanh,  # noqa: A004,E402
                   sqrt, rsqrt, abs, maximum, minimum, where, cast, build_program)
 from .sizes import size  # noqa: E402
+# Eager, and light (the DSL and torch only): a lazy ``attention`` would lose to its own
+# submodule, which Python binds as ``neptune_eq.attention`` when anything imports it first.
+from .attention import attention  # noqa: E402
 from .errors import (ProgramError, RuleFileError, TranslationValidationError,  # noqa: E402
                      UnsoundRuleError)
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from . import rules
     from .api import Kernel, superoptimize
-    from .attention import attention
+    from .flex import flex_attention
     from .egraph.saturate import Limits
 
 __all__ = [
@@ -35,7 +38,7 @@ __all__ = [
     "placeholder", "reduce_axis", "compute", "build_program", "size",
     "sum", "max", "min", "exp", "exp2", "log", "tanh", "sqrt", "rsqrt", "abs",
     "maximum", "minimum", "where", "cast",
-    "attention",
+    "attention", "flex_attention",
     # superoptimize it
     "superoptimize", "Kernel", "Limits", "rules",
     # errors
@@ -46,7 +49,7 @@ __all__ = [
 _LAZY = {
     "superoptimize": (".api", "superoptimize"),
     "Kernel": (".api", "Kernel"),
-    "attention": (".attention", "attention"),
+    "flex_attention": (".flex", "flex_attention"),
     "Limits": (".egraph.saturate", "Limits"),
     "rules": (".rules", None),
 }

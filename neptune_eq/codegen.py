@@ -25,12 +25,15 @@ _TL_DTYPE = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.
              "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1"}
 _UNARY = {"exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})",
           "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})", "abs": "tl.abs({})",
-          "neg": "-({})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({})) - 1.0)", "not": "({} == 0)"}
+          "neg": "-({})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({})) - 1.0)", "not": "({} == 0)",
+          "sin": "tl.sin({})", "cos": "tl.cos({})", "erf": "tl.math.erf({})"}
 _BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
            "maximum": "tl.maximum({}, {})", "minimum": "tl.minimum({}, {})",
            "floordiv": "{} // {}", "mod": "{} % {}", "lt": "{} < {}", "le": "{} <= {}",
            "gt": "{} > {}", "ge": "{} >= {}", "eq": "{} == {}", "ne": "{} != {}",
-           "and": "{} & {}", "or": "{} | {}"}
+           "and": "{} & {}", "or": "{} | {}",
+           "bitand": "{} & {}", "bitor": "{} | {}", "bitxor": "{} ^ {}"}
+_BITWISE = ("bitand", "bitor", "bitxor")  # integer in, integer out (booleans count as 0/1)
 _SIMPLE = re.compile(r"^(-?[0-9.e+-]+|[A-Za-z_][A-Za-z_0-9]*)$")
 _ARITH = {"add", "sub", "mul", "div", "maximum", "minimum"}
 
@@ -84,6 +87,15 @@ class Emitter:
         if t.kind in ("f32", "int", "bool"):
             return t
         return Tile(f"{t.code}.to(tl.float32)", t.axes, "f32")
+
+    def float_of(self, t: Tile) -> Tile:
+        """``t`` as fp32, integers included: tl.exp/tl.sin/... take only floats (an index
+        such as ``tan(b)`` in a mod reaches them as an int)."""
+        if t.kind not in ("int", "bool"):
+            return self.f32(t)
+        if _SIMPLE.match(t.code) and not t.code[0].isalpha() and t.code[0] != "_":
+            return Tile(repr(float(t.code)), t.axes, "f32")  # a literal: no .to() on it
+        return Tile(f"({t.code}).to(tl.float32)", t.axes, "f32")
 
     def block(self, axis: str) -> str:
         return f"B_{axis}"
@@ -148,7 +160,7 @@ class Emitter:
             if op == "not":
                 return self.bind(_UNARY[op].format(a.code), a.axes, "bool", scope)
             if not (op in ("neg", "abs") and a.kind == "int"):
-                a = self.f32(a)
+                a = self.float_of(a)
             return self.bind(_UNARY[op].format(a.code), a.axes, a.kind, scope)
         if op == "cast":
             a = self.expr(t.args[0])
@@ -167,6 +179,7 @@ class Emitter:
                     a, b = self.f32(a), self.f32(b)
             axes = self.canon(a.axes + b.axes)
             kind = ("bool" if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or")
+                    else ("bool" if a.kind == b.kind == "bool" else "int") if op in _BITWISE
                     else "int" if a.kind == b.kind == "int" else "f32")
             if op == "div" and kind == "int":
                 kind = "f32"
@@ -191,7 +204,10 @@ class Emitter:
         m = self.mask(axes)
         mask = f", mask={m}, other=0.0" if m else ""
         dtype = self.p.dtype_of(t.val)
-        return self.bind(f"tl.load({t.val}_ptr + {off}{mask})", axes, dtype, scope)
+        # Integer and boolean loads are values of kind int / bool, like index variables:
+        # an id read from a captured tensor can index another load (offsets[doc[i]]).
+        kind = "int" if dtype in ("int32", "int64") else "bool" if dtype == "bool" else dtype
+        return self.bind(f"tl.load({t.val}_ptr + {off}{mask})", axes, kind, scope)
 
     def _state(self, t: Term) -> Tile:
         if not t.args and t.op == "ref" and t.val in self.states:

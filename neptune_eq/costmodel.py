@@ -9,7 +9,7 @@ factor,
   row blocks come from L2), outputs, and split-k scratch written and read back,
 * tensor-core FLOPs of the ``tl.dot`` contractions *including padding* (a decode row
   block of 16 rows for one query pays 16x),
-* SFU ops (exp, exp2, log, tanh, sqrt) and other elementwise ops per tile element,
+* SFU ops (exp, exp2, log, tanh, sqrt, sin, cos, erf) and other elementwise ops per tile element,
 * grid fill: programs vs SMs, with wave quantisation; a grid smaller than the GPU gets
   only its share of bandwidth and compute -- which is why decode wants split-k.
 
@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from .ir import Term, free_axes, rename_axis
 from .lower import TilePlan
 
-SFU_OPS = {"exp", "exp2", "log", "tanh", "sqrt", "rsqrt"}
+SFU_OPS = {"exp", "exp2", "log", "tanh", "sqrt", "rsqrt", "sin", "cos", "erf"}
 ELEMENTWISE = {"add", "sub", "mul", "div", "maximum", "minimum", "where", "neg", "abs", "lt",
-               "le", "gt", "ge", "eq", "ne", "and", "or", "not", "cast"}
+               "le", "gt", "ge", "eq", "ne", "and", "or", "not", "cast",
+               "bitand", "bitor", "bitxor"}
 _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "bool": 1}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import itertools
+import math
 from typing import Callable, Sequence
 
 from . import ir
@@ -47,10 +48,22 @@ class Expr:
     def __ge__(self, o): return self._bin("ge", o)
     def __eq__(self, o): return self._bin("eq", o)  # type: ignore[override]
     def __ne__(self, o): return self._bin("ne", o)  # type: ignore[override]
-    def __and__(self, o): return self._bin("and", o)
-    def __or__(self, o): return self._bin("or", o)
-    def __invert__(self): return Expr(Term("not", (self.term,)))
     __hash__ = None  # type: ignore[assignment]
+
+    # Torch interop (FlexAttention mods written against torch): torch functions called on
+    # an expression, its tensor methods, and the operators whose meaning depends on the
+    # operands' dtype (& is logical on booleans, bitwise on integers) are translated by
+    # neptune_eq.torch_mods, loaded on first use.
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from . import torch_mods
+        return torch_mods.dispatch(func, args, kwargs or {})
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        from . import torch_mods
+        return torch_mods.attribute(self, name)
 
     def __bool__(self):
         raise ProgramError("A neptune_eq expression has no truth value while the program is "
@@ -58,6 +71,21 @@ class Expr:
 
     def __repr__(self):
         return f"Expr({ir.fmt(self.term)})"
+
+
+def _via_torch(name: str):
+    def op(*args):
+        from . import torch_mods
+        return torch_mods.operator(name, *args)
+    op.__name__ = name
+    return op
+
+
+for _name in ("__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__",
+              "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__rfloordiv__",
+              "__rmod__", "__pow__", "__rpow__", "__abs__", "__pos__"):
+    setattr(Expr, _name, _via_torch(_name))
+del _name
 
 
 class IterVar(Expr):
@@ -72,8 +100,13 @@ class IterVar(Expr):
 def as_term(x) -> Term:
     if isinstance(x, Expr):
         return x.term
+    if isinstance(x, float) and math.isinf(x):  # numerics contract: never -inf arithmetic
+        return ir.const(ir.MASKED if x < 0 else -ir.MASKED)
     if isinstance(x, (bool, int, float)):
         return ir.const(x)
+    if type(x).__module__.startswith("torch") or hasattr(x, "__torch_function__"):
+        from . import torch_mods  # a captured torch tensor used as a value in a mod
+        return torch_mods.to_term(x)
     raise ProgramError(f"Expected a neptune_eq expression or a number, got {type(x).__name__} "
                        f"({x!r}); build values with ne.placeholder/ne.compute and index them.")
 
@@ -110,6 +143,9 @@ class Tensor:
         self._definition = definition  # None for placeholders
         self._order = next(_CREATED)  # placeholders keep the order they were declared in
         self._capture = capture or _Capture()
+        # torch tensors the program's mods captured (ne.attention sets it on its output):
+        # placeholder name -> tensor, the kernel inputs to pass after q, k, v
+        self.captured: dict = {}
 
     @property
     def ndim(self) -> int:
@@ -269,7 +305,11 @@ def build_program(outputs: "Tensor | Sequence[Tensor]") -> ir.Program:
             continue
         tensors[t.name] = t
         stack.extend(t._capture.tensors)
-    return _assemble(tensors, [o.name for o in outs])
+    prog = _assemble(tensors, [o.name for o in outs])
+    captured = [n for o in outs for n in o.captured]
+    if captured:  # names only: a cached Kernel must not pin (or pickle) the user's tensors
+        prog.meta["captured"] = captured
+    return prog
 
 
 def _assemble(tensors: dict[str, Tensor], outputs: list[str]) -> ir.Program:

@@ -23,6 +23,7 @@ INF = math.inf
 # Per-element weights (arithmetic = 1).  SFU ops cost more; memory reads more still.
 # exp costs a multiply by log2(e) on top of the SFU's ex2, so exp2 is cheaper.
 OP_WEIGHT = {"exp": 4.5, "exp2": 3.0, "log": 4.0, "tanh": 6.0, "sqrt": 4.0, "rsqrt": 4.0,
+             "sin": 4.0, "cos": 4.0, "erf": 8.0,
              "div": 2.0, "load": 8.0, "ref": 1.0, "run": 1.0, "prev": 1.0,
              "sum": 1.0, "max": 1.0, "min": 1.0, "rollsum": 1.5,
              "rollmax": 1.5, "splitk": 2.0}

@@ -53,13 +53,14 @@ def _align(*vals: Val) -> tuple[tuple[str, ...], list[torch.Tensor]]:
 
 _UNARY = {"neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log,
           "tanh": torch.tanh, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "abs": torch.abs,
-          "not": torch.logical_not}
+          "not": torch.logical_not, "sin": torch.sin, "cos": torch.cos, "erf": torch.erf}
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
            "maximum": torch.maximum, "minimum": torch.minimum,
            "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"),
            "mod": torch.remainder, "lt": torch.lt, "le": torch.le, "gt": torch.gt,
            "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
-           "and": torch.logical_and, "or": torch.logical_or}
+           "and": torch.logical_and, "or": torch.logical_or,
+           "bitand": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor}
 _IDENTITY = {"sum": 0.0, "rollsum": 0.0, "splitk": 0.0, "max": -math.inf, "rollmax": -math.inf,
              "min": math.inf}
 

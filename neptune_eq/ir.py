@@ -32,11 +32,14 @@ OPS: dict[str, tuple[int | None, str]] = {
     "neg": (1, "unary"), "exp": (1, "unary"), "exp2": (1, "unary"), "log": (1, "unary"),
     "tanh": (1, "unary"), "sqrt": (1, "unary"), "rsqrt": (1, "unary"), "abs": (1, "unary"),
     "cast": (1, "unary"), "not": (1, "unary"),
+    "sin": (1, "unary"), "cos": (1, "unary"), "erf": (1, "unary"),
     "add": (2, "binary"), "sub": (2, "binary"), "mul": (2, "binary"), "div": (2, "binary"),
     "maximum": (2, "binary"), "minimum": (2, "binary"),
     "floordiv": (2, "binary"), "mod": (2, "binary"),
     "lt": (2, "binary"), "le": (2, "binary"), "gt": (2, "binary"), "ge": (2, "binary"),
     "eq": (2, "binary"), "ne": (2, "binary"), "and": (2, "binary"), "or": (2, "binary"),
+    # bitwise ops on integer values (``and``/``or`` above are logical, on booleans)
+    "bitand": (2, "binary"), "bitor": (2, "binary"), "bitxor": (2, "binary"),
     "where": (3, "select"),
     "sum": (1, "reduce"), "max": (1, "reduce"), "min": (1, "reduce"),
     "rollsum": (2, "fold"), "rollmax": (2, "fold"), "splitk": (2, "fold"),
@@ -320,7 +323,13 @@ def _validate_definition(p: Program, d: Definition, seen_reduce: dict[str, tuple
                     f"{d.name}: {t.val} has {len(shape)} dims {shape}, indexed with "
                     f"{len(t.args)} indices; index it as {t.val}[{', '.join('_' * 1 for _ in shape)}].")
             for k, (ix, ext) in enumerate(zip(t.args, shape)):
-                if ix.op == "var" and p.extents.get(ix.val) not in (None, ext):
+                n = p.extents.get(ix.val) if ix.op == "var" else None
+                # An input may be read in a prefix of a dimension along a spatial axis (a
+                # captured (4, S) table indexed by a batch axis of 1); a reduction must cover
+                # the dimension, and a producer is read over its own axes.
+                prefix_ok = (t.op == "load" and ix.val in d.axes and isinstance(n, int)
+                             and isinstance(ext, int) and n < ext)
+                if n is not None and n != ext and not prefix_ok:
                     raise ProgramError(
                         f"{d.name}: dim {k} of {t.val} has extent {ext} but is indexed by "
                         f"{ix.val!r} of extent {p.extents[ix.val]}; use an axis of extent {ext} "

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from dataclasses import dataclass
@@ -26,11 +27,34 @@ from .ir import Definition, Placeholder, Program, Term, const, free_axes, var
 
 _SYM_UNARY = {"exp": sympy.exp, "exp2": lambda x: 2 ** x, "log": sympy.log, "sqrt": sympy.sqrt,
               "rsqrt": lambda x: 1 / sympy.sqrt(x), "tanh": sympy.tanh, "abs": sympy.Abs,
-              "neg": lambda x: -x}
+              "neg": lambda x: -x, "sin": sympy.sin, "cos": sympy.cos, "erf": sympy.erf}
+
+
 _SYM_BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
                "div": lambda a, b: a / b, "maximum": sympy.Max, "minimum": sympy.Min,
                "lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge,
                "eq": sympy.Eq, "ne": sympy.Ne, "and": sympy.And, "or": sympy.Or}
+# Integer index arithmetic (masks: batchify, dilated windows, NATTEN, Morton codes) has no
+# useful sympy form: such a subterm, and a where's condition, that reads no running value
+# is an opaque symbol, like an access.  Sound for proofs (equal text, equal symbol; an
+# identity that holds for every value of the symbol holds for its value), and it keeps
+# sympy from expanding a large mask (a Morton decode is thousands of nodes as a tree).
+_OPAQUE_INDEX_OPS = ("floordiv", "mod", "bitand", "bitor", "bitxor")
+
+
+def _reads_running(t: Term) -> bool:
+    return any(n.op in ("run", "prev") for n in t.walk())
+
+
+def _opaque(t: Term) -> sympy.Symbol:
+    """A symbol standing for ``t``; named by a digest so distinct terms never collide."""
+    return sympy.Symbol("opaque_" + hashlib.sha256(str(t).encode()).hexdigest()[:16], real=True)
+
+
+def _opaque_condition(t: Term) -> sympy.Basic:
+    """A condition as ``symbol > 7/4``: free to be true or false in a proof, and the random
+    points of check_fold (uniform in [0.5, 3]) take both branches."""
+    return sympy.Gt(_opaque(t), sympy.Rational(7, 4))
 
 
 class NotAlgebraic(Exception):
@@ -53,8 +77,12 @@ def to_sympy(t: Term, subst: dict[str, sympy.Symbol] | None = None, positive=Fal
         return _SYM_UNARY[t.op](to_sympy(t.args[0], subst, positive))
     if t.op in _SYM_BINARY:
         return _SYM_BINARY[t.op](*(to_sympy(a, subst, positive) for a in t.args))
+    if t.op in _OPAQUE_INDEX_OPS and not _reads_running(t):
+        return _opaque(t)
     if t.op == "where":
-        c, a, b = (to_sympy(x, subst, positive) for x in t.args)
+        c = (to_sympy(t.args[0], subst, positive) if _reads_running(t.args[0])
+             else _opaque_condition(t.args[0]))
+        a, b = (to_sympy(x, subst, positive) for x in t.args[1:])
         return sympy.Piecewise((a, c), (b, True))
     if t.op == "not":
         return sympy.Not(to_sympy(t.args[0], subst, positive))

@@ -86,6 +86,18 @@ class Term(Expr, egg_sort="Term"):
     @classmethod
     def abs_(cls, x: Term) -> Term: ...
 
+    @method(egg_fn="Sin")
+    @classmethod
+    def sin(cls, x: Term) -> Term: ...
+
+    @method(egg_fn="Cos")
+    @classmethod
+    def cos(cls, x: Term) -> Term: ...
+
+    @method(egg_fn="Erf")
+    @classmethod
+    def erf(cls, x: Term) -> Term: ...
+
     @method(egg_fn="Not")
     @classmethod
     def not_(cls, x: Term) -> Term: ...
@@ -157,6 +169,18 @@ class Term(Expr, egg_sort="Term"):
     @method(egg_fn="Or")
     @classmethod
     def or_(cls, a: Term, b: Term) -> Term: ...
+
+    @method(egg_fn="BitAnd")
+    @classmethod
+    def bitand(cls, a: Term, b: Term) -> Term: ...
+
+    @method(egg_fn="BitOr")
+    @classmethod
+    def bitor(cls, a: Term, b: Term) -> Term: ...
+
+    @method(egg_fn="BitXor")
+    @classmethod
+    def bitxor(cls, a: Term, b: Term) -> Term: ...
 
     @method(egg_fn="Where")
     @classmethod
