@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 from . import dsl as ne
-from . import torch_mods
 from .ir import MASKED, Term, substitute, var
 
 
@@ -40,6 +39,7 @@ def attention(b: int, hq: int, s_q: int, s_kv: int, d: int, dtype: str = "float1
 
     ``dv`` is the value head dim when it differs from ``d`` (v is (b, kv_heads, s_kv, dv)
     and the output (b, hq, s_q, dv)), as FlexAttention's Ev."""
+    from . import torch_mods  # on first use: `import neptune_eq` stays light
     kv_heads = kv_heads or hq
     if hq % kv_heads:
         raise ne.ProgramError(f"Expected q heads ({hq}) to be a multiple of kv heads "
@@ -54,6 +54,7 @@ def attention(b: int, hq: int, s_q: int, s_kv: int, d: int, dtype: str = "float1
 
 def _build(b, hq, s_q, s_kv, d, dtype, group, kv_heads, scale, score_mod, mask_mod,
            dv=None) -> ne.Tensor:
+    from . import torch_mods  # on first use: `import neptune_eq` stays light
     dv = d if dv is None else dv  # value head dim (FlexAttention's Ev)
     q = ne.placeholder((b, hq, s_q, d), dtype, "q")
     k = ne.placeholder((b, kv_heads, s_kv, d), dtype, "k")
