@@ -100,7 +100,7 @@ def _kernel_times(fn, n=20):
 
 
 def compiled(op, S):
-    from neptune_eq.runtime import Launcher, candidate_configs
+    from neptune_eq.runtime.launcher import Launcher, candidate_configs
     kern, args, *_ = _setup(op, S)
     bound = dict(zip([p.name for p in kern.program.inputs], args))
     outs = {n: torch.empty(kern.program.shape_of(n), dtype=torch.float16, device="cuda")

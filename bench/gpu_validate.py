@@ -19,7 +19,7 @@ import torch
 import triton
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
 
 TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}
@@ -54,7 +54,7 @@ def case(name, out, scale=1.0):
     other = ""
     if kern.config is not None and kern.config.splits:  # the split-k form not chosen, too
         from dataclasses import replace
-        from neptune_eq.runtime import Launcher
+        from neptune_eq.runtime.launcher import Launcher
         cfg = replace(kern.config, fused=not kern.config.fused)
         alt = Launcher(kern.program, kern.kernel_source, "cuda", cfg)
         dev = {k: v.cuda() for k, v in ins.items()}

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import neptune_eq as ne  # noqa: E402
-from neptune_eq import examples  # noqa: E402
+from neptune_eq.frontend import examples  # noqa: E402
 from neptune_eq.interp import evaluate  # noqa: E402
 from neptune_eq.sizes import bind  # noqa: E402
 

@@ -21,7 +21,7 @@ import triton
 from triton.testing import do_bench
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 
 
 def main():

@@ -15,22 +15,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .triton_mode import prefer_interpreter_without_gpu as _prefer_interpreter
+from .runtime.triton_mode import prefer_interpreter_without_gpu as _prefer_interpreter
 
 _prefer_interpreter()  # before anything imports triton: CPU-only machines interpret
-from .dsl import (placeholder, reduce_axis, compute, sum, max, min, exp, exp2, log, tanh,  # noqa: A004,E402
+from .frontend.dsl import (placeholder, reduce_axis, compute, sum, max, min, exp, exp2, log, tanh,  # noqa: A004,E402
                   sqrt, rsqrt, abs, maximum, minimum, where, cast, build_program)
 from .sizes import size  # noqa: E402
 # Eager, and light (the DSL and torch only): a lazy ``attention`` would lose to its own
-# submodule, which Python binds as ``neptune_eq.attention`` when anything imports it first.
-from .attention import attention  # noqa: E402
+# submodule if the two shared a name (they no longer do: it lives in ``frontend``).
+from .frontend.attention import attention  # noqa: E402
 from .errors import (ProgramError, RuleFileError, TranslationValidationError,  # noqa: E402
                      UnsoundRuleError)
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from . import rules
     from .api import Kernel, superoptimize
-    from .flex import flex_attention
+    from .dropin.flex import flex_attention
     from .egraph.saturate import Limits
 
 __all__ = [
@@ -49,7 +49,7 @@ __all__ = [
 _LAZY = {
     "superoptimize": (".api", "superoptimize"),
     "Kernel": (".api", "Kernel"),
-    "flex_attention": (".flex", "flex_attention"),
+    "flex_attention": (".dropin.flex", "flex_attention"),
     "Limits": (".egraph.saturate", "Limits"),
     "rules": (".rules", None),
 }

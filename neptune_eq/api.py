@@ -7,20 +7,20 @@ from typing import Sequence
 
 import sys
 
-from . import dsl
-from .cache import load as cache_load, make_key, store as cache_store
-from .choose import CandidateRow, spearman
-from .costmodel import device_for
-from .derive import Step, derivation
+from .frontend import dsl
+from .choosing.cache import load as cache_load, make_key, store as cache_store
+from .choosing.choose import CandidateRow, spearman
+from .choosing.costmodel import device_for
+from .egraph.derive import Step, derivation
 from .egraph.saturate import EGraphStage, Limits, Trace
-from .extract import CostModel, EGraphView, alternatives, check_folds, extract_program, top_programs
+from .egraph.extract import CostModel, EGraphView, alternatives, check_folds, extract_program, top_programs
 from .ir import Program
-from .kernelgen import KernelSource, generate
-from .lower import TilePlan, plan as make_plan
-from .runtime import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
-from .dispatch import SizeDispatch, choose_bucket
+from .lowering.kernelgen import KernelSource, generate
+from .lowering.lower import TilePlan, plan as make_plan
+from .runtime.launcher import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
+from .choosing.dispatch import SizeDispatch, choose_bucket
 from .sizes import Guards, bind, sizes_of, specialise, symbols
-from .translation_validation import validate_translation
+from .choosing.translation_validation import validate_translation
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Kernel:
 
     def egraph_svg(self) -> str:
         """The saturated e-graph as SVG (layered by depth from the roots; no Graphviz needed)."""
-        from .svg import egraph_svg
+        from .egraph.svg import egraph_svg
         return egraph_svg(EGraphView.from_json(self._egraph_json))
 
     def egraph_dot(self) -> str:

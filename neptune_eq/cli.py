@@ -13,7 +13,7 @@ def _demo(args) -> int:
     import torch
 
     import neptune_eq as ne
-    from neptune_eq import examples
+    from neptune_eq.frontend import examples
     from neptune_eq.interp import evaluate
 
     if args.op == "softmax":
@@ -170,7 +170,7 @@ def _error_text(e: Exception) -> str:
     """An error as at most two lines.  neptune_eq's own errors already say expected / got /
     what to try; anything else is a bug in neptune_eq, and says how to see more."""
     from neptune_eq.errors import (ProgramError, RuleFileError, TranslationValidationError)
-    from neptune_eq.lower import LoweringError
+    from neptune_eq.lowering.lower import LoweringError
     ours = (ProgramError, RuleFileError, TranslationValidationError, LoweringError, ValueError,
             TypeError, RuntimeError, FileNotFoundError)
     text = " ".join(str(e).split()) or type(e).__name__

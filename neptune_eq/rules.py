@@ -19,7 +19,7 @@ from .errors import RuleFileError, UnsoundRuleError
 
 if TYPE_CHECKING:
     from .egraph.rulefiles import RuleInfo
-    from .verify import RuleCheck
+    from .egraph.verify import RuleCheck
 
 __all__ = ["load", "loaded", "unload_all", "check", "vet", "listing", "shipped_rule_files",
            "RuleFileError", "UnsoundRuleError"]
@@ -80,7 +80,7 @@ def check(path: str | Path) -> list[RuleCheck]:
         >>> [c.status for c in ne.rules.check("my.egg")]     # doctest: +SKIP
         ['proved']
     """
-    from .verify import check_rule_file
+    from .egraph.verify import check_rule_file
     return check_rule_file(path)
 
 

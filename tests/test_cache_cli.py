@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import cache, examples
+from neptune_eq.choosing import cache
+from neptune_eq.frontend import examples
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ def _worker(args):
     root, n = args
     os.environ["NEPTUNE_EQ_CACHE"] = root
     import neptune_eq as ne2
-    from neptune_eq import examples as ex
+    from neptune_eq.frontend import examples as ex
     k = ne2.superoptimize(ex.softmax(4, n), target="interpreter")
     return k.cache_status
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import examples
-from neptune_eq.choose import structure_of
+from neptune_eq.frontend import examples
+from neptune_eq.choosing.choose import structure_of
 from neptune_eq.interp import evaluate
-from neptune_eq.runtime import Launcher, candidate_configs
+from neptune_eq.runtime.launcher import Launcher, candidate_configs
 from helpers import random_inputs
 
 
@@ -73,7 +73,7 @@ def test_split_k_decode_kernels_equal_the_reference(hq, hkv, skv, dtype, splits,
 def test_split_k_combine_spreads_the_head_dim_over_programs(monkeypatch):
     """Decode has few rows: the combine kernel splits the output width (padded 48 -> 64,
     four programs of 16, the last partly masked) and folds the partials two at a time."""
-    from neptune_eq import runtime
+    from neptune_eq.runtime import launcher as runtime
     monkeypatch.setattr(runtime, "COMBINE_TILE", 256)
     out = ne.attention(1, 4, 1, 70, 48, "float32", kv_heads=2, mask_mod=_causal(1, 70))
     kern = ne.superoptimize(out, target="interpreter", cache=False)
@@ -92,7 +92,7 @@ def test_split_k_of_every_chain_equals_the_reference(chain, monkeypatch):
     """Partials re-based by the derived h: log-sum-exp (a fold output), h = sqrt(s/s'),
     h = s/s', the centered matmul, a max consumer, softmax's column epilogue.  A small
     combine tile makes the combine take several steps and split the width where it may."""
-    from neptune_eq import runtime
+    from neptune_eq.runtime import launcher as runtime
     monkeypatch.setattr(runtime, "COMBINE_TILE", 64)
     out = (examples.softmax(3, 70) if chain == "softmax"
            else examples.reduction_chain(chain, 5, 70, 40))  # width 40: 3 of 4 programs

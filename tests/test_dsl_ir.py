@@ -1,7 +1,7 @@
 import pytest
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 from neptune_eq.ir import ProgramError
 
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 from neptune_eq.egraph.rulefiles import RuleFileError, shipped_rule_files
 from neptune_eq.egraph.saturate import EGraphStage
-from neptune_eq.extract import EGraphView, extract_program
+from neptune_eq.egraph.extract import EGraphView, extract_program
 from neptune_eq.interp import evaluate
-from neptune_eq.lower import plan
+from neptune_eq.lowering.lower import plan
 
 
 def _optimize(out, rule_files=None):

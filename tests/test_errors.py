@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 from neptune_eq.ir import Definition, Placeholder, Program, Term, validate, var
 
 
@@ -119,7 +119,7 @@ def test_no_gpu_falls_back_to_the_interpreter_with_a_warning():
 
 
 def test_a_candidate_that_fails_to_compile_is_skipped_and_recorded(monkeypatch):
-    from neptune_eq import choose
+    from neptune_eq.choosing import choose
     real, calls = choose.load_kernel, []
 
     def flaky(ks, interpret):

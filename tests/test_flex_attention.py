@@ -16,7 +16,8 @@ from torch.nn.attention.flex_attention import (AuxRequest, BlockMask, create_blo
                                                flex_attention as torch_flex)
 
 import neptune_eq as ne
-from neptune_eq import flex, torch_op
+from neptune_eq.dropin import flex
+from neptune_eq.dropin import torch_op
 from neptune_eq.egraph.saturate import EGraphStage
 
 # torch's eager flex_attention warns that it is unfused, and return_lse is deprecated

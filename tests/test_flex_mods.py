@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import ir, torch_mods
+from neptune_eq import ir
+from neptune_eq.frontend import torch_mods
 from neptune_eq.interp import evaluate
 
 import flex_mod_cases_gym  # noqa: F401  (registers the attention-gym cases)
@@ -260,8 +261,8 @@ def test_torch_consults_expressions_inside_an_index_tuple():
 
 def test_import_stays_light_until_a_mod_uses_torch():
     code = ("import sys, neptune_eq as ne; "
-            "heavy = [m for m in ('sympy', 'egglog', 'triton', 'neptune_eq.torch_mods', "
-            "'neptune_eq.torch_capture') "
+            "heavy = [m for m in ('sympy', 'egglog', 'triton', 'neptune_eq.frontend.torch_mods', "
+            "'neptune_eq.frontend.torch_capture') "
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -3,7 +3,7 @@ import dataclasses
 import torch
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
 from neptune_eq.ir import Term, var
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 from helpers import check_kernel
 
 
@@ -57,7 +57,7 @@ def test_triton_imported_first_in_gpu_mode_gives_a_clear_error():
     import subprocess
     import sys
     code = ("import os; os.environ.pop('TRITON_INTERPRET', None); import triton.language; "
-            "import neptune_eq as ne; from neptune_eq import examples; "
+            "import neptune_eq as ne; from neptune_eq.frontend import examples; "
             "ne.superoptimize(examples.softmax(2, 3), target='interpreter')(__import__('torch').randn(2, 3))")
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -67,7 +67,8 @@ def test_triton_imported_first_in_gpu_mode_gives_a_clear_error():
 def _fake_gpu_launches(monkeypatch):
     """Run the fast-launch logic on CPU: Triton's launch and the direct launch both run
     the interpreted kernel (CUDA device and stream lookups stubbed)."""
-    from neptune_eq import launch, runtime
+    from neptune_eq.runtime import launch
+    from neptune_eq.runtime import launcher as runtime
     calls = []
     monkeypatch.setattr(runtime, "launch_key",
                         lambda ts, ints: (0, tuple(t.data_ptr() & 15 == 0 for t in ts), tuple(ints)))
@@ -88,8 +89,8 @@ def _fake_gpu_launches(monkeypatch):
 
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_fast_launch_is_used_only_after_it_reproduces_tritons_launch(monkeypatch, corrupt):
-    from neptune_eq import launch
-    from neptune_eq.runtime import Launcher, candidate_configs
+    from neptune_eq.runtime import launch
+    from neptune_eq.runtime.launcher import Launcher, candidate_configs
     kern = ne.superoptimize(examples.softmax(3, 10), target="interpreter", cache=False)
     calls = _fake_gpu_launches(monkeypatch)
     if corrupt:

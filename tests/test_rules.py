@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 from neptune_eq.egraph.saturate import EGraphStage
-from neptune_eq.extract import CostModel, EGraphView, Extraction, extract_program
+from neptune_eq.egraph.extract import CostModel, EGraphView, Extraction, extract_program
 from neptune_eq.interp import evaluate
-from neptune_eq.lower import plan
+from neptune_eq.lowering.lower import plan
 from helpers import check_kernel
 
 N, M, E = 4, 11, 5

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import examples
+from neptune_eq.frontend import examples
 from neptune_eq.egraph.saturate import EGraphStage
 from neptune_eq.interp import evaluate
 from neptune_eq.sizes import Guards, Size, SymInt, bind, bucket_of, sizes_of
@@ -120,10 +120,10 @@ def test_sizes_are_read_off_the_tensors():
 def test_a_split_k_kernel_generated_at_one_size_is_right_at_others(fused):
     """The split-k decode chosen for T = 4096 takes T, the chunking and the scratch size at
     run time: launched at other T (cheap in the interpreter), it equals the reference."""
-    from neptune_eq.choose import rank
-    from neptune_eq.costmodel import device_for
-    from neptune_eq.dispatch import specialised_pool
-    from neptune_eq.runtime import Launcher, candidate_configs
+    from neptune_eq.choosing.choose import rank
+    from neptune_eq.choosing.costmodel import device_for
+    from neptune_eq.choosing.dispatch import specialised_pool
+    from neptune_eq.runtime.launcher import Launcher, candidate_configs
     kern = ne.superoptimize(ne.attention(1, 2, 1, "T", 16, "float32"), target="interpreter",
                             cache=False, sizes={"T": 64})
     spec, _ = specialised_pool(kern._dispatch.pool, {"T": 4096})

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import neptune_eq as ne
-from neptune_eq import cli, examples
+from neptune_eq import cli
+from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
 from neptune_eq.ir import Term
-from neptune_eq.translation_validation import shrink, size_map
+from neptune_eq.choosing.translation_validation import shrink, size_map
 
 # One rule per unsound family: dropping a function, a wrong distribution, swapping the
 # reducer, and a rule that holds for positive inputs only.
@@ -82,7 +83,7 @@ def _wrong(t: Term) -> Term:
 
 
 def test_a_broken_extraction_is_caught_by_translation_validation(monkeypatch):
-    import neptune_eq.dispatch as dispatch
+    import neptune_eq.choosing.dispatch as dispatch
     real = dispatch.choose_bucket
 
     def broken_choose(*args, **kw):

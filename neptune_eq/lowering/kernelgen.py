@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
-from .ir import Term, accessed, rename_axis
+from ..ir import Term, accessed, rename_axis
 from .lower import Fold, LoweringError, TilePlan, drop_atoms
-from .sizes import value
+from ..sizes import value
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from . import dsl as ne
-from .ir import MASKED, Term, substitute, var
+from ..ir import MASKED, Term, substitute, var
 
 
 NEG = MASKED  # masked score: a large finite negative, never -inf

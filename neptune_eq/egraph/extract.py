@@ -15,8 +15,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .egraph.table import CONSTRUCTORS
-from .ir import Definition, Program, Term, accessed
+from .table import CONSTRUCTORS
+from ..ir import Definition, Program, Term, accessed
 
 INF = math.inf
 

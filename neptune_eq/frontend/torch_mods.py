@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dsl
-from .ir import MASKED, ProgramError, Term, const
+from ..ir import MASKED, ProgramError, Term, const
 from .torch_capture import DTYPE_NAMES, View, capturing, dtype_of, getitem, scalar
 
 __all__ = ["TABLE", "dispatch", "attribute", "operator", "capturing", "kind", "value",

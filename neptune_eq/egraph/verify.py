@@ -21,9 +21,9 @@ from pathlib import Path
 import sympy
 import torch
 
-from .egraph.table import CONSTRUCTORS
-from .interp import evaluate
-from .ir import Definition, Placeholder, Program, Term, const, free_axes, var
+from .table import CONSTRUCTORS
+from ..interp import evaluate
+from ..ir import Definition, Placeholder, Program, Term, const, free_axes, var
 
 _SYM_UNARY = {"exp": sympy.exp, "exp2": lambda x: 2 ** x, "log": sympy.log, "sqrt": sympy.sqrt,
               "rsqrt": lambda x: 1 / sympy.sqrt(x), "tanh": sympy.tanh, "abs": sympy.Abs,
@@ -280,7 +280,7 @@ def _conditions(body: list) -> tuple[set[str], set[str], bool]:
 
 def check_rule_file(path: str | Path, trials: int = 3) -> list[RuleCheck]:
     """Check every rule in a rule file (see the module docstring)."""
-    from .egraph.rulefiles import parse_rule_file
+    from .rulefiles import parse_rule_file
     _, infos = parse_rule_file(path)
     out = []
     for info in infos:

@@ -42,7 +42,7 @@ def _versions() -> dict:
     except Exception:  # noqa: BLE001 - egglog missing from metadata: still a valid key part
         egg = "unknown"
     h = hashlib.sha256()
-    pkg = Path(__file__).parent
+    pkg = Path(__file__).parents[1]  # the whole package: any source change is a new key
     for f in sorted(pkg.rglob("*.py")):
         h.update(f.read_bytes())
     return {"neptune_eq": h.hexdigest()[:16], "triton": triton.__version__,
@@ -51,7 +51,7 @@ def _versions() -> dict:
 
 def make_key(program, rule_files, target: str, device: str, options: dict) -> str:
     rules = [(Path(f).name, hashlib.sha256(Path(f).read_bytes()).hexdigest()) for f in rule_files]
-    from .ir import canonical_text
+    from ..ir import canonical_text
     blob = json.dumps({"program": canonical_text(program), "rules": rules, "target": target,
                        "device": device, "options": options, "versions": _versions()},
                       sort_keys=True, default=str)

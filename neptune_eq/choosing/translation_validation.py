@@ -22,11 +22,11 @@ from typing import Callable
 
 import torch
 
-from .errors import TranslationValidationError
-from .interp import evaluate
-from .ir import Placeholder, Program, ProgramError, validate as validate_program
-from .sizes import Size
-from .verify import refinement_mismatch
+from ..errors import TranslationValidationError
+from ..interp import evaluate
+from ..ir import Placeholder, Program, ProgramError, validate as validate_program
+from ..sizes import Size
+from ..egraph.verify import refinement_mismatch
 
 SMALL = 16
 # label, scale of float inputs, integer inputs drawn from [0, high)

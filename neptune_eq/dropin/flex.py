@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import dsl
-from .ir import MASKED, ProgramError, canonical_text
-from .sizes import as_extent, symbols
+from ..frontend import dsl
+from ..ir import MASKED, ProgramError, canonical_text
+from ..sizes import as_extent, symbols
 
 SIZES = ("B", "L", "S")   # batch, query length, key length: named, so any value runs
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -55,7 +55,7 @@ class Structure:
         if self.kernel is None:
             with self.lock:  # two threads meeting a new structure saturate it once
                 if self.kernel is None:
-                    from .api import superoptimize
+                    from ..api import superoptimize
                     self.kernel = superoptimize(self.outputs, target=self.target, sizes={
                         n: sizes[n] for n in self.symbols} if self.symbols else None)
                     self.outputs = None
@@ -245,7 +245,7 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
     """Trace the mods at ``spec``; the table's Structure for it (registered if new) and
     the tensors the mods captured (placeholder name -> tensor, in kernel order).
     ``sizes``: this call's B, L, S (None under torch.compile, where they are symbolic)."""
-    from .rules import loaded
+    from ..rules import loaded
     outputs, captured, both = _trace_once(spec, score_mod, mask_mod, SIZES, sizes)
     if both and spec.same_len:
         # A captured dim read at q_idx and at kv_idx (document ids in self-attention):
@@ -278,7 +278,7 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
 
 def _trace_once(spec: Spec, score_mod, mask_mod, extents: tuple, sizes) -> tuple:
     """``ne.attention`` with batch, query and key lengths ``extents`` (names or ints)."""
-    from .attention import attention
+    from ..frontend.attention import attention
     b, lq, s = extents
     out = attention(b, spec.hq, lq, s, spec.e, spec.dtype,
                     kv_heads=spec.hkv, scale=spec.scale, score_mod=score_mod,

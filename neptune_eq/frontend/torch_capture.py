@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from . import dsl
-from .ir import ProgramError, Term
+from ..ir import ProgramError, Term
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float64: "float64", torch.int32: "int32", torch.int64: "int64",

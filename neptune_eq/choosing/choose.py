@@ -15,11 +15,11 @@ import sys
 from dataclasses import dataclass, field
 
 from .costmodel import Device, Estimate, best_estimate
-from .extract import Candidate
-from .ir import Program
-from .kernelgen import KernelSource, generate
-from .lower import LoweringError, TilePlan, plan as make_plan
-from .runtime import TileConfig, candidate_configs, load_kernel, time_configs
+from ..egraph.extract import Candidate
+from ..ir import Program
+from ..lowering.kernelgen import KernelSource, generate
+from ..lowering.lower import LoweringError, TilePlan, plan as make_plan
+from ..runtime.launcher import TileConfig, candidate_configs, load_kernel, time_configs
 
 
 @dataclass

@@ -16,10 +16,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .costmodel import split_factors
-from .kernelgen import KernelSource
+from ..lowering.kernelgen import KernelSource
+from ..lowering.lower import split_factors
 from .launch import FastLaunch, current_stream, launch_key
-from .ir import Program, ProgramError
+from ..ir import Program, ProgramError
 from .triton_mode import check_interpreter_importable, enable_interpreter
 
 
@@ -42,7 +42,7 @@ def resolve_target(target: str) -> str:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("NEPTUNE_EQ_CACHE") or os.path.join(tempfile.gettempdir(), "neptune_eq")
+    base = os.environ.get("NEPTUNE_EQ_CACHE") or os.path.join(tempfile.gettempdir(), "neptune_eq_cache")
     d = Path(base) / "kernels"
     d.mkdir(parents=True, exist_ok=True)
     return d
@@ -100,7 +100,7 @@ class TileConfig:
     def at(self, values: dict) -> "TileConfig":
         """This config at the given sizes: a split factor chosen for a bucket is an
         expression of the named sizes (more keys, more chunks)."""
-        from .sizes import value
+        from ..sizes import value
         return TileConfig(self.blocks, self.num_warps, self.num_stages,
                           max(1, value(self.splits, values)) if self.splits else 0, self.fused)
 
@@ -341,7 +341,7 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     """Time every config on the GPU (median ms); failures are recorded, not raised.
     ``values``: the named sizes of ``tensors`` when the kernel takes them at run time."""
     from triton.testing import do_bench
-    from .sizes import bind
+    from ..sizes import bind
     values = values or {}
     if ks.size_params:
         program, ks = bind(program, values), ks.concrete(values)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
+from ..ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
 PACK_ROWS_BELOW = 64  # pack GQA head groups into the row block when rows are this short
@@ -415,3 +415,10 @@ def _simplify_cond(c: Term, atoms: frozenset) -> Term | None:
             return b if a is None else a
         return Term("and", (a, b))
     return c
+
+
+def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
+    """Split factors worth considering for a grid of ``programs``: enough programs to fill
+    ``sms`` one, two and four times over, with chunks of at least two key blocks."""
+    most = max(1, extent // (2 * block_keys))
+    return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})

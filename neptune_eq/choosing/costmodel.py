@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .ir import Term, free_axes, rename_axis
-from .lower import TilePlan
+from ..ir import Term, free_axes, rename_axis
+from ..lowering.lower import TilePlan, split_factors
 
 SFU_OPS = {"exp", "exp2", "log", "tanh", "sqrt", "rsqrt", "sin", "cos", "erf"}
 ELEMENTWISE = {"add", "sub", "mul", "div", "maximum", "minimum", "where", "neg", "abs", "lt",
@@ -164,13 +164,6 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
     seconds = max(hbm / bw, compute / max(fill, 1e-9), latency) + serial + launches * device.launch_s
     cfg = {"block_rows": block_rows, "block_keys": block_keys, "splits": splits}
     return Estimate(seconds, launches, hbm, dot, sfu, alu, programs, fill, cfg)
-
-
-def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
-    """Split factors worth considering for a grid of ``programs``: enough programs to fill
-    ``sms`` one, two and four times over, with chunks of at least two key blocks."""
-    most = max(1, extent // (2 * block_keys))
-    return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})
 
 
 def best_estimate(plan: TilePlan, device: Device) -> Estimate:

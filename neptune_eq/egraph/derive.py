@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .egraph.table import EGG_NAME
-from .ir import Term, fmt
+from .table import EGG_NAME
+from ..ir import Term, fmt
 
 
 @dataclass

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from .choose import CandidateRow, choose, rank
 from .costmodel import Device
-from .extract import Candidate
-from .ir import Program
-from .runtime import Launcher, TileConfig, candidate_configs
-from .sizes import Guards, bind, bucket_of, specialise
+from ..egraph.extract import Candidate
+from ..ir import Program
+from ..runtime.launcher import Launcher, TileConfig, candidate_configs
+from ..sizes import Guards, bind, bucket_of, specialise
 
 
 MAX_LAUNCHERS = 256  # launchers kept (host-side launch facts of one size each)

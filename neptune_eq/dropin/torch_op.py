@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from . import flex
-from .ir import ProgramError
+from ..ir import ProgramError
 
 
 @torch.library.custom_op("neptune_eq::flex_attention", mutates_args=())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .ir import FLOAT_DTYPES, MASKED, Term, free_axes
+from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
 from .lower import LoweringError, TilePlan
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf

@@ -15,9 +15,9 @@ import itertools
 import math
 from typing import Callable, Sequence
 
-from . import ir
-from .ir import ProgramError, Term
-from .sizes import Size, as_extent
+from .. import ir
+from ..ir import ProgramError, Term
+from ..sizes import Size, as_extent
 
 
 class Expr:
