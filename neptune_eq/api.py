@@ -43,6 +43,9 @@ class Kernel:
     device: str = ""
     cache_status: str = "disabled"   # hit / miss / corrupt entry rebuilt / stale entry rebuilt
     build_seconds: float = 0.0
+    # Where a cold build spent its time (seconds per stage, in pipeline order): the first
+    # call of a new structure has a budget, and this is what tells which stage to cut.
+    build_stages: dict = field(default_factory=dict)
     sizes: dict = field(default_factory=dict)   # named sizes the first bucket was chosen at
     _dispatch: SizeDispatch | None = field(default=None, repr=False)  # symbolic sizes only
     _launcher: Launcher | None = field(default=None, repr=False)
@@ -107,6 +110,8 @@ class Kernel:
                   _indent(self.candidate_table())]
         if self.chosen_row and self.chosen_row.estimate:
             lines.append("  chosen: " + self.chosen_row.estimate.describe())
+        if self.build_stages:
+            lines += ["", "build time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.build_stages.items())]
         lines += ["", "rules that fired (total matches):"]
         for name, n in sorted(fired.items(), key=lambda kv: -kv[1]):
             info = self.trace.rules.get(name)
@@ -273,6 +278,7 @@ def _gpu_name(target: str) -> str:
 def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, progress,
            gpu_name, sizes) -> Kernel:
     from . import rules as rule_registry
+    clock = _StageClock()
     syms = symbols(program)
     values = _first_sizes(program, syms, sizes, example_inputs)
     concrete = bind(program, values) if syms else program   # what the cost model weighs
@@ -289,6 +295,7 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     trace = stage.saturate(limits or Limits(), on_iteration=snapshot)
     if progress:
         print(file=sys.stderr)
+    clock.lap("saturate")
     egraph_json = stage.serialize()
     view = EGraphView.from_json(egraph_json)
     trace.fold_checks = check_folds(view, model)
@@ -296,20 +303,39 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     split_model = CostModel(concrete, allow_split_k=True)
     split_model.banned = model.banned
     pool = alternatives(view, program, model, best_term) + top_programs(view, program, split_model)
+    clock.lap("extract")
     dev = device_for(gpu_name)
     tensors = _random_inputs(concrete, example_inputs) if target == "cuda" else None
     first = choose_bucket(pool, values, target, dev, tensors, top_k, progress)
     chosen = first.row
+    clock.lap("lower, compile and time")
     trace.validation = validate_translation(
         program, first.program, lambda: _blame(trace, chosen),
         lambda small, named, data: _run_small_kernel(small, named, data, target))
     kern = Kernel(program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
                   chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
+    clock.lap("validate")
+    kern.build_stages = clock.stages
     if syms:
         kern.sizes = dict(values)
         kern._dispatch = SizeDispatch(pool, syms, target, dev)
         kern._dispatch.add(first)
     return kern
+
+
+class _StageClock:
+    """Seconds per build stage, lap by lap."""
+
+    def __init__(self):
+        import time
+        self._now = time.perf_counter
+        self._last = self._now()
+        self.stages: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.stages[name] = now - self._last
+        self._last = now
 
 
 def _first_sizes(program: Program, syms: list[str], sizes: dict | None,

@@ -19,7 +19,8 @@ from ..egraph.extract import Candidate
 from ..ir import Program
 from ..lowering.kernelgen import KernelSource, generate
 from ..lowering.lower import LoweringError, TilePlan, plan as make_plan
-from ..runtime.launcher import TileConfig, candidate_configs, load_kernel, time_configs
+from ..runtime.launcher import (TileConfig, candidate_configs, compile_in_parallel, load_kernel,
+                               time_configs)
 
 
 @dataclass
@@ -119,8 +120,11 @@ def choose(rows: list[CandidateRow], target: str, tensors: dict | None, top_k: i
     for r in lowerable[:top_k]:
         if r not in timed:
             r.status = f"not timed: predicted {r.predicted_us / best_pred:.2f}x the best"
+    configs_of = {id(r): candidate_configs(r.kernel, target, sms) for r in timed}
+    compile_in_parallel([(r.program, r.kernel, c) for r in timed for c in configs_of[id(r)]],
+                        target, tensors, values)
     for n, r in enumerate(timed, 1):
-        configs = candidate_configs(r.kernel, target, sms)
+        configs = configs_of[id(r)]
         if progress:
             print(f"\r[neptune_eq] timing candidate {n}/{len(timed)} "
                   f"({len(configs)} tile configs)", end="", file=sys.stderr, flush=True)

@@ -270,6 +270,13 @@ class Launcher:
         if key is not None:
             self._check_fast(tensors, key, cks)
 
+    def compile(self, tensors: dict) -> None:
+        """Compile every kernel of this launcher for ``tensors`` without launching it
+        (Triton's ``warmup``): what ``compile_in_parallel`` runs on its threads."""
+        arg_lists, _, _ = self._arg_lists(tensors)
+        for fl, a in zip(self._launches, arg_lists):
+            fl.fn.warmup(*a, grid=fl.grid, **fl.consts, **fl.options)
+
     def _check_fast(self, tensors: dict, key: tuple, cks: list) -> None:
         """Launch the fast way into fresh outputs; keep it only if bit-identical."""
         import torch
@@ -333,6 +340,46 @@ def check_inputs(program: Program, args, kwargs, target: str, symbolic: bool = F
             raise ProgramError(f"Expected {ph.name} on {want_device} (target {target}), got "
                                f"{t.device}; move it with .to('{want_device}').")
     return bound
+
+
+def compile_threads() -> int:
+    """Threads that compile tile configs at once (``NEPTUNE_EQ_COMPILE_THREADS``; 1 turns
+    it off).  Triton's compile spends most of its time in MLIR/LLVM passes and ptxas, which
+    do not hold the GIL, so threads overlap them."""
+    env = os.environ.get("NEPTUNE_EQ_COMPILE_THREADS")
+    if env is not None:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"Expected NEPTUNE_EQ_COMPILE_THREADS to be a positive int, got {env!r}.")
+        return int(env)
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], target: str,
+                        tensors: dict, values: dict | None = None) -> None:
+    """Compile the (program, kernel, config) jobs on a thread pool before they are timed
+    one by one: a cold choice compiles a dozen or more configs, ~1 s each.  A config that
+    fails here is left for ``time_configs`` to record with its reason."""
+    from concurrent.futures import ThreadPoolExecutor
+    from ..sizes import bind
+    threads = compile_threads()
+    if target != "cuda" or threads == 1 or len(jobs) < 2:
+        return
+    values = values or {}
+
+    def one(job):
+        program, ks, cfg = job
+        if ks.size_params:
+            program, ks = bind(program, values), ks.concrete(values)
+        try:
+            Launcher(program, ks, target, cfg.at(values),
+                     tuple(values[s] for s in ks.size_params)).compile(tensors)
+        except Exception:  # noqa: BLE001 - recorded when the config is timed
+            pass
+
+    for ks in {id(k): k for _, k, _ in jobs}.values():  # import each module once, not racing
+        load_kernel(ks.concrete(values) if ks.size_params else ks, False)
+    with ThreadPoolExecutor(threads, thread_name_prefix="neptune_eq-compile") as pool:
+        list(pool.map(one, jobs))
 
 
 def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
