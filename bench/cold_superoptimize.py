@@ -3,7 +3,7 @@ cold ``ne.superoptimize`` per structure, each in a fresh process with an empty T
 cache and ``cache=False``, with the configs compiled one at a time and on threads
 (``NEPTUNE_EQ_COMPILE_THREADS``).  Prints where the time went (``Kernel.build_stages``).
 
-    python bench/cold_superoptimize.py   # writes bench/results/cold_superoptimize.{json,md}
+    python bench/cold_superoptimize.py [--threads 1 8]   # writes bench/results/cold_superoptimize.{json,md}
 """
 from __future__ import annotations
 
@@ -51,11 +51,14 @@ def one(expr: str, threads: int) -> dict:
 
 
 def main():
+    import argparse
     import torch
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, max(1, min(16, os.cpu_count() or 1))])
+    args = ap.parse_args()
     rows = []
-    threads_default = max(1, min(8, os.cpu_count() or 1))
     for name, expr in STRUCTURES.items():
-        for threads in (1, threads_default):
+        for threads in args.threads:
             res = {"structure": name, "threads": threads, **one(expr, threads)}
             rows.append(res)
             print(json.dumps(res), flush=True)
@@ -63,7 +66,7 @@ def main():
     OUT.mkdir(exist_ok=True)
     (OUT / "cold_superoptimize.json").write_text(json.dumps(out, indent=1))
     lines = [f"# Cold superoptimize per structure ({out['device']})", "",
-             "Command: `python bench/cold_superoptimize.py` (fresh process, empty Triton cache, "
+             f"Command: `python bench/cold_superoptimize.py --threads {' '.join(map(str, args.threads))}` (fresh process, empty Triton cache, "
              "`cache=False`; threads = configs compiled at once).", "",
              "| structure | threads | total s | saturate | extract | lower, compile, time | validate | configs timed |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -115,11 +115,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if compiling:
         skey, captured = torch_op.compiled_structure(score_mod, mask_mod, spec)
     else:
-        st, tensors = trace(spec, score_mod, mask_mod,
-                            {SIZES[0]: query.shape[0], SIZES[1]: query.shape[2],
-                             SIZES[2]: key.shape[2]})
-        skey, captured = st.key, list(tensors.values())
-    out, lse, mx = torch_op.flex_attention_op(query, key, value, captured, skey, want_max)
+        skey, captured = torch_op.eager_structure(
+            score_mod, mask_mod, spec, {SIZES[0]: query.shape[0], SIZES[1]: query.shape[2],
+                                        SIZES[2]: key.shape[2]})
+    if compiling or any(x.requires_grad for x in (query, key, value, *captured)):
+        out, lse, mx = torch_op.flex_attention_op(query, key, value, captured, skey, want_max)
+    else:  # eager, no autograd: the op's dispatch layers would only add host time
+        out, lse, mx = run(skey, query, key, value, captured, want_max)
     if return_aux is not None:
         from torch.nn.attention.flex_attention import AuxOutput
         return out, AuxOutput(lse=lse if want_lse else None, max_scores=mx if want_max else None)

@@ -351,7 +351,7 @@ def compile_threads() -> int:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"Expected NEPTUNE_EQ_COMPILE_THREADS to be a positive int, got {env!r}.")
         return int(env)
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], target: str,
@@ -398,7 +398,7 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
         try:
             la = Launcher(program, ks, target, cfg.at(values), size_args)
             la(tensors)
-            ms = do_bench(lambda: la(tensors), warmup=25, rep=100, return_mode="median")
+            ms = do_bench(lambda: la(tensors), warmup=10, rep=40, return_mode="median")
             out.append((cfg, float(ms), "ok"))
         except Exception as e:  # a config that does not compile (e.g. out of shared memory)
             msg = str(e).strip().splitlines()

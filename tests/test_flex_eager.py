@@ -1,0 +1,93 @@
+"""Eager ``ne.flex_attention`` traces the mods once per environment, not once per call
+(``torch_op.eager_structure``): a repeated call reuses the structure and fetches the
+captured tensors afresh; anything the structure depends on that changes traces again."""
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+import neptune_eq as ne
+from neptune_eq.dropin import flex
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without")
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    count = [0]
+    real = flex.trace
+
+    def counted(*a, **kw):
+        count[0] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(flex, "trace", counted)
+    return count
+
+
+def qkv(s=21, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, s, 16, generator=g) for _ in range(3)]
+
+
+def close(got, want):
+    return (got - want).abs().max().item() < 1e-4
+
+
+def make_bias(table, cap):
+    def mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap + table[h]
+    return mod
+
+
+def test_repeat_calls_trace_once_and_read_the_new_tensor(traces):
+    table = torch.tensor([0.5, -1.0])
+    mod = make_bias(table, 20.0)
+    q, k, v = qkv()
+    ne.flex_attention(q, k, v, score_mod=mod)
+    n = traces[0]
+    ne.flex_attention(q, k, v, score_mod=mod)
+    q2, k2, v2 = qkv(s=26, seed=1)                     # a new length: same structure
+    assert close(ne.flex_attention(q2, k2, v2, score_mod=mod), torch_flex(q2, k2, v2, score_mod=mod))
+    assert traces[0] == n
+    table.mul_(3)                                       # in place: read at the call
+    assert close(ne.flex_attention(q, k, v, score_mod=mod), torch_flex(q, k, v, score_mod=mod))
+    other = make_bias(torch.tensor([2.0, 3.0]), 20.0)   # a new closure, same code
+    assert close(ne.flex_attention(q, k, v, score_mod=other), torch_flex(q, k, v, score_mod=other))
+    assert traces[0] == n                               # same fingerprint: the new tensor is fetched
+
+
+def test_a_changed_constant_or_nested_function_traces_again(traces):
+    q, k, v = qkv()
+    ne.flex_attention(q, k, v, score_mod=make_bias(torch.zeros(2), 20.0))
+    n = traces[0]
+    cap30 = make_bias(torch.zeros(2), 30.0)             # softcap 20 -> 30: a new structure
+    assert close(ne.flex_attention(q, k, v, score_mod=cap30), torch_flex(q, k, v, score_mod=cap30))
+    assert traces[0] == n + 1
+
+    def inner_a(s):
+        return s * 2
+
+    def inner_b(s):
+        return s - 1
+
+    box = [inner_a]
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return box[0](score)
+    ne.flex_attention(q, k, v, score_mod=mod)
+    box[0] = inner_b                                    # same outer function, new inner code
+    assert close(ne.flex_attention(q, k, v, score_mod=mod), torch_flex(q, k, v, score_mod=mod))
+    assert traces[0] == n + 3
+
+
+def test_a_reshaped_table_traces_again(traces):
+    q, k, v = qkv()
+    mod = make_bias(torch.zeros(2), 20.0)
+    ne.flex_attention(q, k, v, score_mod=mod)
+    n = traces[0]
+    mod2 = make_bias(torch.zeros(2, 1)[:, 0].clone().reshape(2), 20.0)  # same shape: no trace
+    ne.flex_attention(q, k, v, score_mod=mod2)
+    assert traces[0] == n
+    wide = torch.zeros(3)                               # another shape: traced
+    mod3 = make_bias(wide, 20.0)
+    assert close(ne.flex_attention(q, k, v, score_mod=mod3), torch_flex(q, k, v, score_mod=mod3))
+    assert traces[0] == n + 1
