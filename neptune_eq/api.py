@@ -250,6 +250,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
         hit, status = cache_load(key)
         if hit is not None and _fresh(hit):
             hit.cache_status, hit.build_seconds = "hit", time.perf_counter() - t0
+            _store_new_buckets(hit, key)
             return hit
         status = "stale entry rebuilt" if hit is not None else status
     kern = _build(program, rules, extra_rules, target, limits, example_inputs, top_k,
@@ -258,7 +259,15 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     kern.cache_status, kern.build_seconds = status, time.perf_counter() - t0
     if cache:
         cache_store(key, kern)
+        _store_new_buckets(kern, key)
     return kern
+
+
+def _store_new_buckets(kern: "Kernel", key: str) -> None:
+    """The cache holds structure -> candidates *and* bucket -> winner: a bucket chosen at
+    call time is written back, so another process at that size neither lowers nor times."""
+    if kern._dispatch is not None:
+        kern._dispatch.on_new_bucket = lambda: cache_store(key, kern)
 
 
 def _fresh(kern: "Kernel") -> bool:

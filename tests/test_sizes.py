@@ -139,3 +139,22 @@ def test_a_split_k_kernel_generated_at_one_size_is_right_at_others(fused):
         Launcher(bind(row.program, values), ks, "interpreter", cfg.at(values), (t,))({**ins, "o": out})
         ref = _reference(kern, values, ins)
         assert cfg.splits > 1 and (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_buckets_chosen_at_call_time_are_cached_for_the_next_process(tmp_path, monkeypatch, saturations):
+    monkeypatch.setenv("NEPTUNE_EQ_CACHE", str(tmp_path))
+    x = ne.placeholder(("N", 12), "float32", "x")
+    j, k = ne.reduce_axis(12, "j"), ne.reduce_axis(12, "k")
+    mx = ne.compute(("N",), lambda i: ne.max(x[i, j], axis=j), "mx")
+    y = ne.compute(("N",), lambda i: ne.sum(ne.exp(x[i, k] - mx[i]), axis=k), "y")
+    kern = ne.superoptimize(y, target="interpreter", sizes={"N": 3})
+    kern(torch.randn(40, 12))                      # 33-64: a bucket chosen at the call
+    assert kern._dispatch.bucket_choices == 1
+    again = ne.superoptimize(y, target="interpreter", sizes={"N": 3})
+    assert again.cache_status == "hit" and again is not kern
+    x40 = torch.randn(40, 12)
+    got = again(x40)
+    assert again._dispatch.bucket_choices == 0     # found in the cache: nothing chosen again
+    ref = (x40.double() - x40.double().amax(1, keepdim=True)).exp().sum(1)
+    assert torch.allclose(got.double(), ref, rtol=1e-5)
+    assert saturations[0] == 1

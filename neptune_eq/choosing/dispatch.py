@@ -73,11 +73,16 @@ class SizeDispatch:
     device: Device
     buckets: dict[tuple, list[BucketChoice]] = field(default_factory=dict)
     launchers: OrderedDict = field(default_factory=OrderedDict, repr=False)  # size -> Launcher
-    bucket_choices: int = 0    # how many times a bucket was chosen (lowered + ranked)
+    bucket_choices: int = 0    # buckets chosen (lowered + ranked) in this process
+    # Called after a bucket is chosen at call time (the entry point re-stores the kernel
+    # in the disk cache, so the next process finds bucket -> winner without timing again).
+    on_new_bucket: object = field(default=None, repr=False)
 
     def __getstate__(self):  # launchers hold compiled kernels: process-local
         state = dict(self.__dict__)
         state["launchers"] = OrderedDict()
+        state["on_new_bucket"] = None
+        state["bucket_choices"] = 0   # counts choices made in this process
         return state
 
     def add(self, choice: BucketChoice) -> None:
@@ -90,6 +95,8 @@ class SizeDispatch:
         c = choose_bucket(self.pool, values, self.target, self.device)
         self.bucket_choices += 1
         self.add(c)
+        if self.on_new_bucket is not None:
+            self.on_new_bucket()
         return c
 
     def launcher(self, values: dict[str, int]) -> Launcher:
