@@ -112,3 +112,36 @@ def test_fast_launch_is_used_only_after_it_reproduces_tritons_launch(monkeypatch
     else:
         # slow + one checked fast launch, then only fast launches
         assert calls == ["slow", "fast", "fast", "fast"] and len(la._checked) == 1
+
+
+def test_runtime_size_launchers_share_checked_launches_by_tritons_class(monkeypatch):
+    """A kernel with runtime sizes gets a launcher per size; one checked direct launch
+    serves every size that Triton specialises the same way (a growing KV cache does not
+    pay a check per step), and a new class (N % 16 == 0) is checked once again."""
+    from neptune_eq.runtime import launcher as runtime
+    from neptune_eq.sizes import bind
+    x = ne.placeholder(("N", 10), "float32", "x")
+    j, k = ne.reduce_axis(10, "j"), ne.reduce_axis(10, "k")
+    mx = ne.compute(("N",), lambda i: ne.max(x[i, j], axis=j), "mx")
+    y = ne.compute(("N",), lambda i: ne.sum(ne.exp(x[i, k] - mx[i]), axis=k), "y")
+    kern = ne.superoptimize(y, target="interpreter", cache=False, sizes={"N": 5})
+    calls = _fake_gpu_launches(monkeypatch)
+    monkeypatch.setattr(runtime, "class_launch_key", lambda ts, ints, spec: (
+        0, tuple(t.data_ptr() & 15 == 0 for t in ts), tuple(spec(i) for i in ints)))
+    runtime._CHECKS_BY_VARIANT.clear()
+    # one bucket (33..64); 48 and 64 are another Triton class (% 16) and variant (even rows)
+    for n, expect in ((33, ["slow", "fast"]), (35, ["fast"]), (37, ["fast"]),
+                      (48, ["slow", "fast"]), (64, ["fast"])):
+        vals = {"N": n}
+        c = kern._dispatch.choice_for(vals)
+        ks = c.row.kernel.concrete(vals)
+        la = runtime.Launcher(bind(c.row.program, vals), ks, "cuda", c.config.at(vals),
+                              tuple(vals[s] for s in ks.size_params))
+        assert la.fast_ok, la.fast_reason
+        xs = torch.randn(n, 10, dtype=torch.float32)
+        del calls[:]
+        out = torch.empty(n)
+        la({"x": xs, "y": out})
+        assert calls == expect, (n, calls)
+        ref = (xs.double() - xs.double().amax(1, keepdim=True)).exp().sum(1)
+        assert torch.allclose(out.double(), ref, rtol=1e-5)

@@ -41,6 +41,27 @@ def launch_key(tensors: list, ints: list) -> tuple:
             tuple(ints))
 
 
+def _triton_int_specialisation():
+    """Triton's own specialisation of an integer argument (``== 1`` becomes a constexpr,
+    ``% 16`` a divisibility hint, the range i32/i64), or None on a Triton without it."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:  # pragma: no cover - Triton before 3.5
+        return None
+    native_specialize_impl(BaseBackend, 37, False, True, True)  # fails here, not per launch
+    return lambda v: native_specialize_impl(BaseBackend, v, False, True, True)
+
+
+def class_launch_key(tensors: list, ints: list, spec) -> tuple:
+    """``launch_key`` for kernels that take sizes at run time: integers by the class
+    Triton specialises them into (``spec``), not by value, so one checked launch serves
+    every size of that class -- a KV cache growing by one key per step does not re-check."""
+    import torch
+    return (torch.cuda.current_device(), tuple(t.data_ptr() & 15 == 0 for t in tensors),
+            tuple(spec(i) for i in ints))
+
+
 class FastLaunch:
     """One JIT function, one grid and fixed constexprs; launches by key."""
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..lowering.kernelgen import KernelSource
 from ..lowering.lower import split_factors
-from .launch import FastLaunch, current_stream, launch_key
+from .launch import FastLaunch, _triton_int_specialisation, class_launch_key, current_stream, launch_key
 from ..ir import Program, ProgramError
 from .triton_mode import check_interpreter_importable, enable_interpreter
 
@@ -141,6 +141,21 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
     return out
 
 
+# kernel variant (source, constexprs, warps, stages, one-launch) -> launch key -> checked
+# compiled kernels: shared by the launchers of one kernel at different runtime sizes.
+_CHECKS_BY_VARIANT: dict[tuple, dict[tuple, list]] = {}
+_INT_SPEC: list = []   # [Triton's int specialisation or None], looked up once
+
+
+def _int_specialisation():
+    if not _INT_SPEC:
+        try:
+            _INT_SPEC.append(_triton_int_specialisation())
+        except Exception:  # noqa: BLE001 - an unexpected Triton: keep Triton's own launch
+            _INT_SPEC.append(None)
+    return _INT_SPEC[0]
+
+
 @dataclass
 class Launcher:
     """One compiled kernel (or partial + combine) with its argument order and grid.
@@ -164,11 +179,22 @@ class Launcher:
         self.fast_ok = (self.target == "cuda"
                         and os.environ.get("NEPTUNE_EQ_FAST_LAUNCH", "1") != "0")
         self.fast_reason = "" if self.fast_ok else "off (interpreter or NEPTUNE_EQ_FAST_LAUNCH=0)"
+        self._checked: dict[tuple, list] = {}
+        self._int_class = None
         if self.size_args and self.fast_ok:
             # A kernel with runtime sizes meets a new size on most calls (a growing KV
-            # cache): each would pay the bit-identical check of a second launch.
-            self.fast_ok, self.fast_reason = False, "off (runtime sizes: Triton's own launch)"
-        self._checked: dict[tuple, list] = {}
+            # cache), and one launcher serves one size: checks are shared by every
+            # launcher of this kernel variant and keyed on Triton's own classes of the
+            # integer arguments, so a size of a class already checked launches directly.
+            self._int_class = _int_specialisation()
+            if self._int_class is None:
+                self.fast_ok, self.fast_reason = False, "off (runtime sizes on this Triton)"
+            else:
+                variant = (self.ks.source, tuple(sorted(consts.items())),
+                           self.config.num_warps, self.config.num_stages, self.config.fused)
+                self._checked = _CHECKS_BY_VARIANT.setdefault(variant, {})
+                if "failed" in self._checked:  # a launcher of this variant failed its check
+                    self.fast_ok, self.fast_reason = False, self._checked["failed"]
         self._sems: dict = {}  # (device, stream) -> zeroed counters of the one-launch split-k
         self._chunks = self.chunking() if self.ks.split_extent else None
         self._launches = self._plan_launches()
@@ -222,7 +248,10 @@ class Launcher:
         args = [tensors[n[:-4]] for n in self.ks.params]
         st = {t: tensors[t].stride() for t in self.stride_of}
         strides = [st[t][k] for t, k in self.ks.stride_params] + list(self.size_args)
-        key = launch_key(args, strides) if self.fast_ok else None
+        key = None
+        if self.fast_ok:
+            key = (class_launch_key(args, strides, self._int_class) if self._int_class
+                   else launch_key(args, strides))
         stream = None  # needed by the direct launch and the one-launch split-k's counters
         if key is not None:
             stream = current_stream(key[0])
@@ -290,12 +319,17 @@ class Launcher:
             same = all(torch.equal(tensors[n].contiguous().view(torch.uint8),
                                    outs[n].contiguous().view(torch.uint8)) for n in outs)
         except Exception as e:  # noqa: BLE001 - Triton internals differ: keep the normal path
-            self.fast_ok, self.fast_reason = False, f"off: direct launch failed ({e})"
+            self._fast_off(f"off: direct launch failed ({e})")
             return
         if same:
             self._checked[key] = cks
         else:
-            self.fast_ok, self.fast_reason = False, "off: direct launch differed from Triton's"
+            self._fast_off("off: direct launch differed from Triton's")
+
+    def _fast_off(self, reason: str) -> None:
+        self.fast_ok, self.fast_reason = False, reason
+        if self._int_class is not None:  # shared: the launchers of other sizes stop too
+            self._checked["failed"] = reason
 
 
 COMBINE_TILE = 8192  # values per combine step (B_P x rows x width): registers, not spills
