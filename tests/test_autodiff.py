@@ -41,7 +41,8 @@ def assert_close(ref, got, tol=1e-10):
 def test_softmax_backward_matches_autograd():
     ref, got, bw = grads_both_ways(examples.softmax(3, 7, "float64"), ["x"])
     assert_close(ref, got)
-    assert [ph.name for ph in bw.program.inputs] == ["x", "mx", "den", "d_y"]
+    # the saved output y is read back (∂y/∂den = −y/den), as torch's softmax backward does
+    assert [ph.name for ph in bw.program.inputs] == ["x", "mx", "den", "y", "d_y"]
 
 
 @pytest.mark.parametrize("chain", examples.CHAINS)
@@ -59,13 +60,22 @@ def test_rms_matmul_backward_program_is_plain_ir():
     out = examples.reduction_chain("rms-matmul", 4, 6, 3, "float64")
     _, _, bw = grads_both_ways(out, ["x", "v"])
     text = str(bw.program)
-    assert "d_v[v0, v1] = sum[i" in text and "g_ss[x0]" in text
+    # gradient axes are named after the forward's (the lowering matches reads by name)
+    assert "d_v[v0, e] = sum[i" in text and "d_x[i, x1] =" in text and "g_ss[i] * x[i, x1]" in text
 
 
 def test_plain_attention_backward():
     ref, got, _ = grads_both_ways(ne.attention(1, 2, 5, 6, 3, "float64"), ["q", "k", "v"],
                                   constant=("mx",))
     assert_close(ref, got)
+
+
+def test_softmax_gradient_term_reads_the_saved_output():
+    """Σ_j P_ij·dP_ij appears as Σ_e dO_ie·O_ie: ∂O/∂l = −O/l reads the saved O."""
+    _, _, bw = grads_both_ways(ne.attention(1, 2, 4, 6, 3, "float64"), ["q", "k", "v"],
+                               constant=("mx",))
+    g_den = str(bw.program.definition("g_den").body)
+    assert "(g_o[z, y, i, e_" in g_den and "* o[z, y, i, e_" in g_den and "jo" not in g_den
 
 
 def test_max_as_constant_changes_nothing():

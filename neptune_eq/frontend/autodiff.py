@@ -161,15 +161,27 @@ class _Builder:
         return self.target_axes[name] if name in self.target_axes else self._new_axes(name)
 
     def _new_axes(self, name: str) -> tuple[str, ...]:
+        """Axes of an input's gradient, named after the spatial axes the forward reads the
+        input along (``d_x[i, c]`` for ``y[i, c] = … x[i, c] …``): the lowering matches
+        a producer's reads by axis name, so the backward must speak the forward's names."""
         shape = next(ph.shape for ph in self.p.inputs if ph.name == name)
-        axes = []
+        seen: list[list[str]] = [[] for _ in shape]
+        for d in self.p.defs:
+            for t in d.body.walk():
+                if t.op == "load" and t.val == name:
+                    for k, ix in enumerate(t.args):
+                        if ix.op == "var" and ix.val in d.axes and ix.val not in seen[k]:
+                            seen[k].append(ix.val)
+        axes: list[str] = []
         for k, n in enumerate(shape):
-            a = f"{name}{k}"
-            while a in self.used_names:
-                a = f"{name}{k}_{next(self.fresh)}"
-            self.used_names.add(a)
-            self.extents[a] = n
-            axes.append(a)
+            pick = next((a for a in seen[k] if a not in axes and self.extents[a] == n), None)
+            if pick is None:
+                pick = f"{name}{k}"
+                while pick in self.used_names:
+                    pick = f"{name}{k}_{next(self.fresh)}"
+                self.used_names.add(pick)
+                self.extents[pick] = n
+            axes.append(pick)
         self.target_axes[name] = tuple(axes)
         return tuple(axes)
 
@@ -183,7 +195,24 @@ class _Builder:
     # -- symbolic differentiation of one body ---------------------------------------------
     def _differentiate_body(self, d: Definition, g: Definition) -> None:
         seed = Term("ref", tuple(var(a) for a in d.axes), g.name)
+        self.primal = self._primal_values(d)
         self._push(d.body, seed, tuple(d.axes), d)
+
+    def _primal_values(self, d: Definition) -> dict[Term, Term]:
+        """Subterms of ``d``'s body whose value the forward saved: a derivative that needs
+        them reads the saved tensor instead of recomputing it.  For attention this turns
+        ∂O/∂l = −O/l into a read of the saved output, so the softmax-gradient term
+        ``Σ_j P_ij·dP_ij`` becomes ``Σ_e dO_ie·O_ie`` (one row-wise dot, FlashAttention-2's
+        D_i) instead of recomputing P·V per row.  In ``where(c, X, 0)`` the branch ``X``
+        equals the saved value wherever ``c`` holds, and everywhere else its cotangent
+        ``where(c, g, 0)`` is zero, so reading the (finite) saved value there is exact."""
+        if d.name not in self.saved:
+            return {}
+        saved = Term("ref", tuple(var(a) for a in d.axes), d.name)
+        out = {d.body: saved}
+        if d.body.op == "where" and d.body.args[2] == const(0.0):
+            out[d.body.args[1]] = saved
+        return out
 
     def _push(self, t: Term, c: Term, scope: tuple[str, ...], d: Definition) -> None:
         """Send cotangent ``c`` (a term over ``scope``) into term ``t``."""
@@ -208,11 +237,11 @@ class _Builder:
             self._push(a[0], cb, scope, d)
             # d(a/b)/db = −(c/b)·(a/b): never forms b², which underflows in fp32 and would
             # turn 0·a/b² into NaN on a fully masked row (b clamped to 1e-30).
-            self._push(a[1], _neg(_mul(cb, Term("div", (a[0], a[1])))), scope, d)
+            self._push(a[1], _neg(_mul(cb, self.primal.get(t, t))), scope, d)
         elif op == "neg":
             self._push(a[0], _neg(c), scope, d)
         elif op in _UNARY_DERIVATIVE:
-            self._push(a[0], _mul(c, _UNARY_DERIVATIVE[op](t, a[0])), scope, d)
+            self._push(a[0], _mul(c, _UNARY_DERIVATIVE[op](self.primal.get(t, t), a[0])), scope, d)
         elif op in ("maximum", "minimum"):
             pick = "gt" if op == "maximum" else "lt"
             # torch's rule: the larger (smaller) operand gets c, a tie splits it evenly
