@@ -173,3 +173,53 @@ def test_errors_are_clear():
         backward_program(p, ["x"], saved=["nope"])
     with pytest.raises(ne.ProgramError, match="depends on"):
         backward_program(p, ["x"], constant=("mx", "den", "y"))
+
+
+class _Interpreted(torch.autograd.Function):
+    """Forward: the forward program in the fp64 interpreter; backward: the derived
+    backward program in the fp64 interpreter -- what gradcheck holds to finite
+    differences."""
+
+    @staticmethod
+    def forward(ctx, p, bw, names, *tensors):
+        ins = dict(zip(names, tensors))
+        fw = evaluate(p, ins)
+        ctx.p, ctx.bw, ctx.names, ctx.ins, ctx.fw = p, bw, names, ins, fw
+        return tuple(fw[o] for o in p.outputs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        feed = {**ctx.ins, **{n: ctx.fw[n] for n in ctx.bw.saved},
+                **{"d_" + o: g for o, g in zip(ctx.p.outputs, gs)}}
+        got = evaluate(ctx.bw.program, {ph.name: feed[ph.name] for ph in ctx.bw.program.inputs})
+        return (None, None, None, *[got.get("d_" + n) for n in ctx.names])
+
+
+def _gradcheck(out, wrt, scale=1.0, **kw):
+    p = ne.build_program(out)
+    bw = backward_program(p, wrt, **kw)
+    names = [ph.name for ph in p.inputs]
+    ts = [(torch.randn(ph.shape, dtype=torch.float64) * scale).requires_grad_(ph.name in wrt)
+          for ph in p.inputs]
+    assert torch.autograd.gradcheck(lambda *t: _Interpreted.apply(p, bw, names, *t), ts)
+
+
+def test_gradcheck_softmax_and_lse():
+    _gradcheck(examples.softmax(2, 5, "float64"), ["x"])
+    _gradcheck(examples.reduction_chain("log-sum-exp", 2, 5, 3, "float64"), ["x"],
+               constant=("mx",))
+
+
+def test_gradcheck_causal_softcap_gqa_alibi():
+    slope = ne.placeholder((4,), "float64", "slope")
+
+    def score(s, b, h, i, j):
+        return 4.0 * torch.tanh(s / 4.0) + slope[h] * (j - i)
+
+    out = ne.attention(1, 4, 3, 4, 2, "float64", kv_heads=2, score_mod=score,
+                       mask_mod=lambda b, h, i, j: (j <= i + 1) & (i != 1))
+    _gradcheck(out, ["q", "k", "v", "slope"], constant=("mx",))
+
+
+def test_gradcheck_decode():
+    _gradcheck(ne.attention(1, 2, 1, 5, 2, "float64"), ["q", "k", "v"], constant=("mx",))
