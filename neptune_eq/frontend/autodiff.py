@@ -130,11 +130,11 @@ class _Builder:
         for d in reversed(self.p.defs):
             if d.name not in active:
                 continue
-            g = self._adjoint_of_definition(d)
-            if g is None:
+            made = self._adjoint_of_definition(d)
+            if not made:
                 continue
-            adjoint_defs.append(g)
-            self._differentiate_body(d, g)
+            adjoint_defs += made
+            self._differentiate_body(d, made[-1])
         grads = []
         for w in self.wrt:
             ph = next(x for x in self.p.inputs if x.name == w)
@@ -143,19 +143,29 @@ class _Builder:
             grads.append(Definition(GRAD_PREFIX + w, axes, body, ph.dtype))
         return self._assemble(adjoint_defs, grads, cotangents)
 
-    def _adjoint_of_definition(self, d: Definition) -> Definition | None:
-        """``g_X[axes]``: the output's cotangent plus what its consumers sent back."""
+    def _adjoint_of_definition(self, d: Definition) -> list[Definition]:
+        """``g_X[axes]``: the output's cotangent plus what its consumers sent back (the
+        last definition returned).  When several contributions meet and some reduce, each
+        reducing one becomes a definition of its own (``g_X_1``, …): a producer is one
+        reduction, so the pipeline can give each its own loop."""
         parts = list(self.contrib.get(d.name, []))
         if d.name in self.p.outputs:
             parts.insert(0, Term("load", tuple(var(a) for a in d.axes), GRAD_PREFIX + d.name))
         if not parts:
-            return None
+            return []
         self.target_axes[d.name] = d.axes
+        dtype = d.dtype if d.dtype in ir.FLOAT_DTYPES else "float32"
+        out: list[Definition] = []
+        if len(parts) > 1:
+            for k, t in enumerate(parts):
+                if any(n.kind == "reduce" for n in t.walk()):
+                    name = f"g_{d.name}_{len(out) + 1}"
+                    out.append(Definition(name, d.axes, t, dtype))
+                    parts[k] = Term("ref", tuple(var(a) for a in d.axes), name)
         body = parts[0]
         for t in parts[1:]:
             body = Term("add", (body, t))
-        dtype = d.dtype if d.dtype in ir.FLOAT_DTYPES else "float32"
-        return Definition("g_" + d.name, d.axes, body, dtype)
+        return out + [Definition("g_" + d.name, d.axes, body, dtype)]
 
     def _axes_for_input(self, name: str) -> tuple[str, ...]:
         return self.target_axes[name] if name in self.target_axes else self._new_axes(name)
@@ -359,7 +369,11 @@ class _Builder:
         inputs += [ph for ph in cots if ph.name in loads]
         defs = [_load_saved(d, saved) for d in recomputed + adjoint_defs + grads]
         prog = Program(inputs, defs, self.extents, [g.name for g in grads],
-                       {"backward_of": list(self.p.outputs), "wrt": list(self.wrt)})
+                       # the forward and what it saved: translation validation draws
+                       # the saved inputs from the forward (independent random values of
+                       # a max and a sum would exercise inputs that never occur)
+                       {"backward_of": list(self.p.outputs), "wrt": list(self.wrt),
+                        "forward": self.p, "saved": list(saved)})
         _order_defs(prog)
         ir.validate(prog)
         return Backward(prog, self.wrt, saved, tuple(ph.name for ph in cots if ph.name in loads))
