@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from . import rules
     from .api import Kernel, superoptimize
     from .dropin.flex import flex_attention
+    from .dropin.autograd import differentiable
     from .egraph.saturate import Limits
 
 __all__ = [
@@ -40,7 +41,7 @@ __all__ = [
     "maximum", "minimum", "where", "cast",
     "attention", "flex_attention",
     # superoptimize it
-    "superoptimize", "Kernel", "Limits", "rules",
+    "superoptimize", "Kernel", "Limits", "rules", "differentiable",
     # errors
     "ProgramError", "RuleFileError", "UnsoundRuleError", "TranslationValidationError",
 ]
@@ -50,6 +51,7 @@ _LAZY = {
     "superoptimize": (".api", "superoptimize"),
     "Kernel": (".api", "Kernel"),
     "flex_attention": (".dropin.flex", "flex_attention"),
+    "differentiable": (".dropin.autograd", "differentiable"),
     "Limits": (".egraph.saturate", "Limits"),
     "rules": (".rules", None),
 }

@@ -188,12 +188,6 @@ def test_errors_say_what_to_do(args, kwargs, error, match):
         ne.flex_attention(*args, **kwargs)
 
 
-def test_inputs_requiring_grad_are_refused():
-    q, k, v = qkv()
-    with pytest.raises(ne.ProgramError, match="no backward"):
-        ne.flex_attention(q.requires_grad_(), k, v)
-
-
 # ----------------------------------------------------------------------------------
 # torch.compile
 # ----------------------------------------------------------------------------------

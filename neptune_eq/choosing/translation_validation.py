@@ -86,6 +86,23 @@ def random_inputs(program: Program, seed: int, scale: float, int_high: int) -> d
     return out
 
 
+def consistent_inputs(program: Program, sizes: dict, seed: int, scale: float,
+                      int_high: int) -> dict:
+    """Random inputs; for a backward program (``meta['forward']``, ``meta['saved']``) the
+    inputs that are saved forward values are computed by the forward program from the
+    other inputs, as they are at run time."""
+    data = random_inputs(program, seed, scale, int_high)
+    forward, saved = program.meta.get("forward"), program.meta.get("saved") or []
+    if forward is None or not saved:
+        return data
+    small = shrink(forward, sizes)
+    extra = random_inputs(small, seed + 1000, scale, int_high)
+    values = evaluate(small, {ph.name: data.get(ph.name, extra[ph.name]) for ph in small.inputs})
+    for name in saved:
+        data[name] = values[name].to(data[name].dtype)
+    return data
+
+
 def validate_translation(input_program: Program, chosen: Program, blame: Callable[[], str],
                          run_kernel: Callable[[Program, dict, dict], dict] | None) -> ValidationReport:
     """Compare ``chosen`` with ``input_program`` (and the kernel ``run_kernel(program,
@@ -97,7 +114,7 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
     small_in, small_out = shrink(input_program, sizes), shrink(chosen, sizes)
     try:
         validate_program(small_in)
-        evaluate(small_in, random_inputs(small_in, 0, 1.0, 2))
+        evaluate(small_in, consistent_inputs(small_in, sizes, 0, 1.0, 2))
     except (ProgramError, IndexError, RuntimeError):
         # An index that only stays in bounds at the real sizes (x[i + 5] of a size S + 5
         # tensor): check at the given sizes instead.
@@ -108,7 +125,7 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
     report = ValidationReport(sizes=sizes)
     kernel_error = None
     for seed, (label, scale, high) in enumerate(CASES):
-        data = random_inputs(small_in, seed, scale, high)
+        data = consistent_inputs(small_in, sizes, seed, scale, high)
         ref = evaluate(small_in, data)
         got = evaluate(small_out, data)
         for name in input_program.outputs:

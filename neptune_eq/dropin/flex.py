@@ -47,6 +47,8 @@ class Structure:
     symbols: list = field(default_factory=list)   # its named sizes (S may stand for L too)
     shapes: dict = field(default_factory=dict)    # input name -> shape (ints, Size names)
     kernel: object = None
+    program: object = None             # the plain forward program (its backward derives from it)
+    backward: dict = field(default_factory=dict)  # input name -> backward Kernel (flex_backward)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def kernel_at(self, sizes: dict[str, int]):
@@ -195,10 +197,6 @@ def check(q, k, v, scale, enable_gqa, want_max) -> Spec:
     if q.device.type not in ("cuda", "cpu"):
         raise ProgramError(f"Expected CUDA tensors (generated Triton kernels) or CPU tensors "
                            f"(the Triton interpreter), got {q.device}.")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise ProgramError("Expected inputs without requires_grad: neptune_eq derives no "
-                           "backward for flex_attention yet; run it under torch.no_grad() "
-                           "or use torch's flex_attention for training.")
     b, hq, lq, e = q.shape
     bk, hkv, s, ek = k.shape
     bv, hv, sv, ev = v.shape
@@ -274,7 +272,8 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
         with _TABLE_LOCK:
             st = STRUCTURES.setdefault(skey, Structure(skey, text, spec.target, spec.max_scores,
                                                        outputs, symbols(prog),
-                                                       {p.name: p.shape for p in prog.inputs}))
+                                                       {p.name: p.shape for p in prog.inputs},
+                                                       program=prog))
     return st, captured
 
 

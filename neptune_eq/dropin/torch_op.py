@@ -63,6 +63,16 @@ def _(q, k, v, captured, structure, max_scores):
     return out, lse, mx
 
 
+def _register_autograd() -> None:
+    """Gradients for q, k, v and captured float tensors (``flex_backward``)."""
+    from . import flex_backward
+    flex_attention_op.register_autograd(flex_backward.backward,
+                                        setup_context=flex_backward.setup_context)
+
+
+_register_autograd()
+
+
 # ----------------------------------------------------------------------------------
 # Under torch.compile
 # ----------------------------------------------------------------------------------

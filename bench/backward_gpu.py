@@ -1,0 +1,176 @@
+"""Training step (forward + backward) of ne.flex_attention on the GPU, next to torch's
+flex_attention (compiled) and SDPA (default backend, and cuDNN where it runs): time per
+fwd+bwd, and gradient error against fp64 autograd of the plain attention.
+
+    python bench/backward_gpu.py            # H200 goal shapes: bf16, B=2, H=16, D=128
+    python bench/backward_gpu.py --quick    # one length, for a smoke run
+
+writes bench/results/backward.json and bench/results/backward.md.  Every row is
+measured independently: a variant that fails records its error instead of stopping
+the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import neptune_eq as ne  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+B, H, D = 2, 16, 128
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def softcap(score, b, h, q, kv):
+    return torch.tanh(score / 30) * 30
+
+
+def variants(S: int, slopes: torch.Tensor):
+    """name -> (kwargs for both flex implementations, Hkv, L, SDPA kwargs or None, fp64 ref)."""
+    def alibi(score, b, h, q, kv):
+        return score + slopes[h] * (kv - q)
+
+    bm = create_block_mask(causal, None, None, S, S, device="cuda")
+    return {
+        "plain": ({}, H, S, {}, dict()),
+        "causal": ({"block_mask": bm}, H, S, {"is_causal": True}, dict(causal=True)),
+        "causal+softcap": ({"block_mask": bm, "score_mod": softcap}, H, S, None,
+                           dict(causal=True, cap=30.0)),
+        "causal+gqa(4)": ({"block_mask": bm, "enable_gqa": True}, 4, S,
+                          {"is_causal": True, "enable_gqa": True}, dict(causal=True)),
+        "alibi": ({"score_mod": alibi}, H, S, None, dict(slopes=slopes)),
+        "decode(L=1)": ({}, H, 1, {}, dict()),
+    }
+
+
+def reference(q, k, v, causal=False, cap=None, slopes=None):
+    """fp64 attention with torch ops (its autograd is the reference)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    i = torch.arange(q.shape[2], device=q.device)[:, None]
+    j = torch.arange(k.shape[2], device=q.device)[None]
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    if slopes is not None:
+        s = s + slopes.double()[None, :, None, None] * (j - i)
+    if causal:
+        s = s.masked_fill(j > i, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def step(fn, q, k, v, g):
+    """One fwd+bwd; returns the gradients."""
+    out = fn(q, k, v)
+    return torch.autograd.grad(out, (q, k, v), g)
+
+
+def grad_error(fn, ref_kw, Hkv, L, S, dtype):
+    """Max abs gradient error vs fp64 autograd at a small length (fp64 fits)."""
+    torch.manual_seed(0)
+    q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+    got = step(fn, q, k, v, g)
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(reference(*ins, **ref_kw), ins, g.double())
+    return max((a.double() - r).abs().max().item() for a, r in zip(got, ref))
+
+
+def bench_one(name, S, dtype, slopes, flex_c, check_len):
+    kw, Hkv, L, sdpa_kw, ref_kw = variants(S, slopes)[name]
+    torch.manual_seed(0)
+    q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+    row = {"variant": name, "S": S, "L": L, "Hkv": Hkv}
+    impls = {"ours": lambda q, k, v: ne.flex_attention(q, k, v, **kw),
+             "flex": lambda q, k, v: flex_c(q, k, v, **kw)}
+    if sdpa_kw is not None:
+        impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **sdpa_kw)
+
+        def cudnn(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, **sdpa_kw)
+        impls["cudnn"] = cudnn
+    for impl, fn in impls.items():
+        try:
+            t0 = time.perf_counter()
+            step(fn, q, k, v, g)
+            torch.cuda.synchronize()
+            row[f"first_s_{impl}"] = round(time.perf_counter() - t0, 2)
+            row[f"ms_{impl}"] = do_bench(lambda: step(fn, q, k, v, g), return_mode="median")
+            row[f"ms_fwd_{impl}"] = do_bench(lambda: fn(q.detach(), k.detach(), v.detach()),
+                                             return_mode="median")
+            if S == check_len and impl in ("ours", "flex"):
+                cl = min(L, check_len)
+                row[f"grad_err_{impl}"] = grad_error(fn, ref_kw, Hkv, cl, check_len, dtype)
+        except Exception as e:  # noqa: BLE001 - record it and go on
+            row[f"error_{impl}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            traceback.print_exc()
+    if "ms_ours" in row and "ms_flex" in row:
+        row["speedup_vs_flex"] = row["ms_flex"] / row["ms_ours"]
+    if "ms_ours" in row and "ms_cudnn" in row:
+        row["ratio_vs_cudnn"] = row["ms_cudnn"] / row["ms_ours"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def markdown(out: dict) -> str:
+    lines = [f"# fwd+bwd, {out['device']}, {out['dtype']}, B={B} H={H} D={D}", "",
+             "| variant | S | ours ms | flex ms | sdpa ms | cudnn ms | x flex | x cudnn | "
+             "grad err ours | grad err flex | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(r, k, fmt="{:.3f}"):
+        return fmt.format(r[k]) if k in r else "—"
+    for r in out["rows"]:
+        errs = "; ".join(f"{k[6:]}: {v[:80]}" for k, v in r.items() if k.startswith("error_"))
+        lines.append(f"| {r['variant']} | {r['S']} | {f(r, 'ms_ours')} | {f(r, 'ms_flex')} | "
+                     f"{f(r, 'ms_sdpa')} | {f(r, 'ms_cudnn')} | {f(r, 'speedup_vs_flex', '{:.2f}')} | "
+                     f"{f(r, 'ratio_vs_cudnn', '{:.2f}')} | {f(r, 'grad_err_ours', '{:.2e}')} | "
+                     f"{f(r, 'grad_err_flex', '{:.2e}')} | {errs} |")
+    lines += ["", "Gradient errors: max abs vs fp64 autograd of the plain attention, at "
+              f"S = {out['check_len']}.  Goal: >= 1.3x flex, >= 0.9x cuDNN."]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", default="")
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    lengths = (1024,) if args.quick else (1024, 4096)
+    check_len = lengths[0]
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda")
+    flex_c = torch.compile(flex_attention)
+    names = [n for n in variants(16, slopes) if not args.variants or n in args.variants.split(",")]
+    rows = [bench_one(n, S, dtype, slopes, flex_c, check_len) for S in lengths for n in names]
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
+           "check_len": check_len, "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "backward.json").write_text(json.dumps(out, indent=1))
+    (RESULTS / "backward.md").write_text(markdown(out) + "\n")
+    print(markdown(out))
+
+
+if __name__ == "__main__":
+    main()

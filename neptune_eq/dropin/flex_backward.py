@@ -1,0 +1,89 @@
+"""Gradients of ``ne.flex_attention``: the autograd formula of the
+``neptune_eq::flex_attention`` op, running kernels derived from the plain program.
+
+For each input that needs a gradient (q, k, v, and every float tensor the mods captured)
+``frontend.autodiff`` writes the plain backward program of the structure's forward
+program (outputs O and lse) and ``ne.superoptimize`` fuses and lowers it -- once per
+structure and input, at any B, L, S (the sizes stay named).  Every gradient row is owned
+by one program instance: no atomics, the backward is deterministic.
+
+What the forward saved is only (O, lse).  The backward programs read a row max ``m`` and
+denominator ``l`` instead: the row max is a constant of the program (softmax does not
+depend on it), so any per-row shift gives the same gradients, and with the shift
+``m := lse = m + log l`` the denominator becomes ``l = Σ exp(s − lse) = 1``:
+``exp(s − m)/l = exp(s − (m + log l))``, P recomputed from the log-sum-exp alone.  A row
+with no visible key has lse = −inf: it gets ``l = 0``, which the program's own
+``where(l > 0, …)`` turns into zero gradients (never NaN).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import flex
+from ..frontend.autodiff import backward_program
+from ..ir import MASKED, ProgramError
+
+SAVED = ("mx", "den", "o")
+
+
+def backward_kernel(st: "flex.Structure", wrt: str, sizes: dict[str, int]):
+    """The superoptimized backward kernel of structure ``st`` for input ``wrt``."""
+    if wrt not in st.backward:
+        with st.lock:
+            if wrt not in st.backward:
+                from ..api import superoptimize
+                bw = backward_program(st.program, [wrt], saved=SAVED, constant=("mx",))
+                kern = superoptimize(bw.program, target=st.target, sizes={
+                    n: sizes[n] for n in st.symbols} if st.symbols else None)
+                st.backward[wrt] = (bw, kern)
+    return st.backward[wrt]
+
+
+def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, needs: list[bool]):
+    """Gradients (dq, dk, dv, [d captured...]); None where ``needs`` is False."""
+    st = flex.STRUCTURES.get(skey)
+    if st is None or st.program is None:
+        raise ProgramError(f"Expected a structure traced in this process, got key {skey!r}; "
+                           "call ne.flex_attention, which traces the mods.")
+    names = [ph.name for ph in st.program.inputs]
+    tensors = [q, k, v, *captured]
+    sizes = {flex.SIZES[0]: q.shape[0], flex.SIZES[1]: q.shape[2], flex.SIZES[2]: k.shape[2]}
+    visible = torch.isfinite(lse)
+    env = dict(zip(names, tensors))
+    env["mx"] = torch.where(visible, lse, torch.full_like(lse, MASKED)).float().contiguous()
+    env["den"] = visible.float()
+    env["o"] = out.contiguous()
+    env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
+    env["d_lse"] = (torch.zeros_like(lse) if d_lse is None else
+                    torch.where(visible, d_lse.float(), 0.0)).contiguous()
+    grads = []
+    for name, t, need in zip(names, tensors, needs):
+        if not need:
+            grads.append(None)
+            continue
+        if not t.is_floating_point():
+            raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
+                               f"{t.dtype}; only float captured tensors have gradients.")
+        bw, kern = backward_kernel(st, name, sizes)
+        grads.append(kern(**{ph.name: env[ph.name] for ph in bw.program.inputs}))
+    return grads
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, captured, structure, _max_scores = inputs
+    out, lse, _mx = output
+    ctx.structure = structure
+    # per captured tensor (a list input has one needs_input_grad flag): float tensors that
+    # require grad get one; integer tables (document ids) never do
+    ctx.captured_needs = [c.requires_grad and c.is_floating_point() for c in captured]
+    ctx.save_for_backward(q, k, v, out, lse, *captured)
+
+
+def backward(ctx, d_out, d_lse, d_max):
+    if d_max is not None and d_max.numel() and bool((d_max != 0).any()):
+        raise ProgramError("max_scores of ne.flex_attention has no gradient (as in "
+                           "FlexAttention); detach it before using it in a loss.")
+    q, k, v, out, lse, *captured = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:3]) + list(ctx.captured_needs)
+    grads = run_backward(ctx.structure, q, k, v, captured, out, lse, d_out, d_lse, needs)
+    return grads[0], grads[1], grads[2], list(grads[3:]), None, None
