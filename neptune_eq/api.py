@@ -8,6 +8,7 @@ from typing import Sequence
 import sys
 
 from .frontend import dsl
+from .frontend.normalize import isolate_reductions
 from .choosing.cache import load as cache_load, make_key, store as cache_store
 from .choosing.choose import CandidateRow, spearman
 from .choosing.costmodel import device_for
@@ -273,6 +274,10 @@ def _gpu_name(target: str) -> str:
 def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, progress,
            gpu_name, sizes) -> Kernel:
     from . import rules as rule_registry
+    user_program = program
+    # Reductions nested in a definition others read become producers of their own, so
+    # the rules fuse them and the lowering sees only folds and pointwise code.
+    program = isolate_reductions(program)
     syms = symbols(program)
     values = _first_sizes(program, syms, sizes, example_inputs)
     concrete = bind(program, values) if syms else program   # what the cost model weighs
@@ -301,9 +306,9 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     first = choose_bucket(pool, values, target, dev, tensors, top_k, progress)
     chosen = first.row
     trace.validation = validate_translation(
-        program, first.program, lambda: _blame(trace, chosen),
+        user_program, first.program, lambda: _blame(trace, chosen),
         lambda small, named, data: _run_small_kernel(small, named, data, target))
-    kern = Kernel(program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
+    kern = Kernel(user_program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
                   chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
     if syms:
         kern.sizes = dict(values)
