@@ -30,6 +30,7 @@ class Chain:
     pattern: str                                  # what the chain exercises
     build: Callable[[dict], list]                 # sizes -> output tensors (outputs in order)
     reference: Callable[[dict], dict]             # fp64 torch inputs -> {output: tensor}
+    passes: int = 1                               # passes over memory of the fused form
     index_bounds: Callable[[dict], dict] = lambda s: {}  # int input -> exclusive upper bound
 
     def program(self, sizes: dict):
@@ -198,6 +199,21 @@ def _cross_entropy_ref(t):
     return {"loss": t["x"].logsumexp(1) - t["x"].gather(1, t["t"][:, None])[:, 0]}
 
 
+def _gathered_values(s):  # softmax weights over rows of a table picked by ids[j]
+    x, j, k = _rows(s)
+    ids = ne.placeholder((s["M"],), "int32", "ids")
+    table = ne.placeholder((s["R"], s["E"]), "float32", "table")
+    mx = _row_max(x, s, j)
+    den = ne.compute((s["N"],), lambda i: ne.sum(ne.exp(x[i, k] - mx[i]), axis=k), "den")
+    o = ne.reduce_axis(s["M"], "o")
+    return [ne.compute((s["N"], s["E"]), lambda i, e: ne.sum(
+        ne.exp(x[i, o] - mx[i]) * table[ids[o], e], axis=o) / den[i], "y")]
+
+
+def _gathered_values_ref(t):
+    return {"y": t["x"].softmax(1) @ t["table"][t["ids"].long()]}
+
+
 # -- cause 2: a contraction over K feeding a reduction over V ------------------------------
 def _logits(s):
     x = ne.placeholder((s["N"], s["K"]), "float32", "x")
@@ -248,34 +264,42 @@ def _targets(s):
 
 CHAINS: dict[str, Chain] = {c.name: c for c in [
     Chain("softmax-plus-c", "normaliser with an extra per-row term (elementwise def of a reduction)",
-          _softmax_plus_c, _softmax_plus_c_ref),
-    Chain("softmax-one", "normaliser + 1 (elementwise def of a reduction)", _softmax_one, _softmax_one_ref),
-    Chain("variance", "mean = Σx/M feeding a second reduction", _variance, _variance_ref),
+          _softmax_plus_c, _softmax_plus_c_ref, passes=2),
+    Chain("softmax-one", "normaliser + 1 (elementwise def of a reduction)", _softmax_one,
+          _softmax_one_ref, passes=2),
+    Chain("variance", "mean = Σx/M feeding a second reduction", _variance, _variance_ref, passes=2),
     Chain("layernorm", "mean -> variance -> std -> normalised row (three chained statistics)",
-          _layernorm, _layernorm_ref),
+          _layernorm, _layernorm_ref, passes=3),
     Chain("entropy", "softmax entropy -Σ p·log p (log p an elementwise def of two reductions)",
-          _entropy, _entropy_ref),
+          _entropy, _entropy_ref, passes=2),
     Chain("maxabs-matmul", "max-abs scaled matmul (scale an elementwise def of a max)",
-          _maxabs_matmul, _maxabs_matmul_ref),
+          _maxabs_matmul, _maxabs_matmul_ref, passes=1),
     Chain("sinkhorn-row", "log-domain Sinkhorn row step (f = log a - LSE) and the plan",
-          _sinkhorn_row, _sinkhorn_row_ref),
-    Chain("moments", "one max read by three reductions; output a/b - λ·(c/b)²", _moments, _moments_ref),
-    Chain("softmax-and-lse", "two outputs, one read by the other", _softmax_and_lse, _softmax_and_lse_ref),
+          _sinkhorn_row, _sinkhorn_row_ref, passes=2),
+    Chain("moments", "one max read by three reductions; output a/b - λ·(c/b)²", _moments,
+          _moments_ref, passes=1),
+    Chain("softmax-and-lse", "two outputs, one read by the other", _softmax_and_lse,
+          _softmax_and_lse_ref, passes=2),
     Chain("log-softmax", "elementwise output of an elementwise-of-reductions def", _log_softmax,
-          _log_softmax_ref),
+          _log_softmax_ref, passes=2),
     Chain("centered-matmul", "a mean (elementwise def) feeding a contraction", _centered_matmul,
-          _centered_matmul_ref),
+          _centered_matmul_ref, passes=1),
     Chain("cross-entropy", "gather x[i, t[i]] by a target id per row", _cross_entropy,
-          _cross_entropy_ref, _targets),
+          _cross_entropy_ref, passes=1, index_bounds=_targets),
+    Chain("gathered-values", "softmax-weighted rows of a table gathered by ids[j] inside the loop",
+          _gathered_values, _gathered_values_ref, passes=1,
+          index_bounds=lambda s: {"ids": s["R"]}),
     Chain("linear-lse", "contraction over K feeding a log-sum-exp over V (nested loop)",
-          _linear_lse, _linear_lse_ref),
+          _linear_lse, _linear_lse_ref, passes=1),
     Chain("linear-cross-entropy", "logits x·W, LSE over V, target logit via w[k, t[i]] (gather)",
-          _linear_cross_entropy, _linear_cross_entropy_ref, _targets),
+          _linear_cross_entropy, _linear_cross_entropy_ref, passes=2, index_bounds=_targets),
 ]}
 
 
 def random_inputs(chain: Chain, program, sizes: dict, seed: int = 0, scale: float = 1.0) -> dict:
-    """fp64 inputs for ``program``: floats ~ N(0, scale²), index tensors in range."""
+    """fp64 inputs for ``program``: the scores ``x`` ~ N(0, scale²), other floats ~ N(0, 1)
+    (a large log-marginal or weight would overflow the true result, not the kernel),
+    index tensors in range."""
     import torch
     gen = torch.Generator().manual_seed(seed)
     bounds = chain.index_bounds(sizes)
@@ -285,5 +309,6 @@ def random_inputs(chain: Chain, program, sizes: dict, seed: int = 0, scale: floa
             out[ph.name] = torch.randint(0, bounds[ph.name], ph.shape, generator=gen,
                                          dtype=getattr(torch, ph.dtype))
         else:
-            out[ph.name] = torch.randn(ph.shape, generator=gen, dtype=torch.float64) * scale
+            out[ph.name] = torch.randn(ph.shape, generator=gen, dtype=torch.float64) * (
+                scale if ph.name == "x" else 1.0)
     return out

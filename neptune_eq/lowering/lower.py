@@ -220,13 +220,18 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     _assign_passes(program, folds, state_of)
     passes: list[Pass] = []
     for k in range(max(f.pass_index for f in folds) + 1):
-        members = [f for f in folds if f.pass_index == k]
-        extents = {program.extents[f.axis] for f in members}
-        if len(extents) != 1:
-            raise LoweringError(f"Pass {k + 1} mixes reduction extents {sorted(extents)}; "
-                                "folds fused into one loop must reduce over equal extents.")
-        lo, hi, atoms = loop_bounds(members, row_axes[-1])
-        passes.append(Pass(extents.pop(), members, lo, hi, atoms))
+        # Folds ready at the same time but reducing over different extents (a contraction
+        # over K beside a log-sum-exp over V) cannot share a loop: each extent gets a loop
+        # of its own, one after the other.  Folds that read running values share their
+        # producer's axis, so a rolling group never splits.
+        level = [f for f in folds if f.pass_index == k]
+        for extent in dict.fromkeys(program.extents[f.axis] for f in level):
+            members = [f for f in level if program.extents[f.axis] == extent]
+            lo, hi, atoms = loop_bounds(members, row_axes[-1])
+            passes.append(Pass(extent, members, lo, hi, atoms))
+    for n, p in enumerate(passes):
+        for f in p.folds:
+            f.pass_index = n
     fold_names = {f.name for f in folds}
     epilogue, fold_outputs = [], []
     for name in program.outputs:
