@@ -93,10 +93,18 @@ def test_a_candidate_that_cannot_be_lowered_falls_back_to_the_next(monkeypatch):
     _check(chain, kern, SHAPES[0], 0, 1.0)
 
 
-@pytest.mark.xfail(strict=True, reason="a contraction wider than registers (K > 256) inside "
-                   "another reduction's loop needs an inner loop over K per V tile; the "
-                   "lowering holds the inner contraction whole (issue 15, stretch: not done)")
-def test_linear_lse_with_a_contraction_wider_than_registers():
+@pytest.mark.parametrize("name", ["linear-lse", "linear-cross-entropy"])
+def test_contraction_wider_than_registers_loops_inside_the_vocabulary_loop(name):
+    """K = 300 > 256 cannot be held whole: the logits tile x·W is folded over chunks of K
+    in a loop nested in the V loop (a tile dot per chunk), never written to memory."""
     sizes = dict(N=3, K=300, V=29)
-    kern = ne.superoptimize(CHAINS["linear-lse"].build(sizes), target="interpreter", cache=False)
-    _check(CHAINS["linear-lse"], kern, sizes, 0, 1.0)
+    chain = CHAINS[name]
+    kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
+    assert kern.launches == ["neptune_kernel"] and kern.plan.chunked
+    src = kern.source
+    v_loop = src.index("for l0 in range(0, 29, B_L)")
+    k_loop = src.index("for c", v_loop)
+    assert src.index("tl.dot(", k_loop) > k_loop           # the dot sits in the K loop
+    assert src.count("tl.store(") == 1                    # only the result leaves the kernel
+    for seed, scale in [(0, 1.0), (1, 30.0)]:
+        _check(chain, kern, sizes, seed, scale)
