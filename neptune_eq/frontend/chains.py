@@ -214,6 +214,25 @@ def _gathered_values_ref(t):
     return {"y": t["x"].softmax(1) @ t["table"][t["ids"].long()]}
 
 
+def _ragged_pool(s):  # softmax pooling over the first n[i] columns of each row (n[i] = 0: none)
+    x, j, k = _rows(s)
+    n = ne.placeholder((s["N"],), "int32", "n")
+    v = ne.placeholder((s["M"], s["E"]), "float32", "v")
+    sc = ne.compute((s["N"], s["M"]), lambda i, m: ne.where(m < n[i], x[i, m], -1.0e30), "sc")
+    mx = ne.compute((s["N"],), lambda i: ne.max(sc[i, j], axis=j), "mx")
+    den = ne.compute((s["N"],), lambda i: ne.sum(ne.exp(sc[i, k] - mx[i]), axis=k), "den")
+    o = ne.reduce_axis(s["M"], "o")
+    return [ne.compute((s["N"], s["E"]), lambda i, e: ne.sum(
+        ne.exp(sc[i, o] - mx[i]) * v[o, e], axis=o) / den[i], "y")]
+
+
+def _ragged_pool_ref(t):
+    import torch
+    cols = torch.arange(t["x"].shape[1])[None, :]
+    sc = torch.where(cols < t["n"][:, None], t["x"], torch.full_like(t["x"], -1.0e30))
+    return {"y": sc.softmax(1) @ t["v"]}  # a fully masked row: uniform weights, as written
+
+
 # -- cause 2: a contraction over K feeding a reduction over V ------------------------------
 def _logits(s):
     x = ne.placeholder((s["N"], s["K"]), "float32", "x")
@@ -289,6 +308,9 @@ CHAINS: dict[str, Chain] = {c.name: c for c in [
     Chain("gathered-values", "softmax-weighted rows of a table gathered by ids[j] inside the loop",
           _gathered_values, _gathered_values_ref, passes=1,
           index_bounds=lambda s: {"ids": s["R"]}),
+    Chain("ragged-pool", "a per-row length n[i] read inside the loop masks it (n[i] = 0: fully "
+          "masked row)", _ragged_pool, _ragged_pool_ref, passes=1,
+          index_bounds=lambda s: {"n": s["M"] + 1}),
     Chain("linear-lse", "contraction over K feeding a log-sum-exp over V (nested loop)",
           _linear_lse, _linear_lse_ref, passes=1),
     Chain("linear-cross-entropy", "logits x·W, LSE over V, target logit via w[k, t[i]] (gather)",
@@ -299,7 +321,7 @@ CHAINS: dict[str, Chain] = {c.name: c for c in [
 def random_inputs(chain: Chain, program, sizes: dict, seed: int = 0, scale: float = 1.0) -> dict:
     """fp64 inputs for ``program``: the scores ``x`` ~ N(0, scale²), other floats ~ N(0, 1)
     (a large log-marginal or weight would overflow the true result, not the kernel),
-    index tensors in range."""
+    index tensors in range; a length ``n`` is 0 in the first row (a fully masked row)."""
     import torch
     gen = torch.Generator().manual_seed(seed)
     bounds = chain.index_bounds(sizes)
@@ -308,6 +330,8 @@ def random_inputs(chain: Chain, program, sizes: dict, seed: int = 0, scale: floa
         if ph.dtype in ("int32", "int64"):
             out[ph.name] = torch.randint(0, bounds[ph.name], ph.shape, generator=gen,
                                          dtype=getattr(torch, ph.dtype))
+            if ph.name == "n":
+                out[ph.name][0] = 0
         else:
             out[ph.name] = torch.randn(ph.shape, generator=gen, dtype=torch.float64) * (
                 scale if ph.name == "x" else 1.0)
