@@ -8,7 +8,6 @@ from typing import Sequence
 import sys
 
 from .frontend import dsl
-from .frontend.normalize import isolate_reductions
 from .choosing.cache import load as cache_load, make_key, store as cache_store
 from .choosing.choose import CandidateRow, spearman
 from .choosing.costmodel import device_for
@@ -16,6 +15,7 @@ from .egraph.derive import Step, derivation
 from .egraph.saturate import EGraphStage, Limits, Trace
 from .egraph.extract import CostModel, EGraphView, alternatives, check_folds, extract_program, top_programs
 from .ir import Program
+from .lowering.inline import isolate_reductions
 from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
 from .runtime.launcher import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target

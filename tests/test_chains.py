@@ -6,7 +6,7 @@ import torch
 
 import neptune_eq as ne
 from neptune_eq.frontend.chains import CHAINS, random_inputs
-from neptune_eq.frontend.normalize import isolate_reductions
+from neptune_eq.lowering.inline import inline_derived, isolate_reductions
 from neptune_eq.ir import fmt
 
 # Odd sizes, none a multiple of a block; the second has a single row.
@@ -108,3 +108,26 @@ def test_contraction_wider_than_registers_loops_inside_the_vocabulary_loop(name)
     assert src.count("tl.store(") == 1                    # only the result leaves the kernel
     for seed, scale in [(0, 1.0), (1, 30.0)]:
         _check(chain, kern, sizes, seed, scale)
+
+
+@pytest.mark.parametrize("name", ["layernorm", "sinkhorn-row", "softmax-and-lse"])
+def test_lowering_recomputes_derived_definitions_where_they_are_read(name):
+    """A program handed straight to the lowering (no isolation before saturation, as a
+    rewrite may produce it): a definition read by others that is arithmetic over
+    reductions is split into folds and recomputed per row from their final states."""
+    from neptune_eq.lowering.kernelgen import generate
+    from neptune_eq.lowering.lower import plan
+    from neptune_eq.runtime.launcher import Launcher, candidate_configs
+    chain, sizes = CHAINS[name], SHAPES[0]
+    prog = chain.program(sizes)
+    assert inline_derived(prog) is not prog
+    tp = plan(prog)
+    src = generate(tp)
+    ins = random_inputs(chain, prog, sizes, 0)
+    bound = {k: v.float() if v.is_floating_point() else v for k, v in ins.items()}
+    for out in prog.outputs:
+        bound[out] = torch.empty(prog.shape_of(out))
+    Launcher(prog, src, "interpreter", candidate_configs(src, "interpreter")[0])(bound)
+    ref = chain.reference(ins)
+    for out in prog.outputs:
+        assert (bound[out].double() - ref[out]).abs().max().item() <= 2e-4 * max(1.0, ref[out].abs().max().item())

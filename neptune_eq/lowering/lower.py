@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
+from .inline import inline_derived
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
 INNER_CHUNK = 64      # chunk of a wider inner contraction, looped inside the pass
@@ -175,6 +176,14 @@ def _loop_level(t: Term):
 
 def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     """The tile plan of ``program``; ``pack_heads=False`` disables GQA head packing."""
+    # A definition others read that is arithmetic over reductions: its reductions become
+    # folds of their own and the rest is recomputed where it is read.
+    try:
+        program = inline_derived(program)
+    except LoweringError:
+        raise
+    except ProgramError as e:
+        raise LoweringError(str(e)) from None
     defs = {d.name: d for d in program.defs}
     folds: list[Fold] = []
     state_of: dict[Term, str] = {}

@@ -1,4 +1,4 @@
-"""Normalise a program so every reduction is a definition of its own (issue 15).
+"""Definitions between reductions: every reduction a definition of its own (issue 15).
 
 Users write statistics *derived* from reductions as one definition:
 ``mean[i] = Σ_k x[i, k] / K``, ``den[i] = Σ_j exp(x[i, j] − m[i]) + c[i]``,
@@ -16,10 +16,16 @@ recomputed per element, where it costs a few flops on values already in register
 
 Outputs that nobody reads keep their nested reductions: the lowering computes those
 folds itself and applies the rest in the epilogue.
+
+``isolate_reductions`` runs before saturation (``api``).  The rules may still hand back a
+producer whose best term is arithmetic over folds (``Σ x² − mean·Σ x`` for a variance):
+``inline_derived`` runs in the lowering and splits such a definition the same way, then
+substitutes its pointwise rest into its readers, so each row's value is recomputed from
+fold states that are final by then.
 """
 from __future__ import annotations
 
-from ..ir import Definition, Program, Term, free_axes, var
+from ..ir import Definition, Program, ProgramError, Term, free_axes, substitute, var
 
 
 def _loop_level(t: Term):
@@ -69,3 +75,31 @@ def _fresh(base: str, taken: set[str]) -> str:
         name = f"{base}{k}"
     taken.add(name)
     return name
+
+
+def inline_derived(program: Program) -> Program:
+    """``program`` where no definition read by others is arithmetic over reductions or
+    pointwise: its reductions are producers of their own and the rest is substituted
+    into every read (a non-output one is then dropped).  The same program when there is
+    nothing to do."""
+    program = isolate_reductions(program)
+    pointwise = {d.name: d for d in program.defs if not d.is_reduction}
+    read = {n.val for d in program.defs for n in d.body.walk() if n.op in ("ref", "run", "prev")
+            and n.val in pointwise}
+    if not read:
+        return program
+    for d in program.defs:
+        for n in d.body.walk():
+            if n.op in ("run", "prev") and n.val in pointwise:
+                raise ProgramError(f"{d.name} reads the running value of {n.val}, which is not a "
+                                   "fold; expected running values of reductions only.")
+
+    def expand(t: Term) -> Term:
+        if t.op == "ref" and t.val in pointwise:
+            src = pointwise[t.val]
+            return expand(substitute(src.body, dict(zip(src.axes, (expand(a) for a in t.args)))))
+        return t.map_args(expand)
+
+    defs = [Definition(d.name, d.axes, expand(d.body), d.dtype) for d in program.defs
+            if not (d.name in pointwise and d.name not in program.outputs)]
+    return program.with_defs(defs)
