@@ -131,3 +131,20 @@ def test_lowering_recomputes_derived_definitions_where_they_are_read(name):
     ref = chain.reference(ins)
     for out in prog.outputs:
         assert (bound[out].double() - ref[out]).abs().max().item() <= 2e-4 * max(1.0, ref[out].abs().max().item())
+
+
+def test_a_crash_while_lowering_one_candidate_is_recorded_not_raised(monkeypatch):
+    """Not only LoweringError: any failure lowering a candidate is recorded in the table
+    and the next candidate is used."""
+    from neptune_eq.choosing import choose
+    real = choose.generate
+
+    def flaky(plan, **kw):
+        if any(f.op in ("rollsum", "rollmax") for p in plan.passes for f in p.folds):
+            raise KeyError("simulated codegen bug")
+        return real(plan, **kw)
+    monkeypatch.setattr(choose, "generate", flaky)
+    chain = CHAINS["softmax-one"]
+    kern = ne.superoptimize(chain.build(SHAPES[0]), target="interpreter", cache=False)
+    assert "lowering failed (KeyError" in kern.candidate_table()
+    _check(chain, kern, SHAPES[0], 0, 1.0)
