@@ -277,10 +277,6 @@ def _log_softmax_ref(t):
     return {"y": t["x"].log_softmax(1)}
 
 
-def _targets(s):
-    return {"t": s.get("V", s.get("M"))}
-
-
 CHAINS: dict[str, Chain] = {c.name: c for c in [
     Chain("softmax-plus-c", "normaliser with an extra per-row term (elementwise def of a reduction)",
           _softmax_plus_c, _softmax_plus_c_ref, passes=2),
@@ -304,7 +300,7 @@ CHAINS: dict[str, Chain] = {c.name: c for c in [
     Chain("centered-matmul", "a mean (elementwise def) feeding a contraction", _centered_matmul,
           _centered_matmul_ref, passes=1),
     Chain("cross-entropy", "gather x[i, t[i]] by a target id per row", _cross_entropy,
-          _cross_entropy_ref, passes=1, index_bounds=_targets),
+          _cross_entropy_ref, passes=1, index_bounds=lambda s: {"t": s["M"]}),
     Chain("gathered-values", "softmax-weighted rows of a table gathered by ids[j] inside the loop",
           _gathered_values, _gathered_values_ref, passes=1,
           index_bounds=lambda s: {"ids": s["R"]}),
@@ -314,7 +310,8 @@ CHAINS: dict[str, Chain] = {c.name: c for c in [
     Chain("linear-lse", "contraction over K feeding a log-sum-exp over V (nested loop)",
           _linear_lse, _linear_lse_ref, passes=1),
     Chain("linear-cross-entropy", "logits x·W, LSE over V, target logit via w[k, t[i]] (gather)",
-          _linear_cross_entropy, _linear_cross_entropy_ref, passes=2, index_bounds=_targets),
+          _linear_cross_entropy, _linear_cross_entropy_ref, passes=2,
+          index_bounds=lambda s: {"t": s["V"]}),
 ]}
 
 
@@ -325,6 +322,10 @@ def random_inputs(chain: Chain, program, sizes: dict, seed: int = 0, scale: floa
     import torch
     gen = torch.Generator().manual_seed(seed)
     bounds = chain.index_bounds(sizes)
+    missing = [ph.name for ph in program.inputs if ph.dtype in ("int32", "int64") and ph.name not in bounds]
+    if missing:
+        raise ValueError(f"Chain {chain.name!r} gives no index range for its integer inputs {missing}; "
+                         "expected index_bounds to map each to its exclusive upper bound.")
     out = {}
     for ph in program.inputs:
         if ph.dtype in ("int32", "int64"):
