@@ -15,6 +15,7 @@ from .egraph.derive import Step, derivation
 from .egraph.saturate import EGraphStage, Limits, Trace
 from .egraph.extract import CostModel, EGraphView, alternatives, check_folds, extract_program, top_programs
 from .ir import Program
+from .lowering.inline import isolate_reductions
 from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
 from .runtime.launcher import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
@@ -291,6 +292,10 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
            gpu_name, sizes) -> Kernel:
     from . import rules as rule_registry
     clock = _StageClock()
+    user_program = program
+    # Reductions nested in a definition others read become producers of their own, so
+    # the rules fuse them and the lowering sees only folds and pointwise code.
+    program = isolate_reductions(program)
     syms = symbols(program)
     values = _first_sizes(program, syms, sizes, example_inputs)
     concrete = bind(program, values) if syms else program   # what the cost model weighs
@@ -322,9 +327,9 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     chosen = first.row
     clock.lap("lower, compile and time")
     trace.validation = validate_translation(
-        program, first.program, lambda: _blame(trace, chosen),
+        user_program, first.program, lambda: _blame(trace, chosen),
         lambda small, named, data: _run_small_kernel(small, named, data, target))
-    kern = Kernel(program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
+    kern = Kernel(user_program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
                   chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
     clock.lap("validate")
     kern.build_stages = clock.stages

@@ -74,8 +74,13 @@ def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) ->
             row.plan = make_plan(c.program)
             row.kernel = generate(row.plan, bf16_dot_in_fp32=bf16_dot_in_fp32)
             row.estimate = best_estimate(row.plan, device)
-        except LoweringError as e:
-            row.status = f"not lowered: {e}"
+        except Exception as e:  # noqa: BLE001 - any failure means: record it, use the next one
+            # A LoweringError is a shape the lowering does not handle; anything else is a
+            # lowering bug on this candidate -- recorded in the table all the same, never
+            # an exception while another candidate can be lowered.
+            why = str(e) if isinstance(e, LoweringError) else f"lowering failed ({type(e).__name__}: {e})"
+            row.status = f"not lowered: {why}"
+            row.plan = row.kernel = row.estimate = None
             if all((f.description, f.status) != (row.description, row.status) for f in failed):
                 failed.append(row)
             continue

@@ -134,8 +134,14 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
             span = min(ps.extent, mean_row + hi + block_rows / 2) - max(0, mean_row + lo - block_rows / 2)
             visible = max(block_keys, min(ps.extent, span))
         iters = math.ceil(visible / block_keys)
-        steps = max(steps, math.ceil(iters / max(1, splits)))
+        # a chunked inner contraction is a loop inside each step: its chunks are serial too
+        inner = math.prod(math.ceil(ex[a] / plan.whole_axes[a]) for a in plan.chunked
+                          if any(n.kind == "reduce" and n.val == a for f in ps.folds
+                                 for n in f.term.walk()))
+        steps = max(steps, math.ceil(iters / max(1, splits)) * inner)
         dims = {plan.block_axis: block_rows, **plan.whole_axes}
+        # an inner contraction looped in chunks still does all of its work per key block
+        dims.update({a: ex[a] for a in plan.chunked})
         seen: set = set()
         dims["@L"] = block_keys  # every fold of the pass shares one loop variable
         for f in ps.folds:

@@ -127,6 +127,7 @@ class Emitter:
         if any(n.kind == "access" and n.op != "load" for n in t.walk()):
             return -1
         loop_vars = {v for v, ax in self.env.items() if isinstance(ax, str) and ax in (LOOP, ECOL)}
+        loop_vars |= self.plan.chunked  # a chunk of a wide contraction exists inside its loop
         return 0 if not (free_axes(t) & loop_vars) else -1
 
     def bind(self, code: str, axes, kind: str, scope: int) -> Tile:
@@ -280,6 +281,27 @@ class Emitter:
 
     def _inner_reduce(self, t: Term, scope: int) -> Tile:
         ax = t.val
-        self.env[ax] = ax  # inner contraction axes are held whole
-        return self.reduce_tile(t.op, t.args[0], ax, ax, scope, self.p.extents[ax])
+        self.env[ax] = ax  # inner contraction axes are held whole ...
+        n = self.p.extents[ax]
+        if ax not in self.plan.chunked:
+            return self.reduce_tile(t.op, t.args[0], ax, ax, scope, n)
+        # ... or, too wide for registers, folded chunk by chunk in a loop of their own
+        # (the K loop of x·W inside the V loop of a log-sum-exp): nothing that moves
+        # with the chunk leaves the loop, so the logits tile is never materialised.
+        outer = self.scopes[scope][2]
+        self.push(outer + "    ")
+        c = self.new("c")
+        self.emit(f"offs_{ax} = {c} + tl.arange(0, B_{ax})")
+        self.emit(f"mask_{ax} = offs_{ax} < {n}")
+        part = self.reduce_tile(t.op, t.args[0], ax, ax, -1, n)
+        acc = self.new("acc")
+        upd = {"sum": "{a} + {p}", "max": "tl.maximum({a}, {p})", "min": "tl.minimum({a}, {p})"}
+        self.emit(f"{acc} = " + upd[t.op].format(a=acc, p=self.bcast(part, part.axes)))
+        body = self.pop()
+        init = {"sum": "0.0", "max": NEG, "min": POS}[t.op]
+        shape = self.shape(part.axes) if part.axes else "[]"
+        self.emit(f"{acc} = tl.full({shape}, {init}, tl.float32)", scope)
+        self.emit(f"for {c} in range(0, {n}, B_{ax}):", scope)
+        self.scopes[scope][0].extend(body)
+        return Tile(acc, part.axes, "f32")
 

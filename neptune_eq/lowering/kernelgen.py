@@ -137,6 +137,8 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
         em.emit(f"row_last = pid_block * B_{ba} + B_{ba} - 1")
     for a in plan.whole_axes:
         em.env.setdefault(a, a)
+        if a in plan.chunked:  # offsets set per chunk by the inner loop (codegen)
+            continue
         if a == width_axis:  # the combine spreads this axis over programs (grid axis 2)
             em.emit(f"offs_{a} = pid_width * B_{a} + tl.arange(0, B_{a})")
             em.emit(f"mask_{a} = offs_{a} < {p.extents[a]}")

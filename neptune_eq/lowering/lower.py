@@ -27,8 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
+from .inline import inline_derived
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
+INNER_CHUNK = 64      # chunk of a wider inner contraction, looped inside the pass
 PACK_ROWS_BELOW = 64  # pack GQA head groups into the row block when rows are this short
 
 
@@ -97,6 +99,9 @@ class TilePlan:
     whole_axes: dict[str, int] = field(default_factory=dict)  # axis -> padded block
     state_of: dict[Term, str] = field(default_factory=dict)   # fold term -> state var
     packed: tuple[str, int] | None = None  # (head axis y, group G): rows are (y % G, i)
+    # inner contraction axes too wide for registers: looped over in chunks of
+    # whole_axes[axis] inside the pass that needs them (logits x·W over K per tile of V)
+    chunked: frozenset = frozenset()
 
     @property
     def split(self) -> bool:
@@ -151,6 +156,9 @@ class TilePlan:
                       "re-based by the fold's correction)" if self.block_rebase and any(
                           f.op in ("rollsum", "splitk") for f in p.folds) else "")
             lines.append(f"pass {k + 1}: loop over {p.extent}{skip}{how}{rebase} -> {fs}")
+        for a in sorted(self.chunked):
+            lines.append(f"inner contraction over {a} ({self.program.extents[a]}): a loop of "
+                         f"its own in chunks of {self.whole_axes[a]}, inside the pass reading it")
         for e in self.epilogue:
             how = f"pass over {list(e.loop_axes)}" if e.loop_axes else "from registers"
             lines.append(f"epilogue: {e.name}[{', '.join(e.axes)}] ({how})")
@@ -168,6 +176,14 @@ def _loop_level(t: Term):
 
 def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     """The tile plan of ``program``; ``pack_heads=False`` disables GQA head packing."""
+    # A definition others read that is arithmetic over reductions: its reductions become
+    # folds of their own and the rest is recomputed where it is read.
+    try:
+        program = inline_derived(program)
+    except LoweringError:
+        raise
+    except ProgramError as e:
+        raise LoweringError(str(e)) from None
     defs = {d.name: d for d in program.defs}
     folds: list[Fold] = []
     state_of: dict[Term, str] = {}
@@ -210,23 +226,35 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
             if a not in row_axes:
                 _whole(program, a, f"column axis of {f.name}")
     whole: dict[str, int] = {}
+    chunked: set[str] = set()
     for f in folds:
         for a in f.state_axes:
             if a not in row_axes:
                 whole[a] = next_pow2(program.extents[a])
         for n in f.term.args[0].walk():
-            if n.kind in ("reduce", "fold"):  # inner contraction: whole in registers
-                whole[n.val] = next_pow2(_whole(program, n.val, f"inner reduction in {f.name}"))
+            if n.kind in ("reduce", "fold"):  # inner contraction: whole in registers ...
+                if program.extents[n.val] <= MAX_WHOLE_AXIS:
+                    whole[n.val] = next_pow2(program.extents[n.val])
+                elif n.kind == "reduce":  # ... or, too wide, a loop of its own inside the pass
+                    whole[n.val] = INNER_CHUNK
+                    chunked.add(n.val)
+                else:
+                    _whole(program, n.val, f"inner fold in {f.name}")
     _assign_passes(program, folds, state_of)
     passes: list[Pass] = []
     for k in range(max(f.pass_index for f in folds) + 1):
-        members = [f for f in folds if f.pass_index == k]
-        extents = {program.extents[f.axis] for f in members}
-        if len(extents) != 1:
-            raise LoweringError(f"Pass {k + 1} mixes reduction extents {sorted(extents)}; "
-                                "folds fused into one loop must reduce over equal extents.")
-        lo, hi, atoms = loop_bounds(members, row_axes[-1])
-        passes.append(Pass(extents.pop(), members, lo, hi, atoms))
+        # Folds ready at the same time but reducing over different extents (a contraction
+        # over K beside a log-sum-exp over V) cannot share a loop: each extent gets a loop
+        # of its own, one after the other.  Folds that read running values share their
+        # producer's axis, so a rolling group never splits.
+        level = [f for f in folds if f.pass_index == k]
+        for extent in dict.fromkeys(program.extents[f.axis] for f in level):
+            members = [f for f in level if program.extents[f.axis] == extent]
+            lo, hi, atoms = loop_bounds(members, row_axes[-1])
+            passes.append(Pass(extent, members, lo, hi, atoms))
+    for n, p in enumerate(passes):
+        for f in p.folds:
+            f.pass_index = n
     fold_names = {f.name for f in folds}
     epilogue, fold_outputs = [], []
     for name in program.outputs:
@@ -238,7 +266,7 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
         loop_axes = tuple(a for a in d.axes if a not in covered)
         epilogue.append(EpilogueItem(name, d.axes, d.body, loop_axes))
     tp = TilePlan(program, row_axes, row_axes[-1], row_axes[:-1], passes, epilogue,
-                  fold_outputs, whole, state_of)
+                  fold_outputs, whole, state_of, chunked=frozenset(chunked))
     if tp.split:
         _check_splittable(tp)
     if pack_heads is not False and program.extents[tp.block_axis] < PACK_ROWS_BELOW:

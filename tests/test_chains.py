@@ -1,0 +1,150 @@
+"""Reduction chains beyond attention (issue 15): each one written plainly superoptimizes,
+equals a torch fp64 reference on odd sizes and large-magnitude inputs, and runs as one
+kernel launch in the passes its fused form needs."""
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq.frontend.chains import CHAINS, random_inputs
+from neptune_eq.lowering.inline import inline_derived, isolate_reductions
+from neptune_eq.ir import fmt
+
+# Odd sizes, none a multiple of a block; the second has a single row.
+SHAPES = [dict(N=5, M=37, E=7, K=11, V=29, R=13), dict(N=1, M=50, E=5, K=19, V=41, R=6)]
+
+
+def _check(chain, kern, sizes, seed, scale):
+    prog = kern.input_program
+    ins = random_inputs(chain, prog, sizes, seed, scale)
+    got = kern(**{k: v.float() if v.is_floating_point() else v for k, v in ins.items()})
+    got = got if isinstance(got, tuple) else (got,)
+    ref = chain.reference(ins)
+    assert len(got) == len(prog.outputs) == len(ref)
+    for name, g in zip(prog.outputs, got):
+        r = ref[name]
+        assert g.shape == r.shape, name
+        assert torch.isfinite(g).all(), f"{chain.name}: {name} has non-finite values"
+        err = (g.double() - r).abs().max().item()
+        bound = 2e-4 * max(1.0, r.abs().max().item())
+        assert err <= bound, f"{chain.name}: {name} max error {err:.3e} > {bound:.3e} (scale {scale})"
+
+
+@pytest.mark.parametrize("sizes", SHAPES, ids=["5-rows", "1-row"])
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_chain_superoptimizes_and_equals_torch(name, sizes):
+    chain = CHAINS[name]
+    kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
+    assert kern.launches == ["neptune_kernel"]          # one launch, whatever the passes
+    assert kern.plan.n_passes == chain.passes, kern.plan.describe()
+    for seed, scale in [(0, 1.0), (1, 1.0), (2, 300.0)]:   # large magnitudes: no raw exp
+        _check(chain, kern, sizes, seed, scale)
+
+
+def test_at_least_twelve_chains_cover_both_failure_classes_and_gathers():
+    assert len(CHAINS) >= 12
+    # cause 1 (an elementwise definition between reductions) occurs in these programs
+    nested = [n for n, c in CHAINS.items() if isolate_reductions(c.program(SHAPES[0]))
+              is not c.program(SHAPES[0])]
+    assert len(nested) >= 6
+    progs = {n: c.program(SHAPES[0]) for n, c in CHAINS.items()}
+    gathers = [n for n, p in progs.items() if any(
+        a.op == "load" for d in p.defs for t in d.body.walk() if t.op == "load" for a in t.args)]
+    assert {"cross-entropy", "gathered-values", "linear-cross-entropy"} <= set(gathers)
+
+
+def test_isolate_reductions_splits_a_derived_statistic():
+    prog = CHAINS["variance"].program(SHAPES[0])
+    out = isolate_reductions(prog)
+    bodies = {d.name: fmt(d.body) for d in out.defs}
+    assert out.definition("mean_sum").body.op == "sum" and out.definition("mean_sum").axes == ("i",)
+    assert bodies["mean"] == "(mean_sum[i] / 37)"
+    assert [d.name for d in out.defs] == ["mean_sum", "mean", "var"]
+    # an output nobody reads keeps its nested reduction (the epilogue computes it)
+    assert fmt(out.definition("var").body).startswith("(sum[k")
+    # nothing to do: the same object back
+    plain = CHAINS["cross-entropy"].program(SHAPES[0])
+    assert isolate_reductions(plain) is plain
+
+
+def test_independent_folds_over_different_extents_get_loops_of_their_own():
+    kern = ne.superoptimize(CHAINS["linear-cross-entropy"].build(SHAPES[0]), target="interpreter",
+                            cache=False)
+    extents = [p.extent for p in kern.plan.passes]
+    assert sorted(extents) == [11, 29]                  # the target logit over K, the LSE over V
+    assert kern.source.count("tl.dot(") >= 1            # logits tile x·W inside the V loop
+
+
+def test_a_candidate_that_cannot_be_lowered_falls_back_to_the_next(monkeypatch):
+    """The fused (rolling) candidates are made unlowerable: the plain multi-pass form is
+    chosen, still correct, and the table records why each fused one was skipped."""
+    from neptune_eq.choosing import choose
+    from neptune_eq.lowering.lower import LoweringError, plan as real_plan
+
+    def picky(program, *a, **k):
+        if any(t.kind == "fold" for d in program.defs for t in d.body.walk()):
+            raise LoweringError("test: fused folds refused")
+        return real_plan(program, *a, **k)
+    monkeypatch.setattr(choose, "make_plan", picky)
+    chain = CHAINS["softmax-plus-c"]
+    kern = ne.superoptimize(chain.build(SHAPES[0]), target="interpreter", cache=False)
+    assert not any(t.kind == "fold" for d in kern.program.defs for t in d.body.walk())
+    assert kern.plan.n_passes == 3                      # max, then sum, then the output
+    assert "not lowered: test: fused folds refused" in kern.candidate_table()
+    _check(chain, kern, SHAPES[0], 0, 1.0)
+
+
+@pytest.mark.parametrize("name", ["linear-lse", "linear-cross-entropy"])
+def test_contraction_wider_than_registers_loops_inside_the_vocabulary_loop(name):
+    """K = 300 > 256 cannot be held whole: the logits tile x·W is folded over chunks of K
+    in a loop nested in the V loop (a tile dot per chunk), never written to memory."""
+    sizes = dict(N=3, K=300, V=29)
+    chain = CHAINS[name]
+    kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
+    assert kern.launches == ["neptune_kernel"] and kern.plan.chunked
+    src = kern.source
+    v_loop = src.index("for l0 in range(0, 29, B_L)")
+    k_loop = src.index("for c", v_loop)
+    assert src.index("tl.dot(", k_loop) > k_loop           # the dot sits in the K loop
+    assert src.count("tl.store(") == 1                    # only the result leaves the kernel
+    for seed, scale in [(0, 1.0), (1, 30.0)]:
+        _check(chain, kern, sizes, seed, scale)
+
+
+@pytest.mark.parametrize("name", ["layernorm", "sinkhorn-row", "softmax-and-lse"])
+def test_lowering_recomputes_derived_definitions_where_they_are_read(name):
+    """A program handed straight to the lowering (no isolation before saturation, as a
+    rewrite may produce it): a definition read by others that is arithmetic over
+    reductions is split into folds and recomputed per row from their final states."""
+    from neptune_eq.lowering.kernelgen import generate
+    from neptune_eq.lowering.lower import plan
+    from neptune_eq.runtime.launcher import Launcher, candidate_configs
+    chain, sizes = CHAINS[name], SHAPES[0]
+    prog = chain.program(sizes)
+    assert inline_derived(prog) is not prog
+    tp = plan(prog)
+    src = generate(tp)
+    ins = random_inputs(chain, prog, sizes, 0)
+    bound = {k: v.float() if v.is_floating_point() else v for k, v in ins.items()}
+    for out in prog.outputs:
+        bound[out] = torch.empty(prog.shape_of(out))
+    Launcher(prog, src, "interpreter", candidate_configs(src, "interpreter")[0])(bound)
+    ref = chain.reference(ins)
+    for out in prog.outputs:
+        assert (bound[out].double() - ref[out]).abs().max().item() <= 2e-4 * max(1.0, ref[out].abs().max().item())
+
+
+def test_a_crash_while_lowering_one_candidate_is_recorded_not_raised(monkeypatch):
+    """Not only LoweringError: any failure lowering a candidate is recorded in the table
+    and the next candidate is used."""
+    from neptune_eq.choosing import choose
+    real = choose.generate
+
+    def flaky(plan, **kw):
+        if any(f.op in ("rollsum", "rollmax") for p in plan.passes for f in p.folds):
+            raise KeyError("simulated codegen bug")
+        return real(plan, **kw)
+    monkeypatch.setattr(choose, "generate", flaky)
+    chain = CHAINS["softmax-one"]
+    kern = ne.superoptimize(chain.build(SHAPES[0]), target="interpreter", cache=False)
+    assert "lowering failed (KeyError" in kern.candidate_table()
+    _check(chain, kern, SHAPES[0], 0, 1.0)
