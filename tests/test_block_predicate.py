@@ -94,6 +94,9 @@ def analyse(cond, tensors, q0, q1, k0, k1, bq, bk, b, memo=None):
             lo, hi = summary(t.val, None, 1)
             return lo, hi
         dim, role = hit
+        if dim is None:  # one element per program: the element itself
+            v = tensors[t.val][tuple(lo for lo, _ in idx)].item()
+            return v, v
         blk, size = blocks[role]
         at = [lo for lo, _ in idx]
         at[dim] = blk

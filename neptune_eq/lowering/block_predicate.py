@@ -277,11 +277,14 @@ class SummarySpec:
     block: str | None
 
 
-def summary_dim(load: Term, tiled: dict[str, str], scalar_axes: set[str]) -> tuple[int, str] | None:
-    """(dim, role) when a read is bounded by a per-block summary: exactly one index is a
-    bare tiled variable (``tiled``: variable -> role, e.g. ``{"i": "row", "j": "loop"}``)
-    and every other index is one value per program (depends only on ``scalar_axes``).
-    None: the read is bounded by the tensor's global summary."""
+def summary_dim(load: Term, tiled: dict[str, str], scalar_axes: set[str]) -> tuple[int | None, str] | None:
+    """How a kernel bounds a read of a captured tensor over a block:
+
+    * ``(dim, role)`` -- exactly one index is a bare tiled variable (``tiled``: variable ->
+      role, e.g. ``{"i": "row", "j": "loop"}``) and every other index is one value per
+      program (depends only on ``scalar_axes``): the per-block summary along ``dim``;
+    * ``(None, "scalar")`` -- every index is one value per program: the element itself;
+    * ``None`` -- anything else (nested or computed indices): the global summary."""
     hit = None
     for k, ix in enumerate(load.args):
         if ix.op == "var" and ix.val in tiled:
@@ -290,7 +293,7 @@ def summary_dim(load: Term, tiled: dict[str, str], scalar_axes: set[str]) -> tup
             hit = (k, tiled[ix.val])
         elif not _free_vars(ix) <= scalar_axes or any(n.op == "load" for n in ix.walk()):
             return None
-    return hit
+    return hit or (None, "scalar")
 
 
 def _free_vars(t: Term) -> set[str]:

@@ -48,6 +48,8 @@ def summary_specs(plan: TilePlan) -> list[SummarySpec]:
                 if n.op != "load":
                     continue
                 hit = summary_dim(n, _roles(plan, "@j"), set(plan.grid_axes))
+                if hit is not None and hit[0] is None:
+                    continue  # one element per program: read from the tensor itself
                 spec = _spec(plan, n.val, hit)
                 specs.setdefault(spec.name, spec)
     return list(specs.values())
@@ -112,6 +114,12 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
 
     def load(t: Term, idx: list):
         hit = summary_dim(t, roles, set(plan.grid_axes))
+        if hit is not None and hit[0] is None:  # the element itself: exact
+            if any(b is None for b in idx):
+                return None
+            off = " + ".join(f"({b[0]}) * {t.val}_s{k}" for k, b in enumerate(idx)) or "0"
+            v = ops._name(f"tl.load({t.val}_ptr + {off})")
+            return v, v
         spec = _spec(plan, t.val, hit)
         if hit is None:
             base, last = f"{spec.name}_ptr", 1
