@@ -90,8 +90,12 @@ def analyse(cond, tensors, q0, q1, k0, k1, bq, bk, b, memo=None):
 
     def bound_load(t, idx):
         hit = summary_dim(t, {"q": "row", "kv": "loop"}, {"b"})
-        if hit is None:
-            lo, hi = summary(t.val, None, 1)
+        if hit is None:  # global [min, max, nondecreasing]: see block_skip._global_bounds
+            lo, hi, mono = summary(t.val, None, 1)
+            x = tensors[t.val]
+            if mono and x.ndim == 1 and idx[0] is not None:
+                a, b = (min(max(e, 0), len(x) - 1) for e in idx[0])
+                return x[a].item(), x[b].item()
             return lo, hi
         dim, role = hit
         if dim is None:  # one element per program: the element itself

@@ -125,3 +125,28 @@ def test_flex_attention_document_mask_skips_blocks():
     v[:, :, 16:32] = float("nan")
     got = ne.flex_attention(q, k, v, mask_mod=mask_mod)
     assert torch.isfinite(got).all()
+
+
+def test_jagged_sequences_from_offsets_nested_read():
+    """Packed sequences: a query sees keys from its sequence's start, offsets[doc[i]] (a
+    nested read), up to itself.  Offsets are nondecreasing, so the start of a row block's
+    sequences is bounded by offsets at the ends of its doc-id range: blocks before it are
+    skipped (NaN there is never read); unsorted offsets fall back to global bounds."""
+    doc = ne.placeholder((50,), "int32", "doc")
+    offsets = ne.placeholder((4,), "int32", "offsets")
+    out = ne.attention(1, 1, 50, 50, D, "float32",
+                       mask_mod=lambda b, h, i, j: (j >= offsets[doc[i]]) & (j <= i))
+    kern = ne.superoptimize(out, target="interpreter")
+    assert "bs_offsets_all_ptr" in kern.source
+    lens = [16, 20, 14]
+    ids = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor(lens))
+    offs = torch.tensor([0, 16, 36, 50], dtype=torch.int32)
+    q, k, v = qkv(1, 1, 50, 50, 7)
+    run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids, offsets=offs))
+    v2 = v.clone()
+    v2[:, :, :16] = float("nan")   # sequence 0: only rows 0..15 (row block 0) may read it
+    got = kern(q=q, k=k, v=v2, doc=ids, offsets=offs)
+    assert torch.isfinite(got[:, :, 16:32]).all()   # row block 1 is all in sequence 1
+    # the same kernel on a table whose offsets are not sorted: still exact
+    run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids, offsets=torch.tensor(
+        [30, 0, 5, 50], dtype=torch.int32)))

@@ -122,18 +122,15 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
             return v, v
         spec = _spec(plan, t.val, hit)
         if hit is None:
-            base, last = f"{spec.name}_ptr", 1
-        else:
-            dim, role = hit
-            at = [("pid_block" if role == "row" else f"(l0 // B_{LOOP})") if k == dim
-                  else (b[0] if b else "0") for k, b in enumerate(idx)]
-            if any(b is None for k, b in enumerate(idx) if k != dim):
-                return None
-            off = " + ".join(f"({x}) * {spec.name}_s{k}" for k, x in enumerate(at))
-            base, last = f"{spec.name}_ptr + {off}", len(at)
-        stride = f"{spec.name}_s{last}" if hit is not None else f"{spec.name}_s0"
-        lo = ops._name(f"tl.load({base})")
-        hi = ops._name(f"tl.load({base} + {stride})")
+            return _global_bounds(ops, plan, t, spec, idx)
+        dim, role = hit
+        at = [("pid_block" if role == "row" else f"(l0 // B_{LOOP})") if k == dim
+              else (b[0] if b else "0") for k, b in enumerate(idx)]
+        if any(b is None for k, b in enumerate(idx) if k != dim):
+            return None
+        off = " + ".join(f"({x}) * {spec.name}_s{k}" for k, x in enumerate(at))
+        lo = ops._name(f"tl.load({spec.name}_ptr + {off})")
+        hi = ops._name(f"tl.load({spec.name}_ptr + {off} + {spec.name}_s{len(at)})")
         return lo, hi
 
     may, must, drop = True, True, []
@@ -147,3 +144,21 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
     if not drop:
         must = False
     return may, must, frozenset(drop)
+
+
+def _global_bounds(ops: TritonOps, plan: TilePlan, t: Term, spec: SummarySpec, idx: list):
+    """A read with a computed index (``offsets[doc[i]]``): the tensor's global [min, max];
+    when a 1-D tensor is nondecreasing (the summary's flag, checked on the data) and the
+    index is bounded, its values at the two ends of the index range -- tight for offsets
+    of packed sequences."""
+    lo = ops._name(f"tl.load({spec.name}_ptr)")
+    hi = ops._name(f"tl.load({spec.name}_ptr + {spec.name}_s0)")
+    if len(idx) != 1 or idx[0] is None:
+        return lo, hi
+    n = plan.program.shape_of(t.val)[0]
+    mono = ops._name(f"tl.load({spec.name}_ptr + 2 * {spec.name}_s0) != 0")
+    ends = []
+    for end in idx[0]:  # out-of-range indices are never read: clamp to the tensor
+        at = ops._name(f"tl.minimum(tl.maximum({end}, 0), {n} - 1)")
+        ends.append(ops._name(f"tl.load({t.val}_ptr + {at} * {t.val}_s0)"))
+    return ops.select(mono, ends[0], lo), ops.select(mono, ends[1], hi)

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 def summarize(x, dim: int | None, block: int):
     """``[min, max]`` of ``x`` per block of ``block`` elements along ``dim`` (a trailing
-    axis of 2; the summarised dim becomes the block count), or of all of ``x`` (shape
-    (2,)) when ``dim`` is None.  Booleans are summarised as int32 0/1."""
+    axis of 2; the summarised dim becomes the block count), or ``[min, max, monotone]`` of
+    all of ``x`` (shape (3,)) when ``dim`` is None.  Booleans are summarised as int32 0/1."""
     import torch
     if x.dtype == torch.bool:
         x = x.to(torch.int32)
-    if dim is None:
+    if dim is None:  # [min, max, 1 if a 1-D tensor is nondecreasing (offsets, sorted ids)]
         lo, hi = torch.aminmax(x)
-        return torch.stack([lo, hi])
+        mono = bool((x[1:] >= x[:-1]).all()) if x.ndim == 1 else False
+        return torch.stack([lo, hi, torch.tensor(int(mono), dtype=x.dtype, device=x.device)])
     n = x.shape[dim]
     nb = -(-n // block)
     xm = x.movedim(dim, -1)
