@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
+from .block_skip import data_atoms, emit_block_test, summary_specs
 from .lower import Fold, LoweringError, TilePlan, drop_atoms
 from ..sizes import value
 
@@ -39,6 +40,7 @@ class KernelSource:
     scratch: dict[str, int] = field(default_factory=dict)  # buffer -> fp32 elements per row
     combine_width: tuple[str, int] | None = None  # (axis, padded extent) the combine splits
     size_params: list[str] = field(default_factory=list)  # symbolic sizes, runtime ints n_<S>
+    summaries: list = field(default_factory=list)  # block_predicate.SummarySpec, built per call
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -200,12 +202,41 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
 def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
     ps = em.plan.passes[k]
     em.emit(f"for l0 in range({lo}, {hi}, B_{LOOP}):" + ("  # interior: no mask" if known else ""))
-    em.push(em.scopes[0][2] + "    ")
+    inner = em.scopes[0][2] + "    "
+    em.push(inner)
     em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
     em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_{LOOP}")
     # One loop variable for every fold of the pass, so shared subterms (the score
     # tile of attention) are computed once per block.
     loop_var = f"loop{k}"
+    atoms = data_atoms(em.plan, ps)
+    if not atoms:
+        _loop_body(em, k, loop_var, known)
+    else:  # a mask over captured tensors: skip / unmask whole blocks by their summaries
+        may, must, drop = emit_block_test(em, ps, atoms, loop_var, ps.extent)
+        em.emit(f"if {may}:  # some pair of this block may be visible (else: skipped)")
+        if must is False:
+            _branch(em, k, loop_var, known, inner + "    ")
+        else:
+            em.emit(f"    if {must}:  # every pair visible: no elementwise mask")
+            _branch(em, k, loop_var, known | drop, inner + "        ")
+            em.emit("    else:")
+            _branch(em, k, loop_var, known, inner + "        ")
+    em.scopes[1][0].extend(em.pop())
+
+
+def _branch(em: Emitter, k: int, loop_var: str, known: frozenset, indent: str) -> None:
+    """The loop body in its own scope (nothing it computes is shared with another branch)."""
+    em.push(indent)
+    _loop_body(em, k, loop_var, known)
+    lines = em.pop()
+    em.scopes[-1][0].extend(lines)
+
+
+def _loop_body(em: Emitter, k: int, loop_var: str, known: frozenset) -> None:
+    """Every fold of pass ``k`` updated by the current key block; ``known``: mask atoms
+    that hold on the whole block (dropped from the body)."""
+    ps = em.plan.passes[k]
     em.env[loop_var] = LOOP
     atoms = frozenset(rename_axis(t, "@j", loop_var) for t in known)
     folds = [Fold(f.name, drop_atoms(rename_axis(f.term, f.axis, loop_var), atoms), f.state_axes,
@@ -245,7 +276,6 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
         em.emit(f"{f.name}_new = {upd}")
     for f in ordered:
         em.emit(f"{f.name} = {f.name}_new")
-    em.scopes[1][0].extend(em.pop())
     em.env.pop(loop_var, None)
     for f in ps.folds:
         em.running.pop(f.name, None)
@@ -453,6 +483,13 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     ba = plan.block_axis
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [(t, k) for t in tensors for k in range(len(p.shape_of(t)))]
+    # per-block [min, max] summaries of the captured tensors a data mask reads: a summary
+    # has the tensor's dims (the summarised one counted in blocks) plus a trailing [min, max]
+    summaries = summary_specs(plan)
+    for sp in summaries:
+        nd = 1 if sp.dim is None else len(p.shape_of(sp.tensor)) + 1
+        tensors.append(sp.name)
+        strides += [(sp.name, k) for k in range(nd)]
     tunables = {f"B_{ba}": 16, f"B_{LOOP}": 16}
     if any(e.loop_axes for e in plan.epilogue):
         tunables[f"B_{ECOL}"] = 16
@@ -471,7 +508,8 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
               "import triton", "import triton.language as tl"]
     common = dict(params=ptrs, stride_params=strides, tunables={**tunables, **fixed},
                   grid_axes=plan.grid_axes, block_axis=ba, even_flags=even,
-                  row_extent=plan.row_extent, grid_size=_grid_size(plan), size_params=size_params)
+                  row_extent=plan.row_extent, grid_size=_grid_size(plan), size_params=size_params,
+                  summaries=summaries)
     if not plan.split:
         em = Emitter(plan, name, bf16_dot_in_fp32)
         _prologue(em, split_axis=False)

@@ -76,6 +76,7 @@ class Pass:
     lo_offset: int | None = None
     hi_offset: int | None = None
     bound_atoms: frozenset = frozenset()  # mask atoms (fold axis named "@j") the bounds encode
+    gate_atoms: frozenset = frozenset()   # every atom gating all folds (data masks included)
 
 
 @dataclass
@@ -251,7 +252,7 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
         for extent in dict.fromkeys(program.extents[f.axis] for f in level):
             members = [f for f in level if program.extents[f.axis] == extent]
             lo, hi, atoms = loop_bounds(members, row_axes[-1])
-            passes.append(Pass(extent, members, lo, hi, atoms))
+            passes.append(Pass(extent, members, lo, hi, atoms, common_gates(members)))
     for n, p in enumerate(passes):
         for f in p.folds:
             f.pass_index = n
@@ -398,17 +399,24 @@ def _bound(atom: Term, i: str, j: str) -> tuple[int | None, int | None]:
     return None, None
 
 
-def loop_bounds(folds: list[Fold], i: str) -> tuple[int | None, int | None, frozenset]:
-    """Offsets bounding the loop for conditions that gate *every* fold of a pass, and
-    the condition atoms they encode (with the fold axis named ``@j``)."""
+def common_gates(folds: list[Fold]) -> frozenset:
+    """Condition atoms that gate *every* fold of a pass (outside them each fold adds its
+    identity), with the fold axis named ``@j``."""
     common: set[Term] | None = None
     for f in folds:
         ident = _IDENTITY_OF.get(f.op)
         if ident is None:
-            return None, None, frozenset()
+            return frozenset()
         # Alpha-rename the fold's axis so conditions of different folds compare equal.
         gates = {rename_axis(g, f.axis, "@j") for g in _gates(f.term.args[0], ident)}
         common = gates if common is None else common & gates
+    return frozenset(common or ())
+
+
+def loop_bounds(folds: list[Fold], i: str) -> tuple[int | None, int | None, frozenset]:
+    """Offsets bounding the loop for conditions that gate *every* fold of a pass, and
+    the condition atoms they encode (with the fold axis named ``@j``)."""
+    common = common_gates(folds)
     lo = hi = None
     used = set()
     for atom in common or ():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..lowering.kernelgen import KernelSource
 from ..lowering.lower import split_factors
+from .block_summary import build_summaries
 from .launch import FastLaunch, _triton_int_specialisation, class_launch_key, current_stream, launch_key
 from ..ir import Program, ProgramError
 from .triton_mode import check_interpreter_importable, enable_interpreter
@@ -181,6 +182,9 @@ class Launcher:
         self.fast_reason = "" if self.fast_ok else "off (interpreter or NEPTUNE_EQ_FAST_LAUNCH=0)"
         self._checked: dict[tuple, list] = {}
         self._int_class = None
+        if self.ks.summaries and self.fast_ok:
+            # Block summaries are rebuilt from the data on every call (fresh tensors).
+            self.fast_ok, self.fast_reason = False, "off (block summaries rebuilt per call)"
         if self.size_args and self.fast_ok:
             # A kernel with runtime sizes meets a new size on most calls (a growing KV
             # cache), and one launcher serves one size: checks are shared by every
@@ -245,6 +249,8 @@ class Launcher:
         """Arguments of each kernel in launch order, the fast-launch key, and the stream the
         launches go to (looked up once per call; None in the interpreter)."""
         import torch
+        if self.ks.summaries:  # the masks' data changes per call: summarise it (O(S))
+            tensors = {**tensors, **build_summaries(self.ks.summaries, tensors, self.consts)}
         args = [tensors[n[:-4]] for n in self.ks.params]
         st = {t: tensors[t].stride() for t in self.stride_of}
         strides = [st[t][k] for t, k in self.ks.stride_params] + list(self.size_args)
