@@ -1,6 +1,6 @@
 """The reduction chains beyond attention (issue 15) on the GPU: correctness and time.
 
-    python bench/gpu_validate_chains.py [--out bench/results] [--only layernorm ...] [--small]
+    python bench/gpu_validate_chains.py [--out bench/results] [--only layernorm ...] [--small] [--compile]
 
 Every chain of ``neptune_eq.frontend.chains.CHAINS`` is superoptimized for CUDA at a
 small odd size and at a realistic one, compared with its torch fp64 reference on fresh
@@ -36,7 +36,7 @@ def _sizes(name: str, small: bool) -> list[dict]:
     return [SMALL, LARGE_LINEAR if name.startswith("linear") else LARGE]
 
 
-def run_case(name: str, sizes: dict) -> dict:
+def run_case(name: str, sizes: dict, compiled: bool = False) -> dict:
     chain = CHAINS[name]
     t0 = time.perf_counter()
     kern = ne.superoptimize(chain.build(sizes), target="cuda", cache=False)
@@ -66,13 +66,18 @@ def run_case(name: str, sizes: dict) -> dict:
     row["neptune_us"] = triton.testing.do_bench(lambda: kern(*args)) * 1e3
     row["torch_eager_us"] = triton.testing.do_bench(lambda: chain.reference(dev)) * 1e3
     row["speedup"] = row["torch_eager_us"] / row["neptune_us"]
+    if compiled:  # torch.compile of the same reference (Inductor fuses it its own way)
+        ref = torch.compile(chain.reference)
+        ref(dev)
+        row["torch_compile_us"] = triton.testing.do_bench(lambda: ref(dev)) * 1e3
     return row
 
 
 def _markdown(rows: list[dict], device: str) -> str:
     lines = [f"# Reduction chains beyond attention on {device}", "",
              "fp32 inputs; error vs torch fp64 at scales 1 and 300; time by triton.testing.do_bench "
-             "(median, us); torch eager runs the same reference in fp32.", "",
+             "(median, us); torch eager runs the same reference in fp32 (torch.compile us in the "
+             "JSON with --compile).", "",
              "| chain | sizes | ok | max err / bound | launches | passes (expected) | neptune us | "
              "torch eager us | speedup | chosen |", "| --- " * 10 + "|"]
     for r in rows:
@@ -88,6 +93,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--only", nargs="*", default=None, help="chain names (default: all)")
     ap.add_argument("--small", action="store_true", help="odd small sizes only")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile of the reference")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_validate_chains needs a CUDA GPU.", file=sys.stderr)
@@ -104,7 +110,7 @@ def main() -> int:
     for name in names:
         for sizes in _sizes(name, a.small):
             try:
-                row = run_case(name, sizes)
+                row = run_case(name, sizes, a.compile)
             except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                 row = dict(chain=name, sizes=sizes, ok=False, error=f"{type(e).__name__}: {e}"[:400],
                            launches=0, passes=0, expected_passes=CHAINS[name].passes, max_err=0.0,

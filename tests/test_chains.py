@@ -106,6 +106,7 @@ def test_contraction_wider_than_registers_loops_inside_the_vocabulary_loop(name)
     k_loop = src.index("for c", v_loop)
     assert src.index("tl.dot(", k_loop) > k_loop           # the dot sits in the K loop
     assert src.count("tl.store(") == 1                    # only the result leaves the kernel
+    assert "inner contraction over kk" in kern.explain()   # the plan says so
     for seed, scale in [(0, 1.0), (1, 30.0)]:
         _check(chain, kern, sizes, seed, scale)
 
