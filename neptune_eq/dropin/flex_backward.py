@@ -33,8 +33,16 @@ def backward_kernel(st: "flex.Structure", wrt: str, sizes: dict[str, int]):
             if wrt not in st.backward:
                 from ..api import superoptimize
                 bw = backward_program(st.program, [wrt], saved=SAVED, constant=("mx",))
-                kern = superoptimize(bw.program, target=st.target, sizes={
-                    n: sizes[n] for n in st.symbols} if st.symbols else None)
+                try:
+                    kern = superoptimize(bw.program, target=st.target, sizes={
+                        n: sizes[n] for n in st.symbols} if st.symbols else None)
+                except Exception as e:  # noqa: BLE001 - named here, not deep in triton
+                    raise ProgramError(
+                        f"ne.flex_attention: the backward kernel for the gradient of {wrt!r} "
+                        f"could not be built ({type(e).__name__}: {str(e)[:300]}). Gradients "
+                        "of captured tensors reduce over batch, query and key at once, which "
+                        "the lowering does not tile yet; detach that tensor (or keep it out "
+                        "of the graph) to train q, k and v.") from e
                 st.backward[wrt] = (bw, kern)
     return st.backward[wrt]
 
