@@ -37,12 +37,12 @@ def backward_kernel(st: "flex.Structure", wrt: str, sizes: dict[str, int]):
                     kern = superoptimize(bw.program, target=st.target, sizes={
                         n: sizes[n] for n in st.symbols} if st.symbols else None)
                 except Exception as e:  # noqa: BLE001 - named here, not deep in triton
+                    hint = ("report it with the mods that raised it" if wrt in ("q", "k", "v")
+                            else "detach that captured tensor to train q, k and v meanwhile")
                     raise ProgramError(
                         f"ne.flex_attention: the backward kernel for the gradient of {wrt!r} "
-                        f"could not be built ({type(e).__name__}: {str(e)[:300]}). Gradients "
-                        "of captured tensors reduce over batch, query and key at once, which "
-                        "the lowering does not tile yet; detach that tensor (or keep it out "
-                        "of the graph) to train q, k and v.") from e
+                        f"could not be built ({type(e).__name__}: {str(e)[:300]}); "
+                        f"{hint}.") from e
                 st.backward[wrt] = (bw, kern)
     return st.backward[wrt]
 
