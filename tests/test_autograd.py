@@ -92,3 +92,25 @@ def test_call_errors_name_the_inputs():
                         cache=False)
     with pytest.raises(TypeError, match="Missing inputs"):
         fn()
+
+
+def test_learnable_alibi_slopes_through_kernels():
+    """d_slope[h] = Σ_{b,i,j} dS·(j − i), from a row-wise partial kernel (fixed sizes)."""
+    slope = ne.placeholder((2,), "float32", "slope")
+    out = ne.attention(1, 2, 5, 6, 4, "float32",
+                       score_mod=lambda s, b, h, i, j: s + slope[h] * (j - i))
+    fn = differentiable(out, ["q", "k", "v", "slope"], constant=("mx",),
+                        target="interpreter", cache=False)
+    q = torch.randn(1, 2, 5, 4, requires_grad=True)
+    k = torch.randn(1, 2, 6, 4, requires_grad=True)
+    v = torch.randn(1, 2, 6, 4, requires_grad=True)
+    sl = torch.tensor([0.5, -0.25], requires_grad=True)
+    o = fn(q, k, v, sl)
+    g = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v, sl), g)
+    qd, kd, vd, sd = (t.detach().double().requires_grad_() for t in (q, k, v, sl))
+    i, j = torch.arange(5)[:, None], torch.arange(6)[None]
+    s = qd @ kd.transpose(-1, -2) / 2.0 + sd[None, :, None, None] * (j - i)
+    ref = torch.autograd.grad(torch.softmax(s, -1) @ vd, (qd, kd, vd, sd), g.double())
+    for a, b in zip(got, ref):
+        _close(a, b)

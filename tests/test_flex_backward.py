@@ -76,7 +76,30 @@ def test_backward_kernels_are_derived_once_per_structure_and_input():
     check(1, 2, 2, 3, 4, 2)
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 2)
     assert set(st.backward) == {"q", "k", "v"}
-    bw, kern = st.backward["k"]
+    bw, kern, _ = st.backward["k"]
     text = kern.explain()
     # dK is a loop over the query rows i, reading the row-wise dot Σ_e dO·O
     assert "d_k[" in text and "(d_o[" in text and "* o[" in text
+
+
+def test_learnable_captured_slopes_get_gradients():
+    """A captured float tensor that requires grad (ALiBi slopes) gets
+    d_slope[h] = Σ_{b,i,j} dS·(j − i): a row-wise partial kernel, summed over the rows."""
+    slopes = torch.tensor([0.5, -0.25], requires_grad=True)
+
+    def alibi(score, b, h, i, j):
+        return score + slopes[h] * (j - i)
+
+    q = torch.randn(1, 2, 5, 4, requires_grad=True)
+    k = torch.randn(1, 2, 7, 4, requires_grad=True)
+    v = torch.randn(1, 2, 7, 4, requires_grad=True)
+    out = ne.flex_attention(q, k, v, score_mod=alibi)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, slopes), g)
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v, slopes)]
+    sd = ins[3]
+    ref_out, _ = reference(*ins[:3], lambda s, i, j: s + sd[None, :, None, None] * (j - i))
+    ref = torch.autograd.grad(ref_out, ins, g.double())
+    for a, r in zip(got, ref):
+        assert torch.isfinite(a).all()
+        assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())

@@ -33,10 +33,45 @@ def backward_kernel(st: "flex.Structure", wrt: str, sizes: dict[str, int]):
             if wrt not in st.backward:
                 from ..api import superoptimize
                 bw = backward_program(st.program, [wrt], saved=SAVED, constant=("mx",))
-                kern = superoptimize(bw.program, target=st.target, sizes={
-                    n: sizes[n] for n in st.symbols} if st.symbols else None)
-                st.backward[wrt] = (bw, kern)
+                bw, rows = _partial_only(bw, wrt)
+                try:
+                    kern = superoptimize(bw.program, target=st.target, sizes={
+                        n: sizes[n] for n in st.symbols} if st.symbols else None)
+                except Exception as e:  # noqa: BLE001 - named here, not deep in triton
+                    hint = ("report it with the mods that raised it" if wrt in ("q", "k", "v")
+                            else "detach that captured tensor to train q, k and v meanwhile")
+                    raise ProgramError(
+                        f"ne.flex_attention: the backward kernel for the gradient of {wrt!r} "
+                        f"could not be built ({type(e).__name__}: {str(e)[:300]}); "
+                        f"{hint}.") from e
+                st.backward[wrt] = (bw, kern, rows)
     return st.backward[wrt]
+
+
+def _partial_only(bw, wrt: str):
+    """A captured tensor's gradient is ``d_X[t…] = Σ_rows p[t…, rows…]`` over a row-wise
+    partial ``p`` (autodiff keeps the forward's rows).  The kernel computes the partial --
+    one reduction over the keys per (batch, head, query) row, as dQ -- and the sum over
+    the rows, B·L values per element, is a torch sum: a kernel reducing over batch,
+    queries and keys at once does not tile yet.  Returns (backward, how many trailing
+    row dims to sum; 0 when the gradient is computed whole)."""
+    from ..ir import Program
+    prog = bw.program
+    grad = prog.definition("d_" + wrt)
+    body, summed = grad.body, []
+    while body.op == "sum":
+        summed.append(body.val)
+        body = body.args[0]
+    if not summed or body.op != "ref" or not body.val.startswith(f"p_{wrt}_"):
+        return bw, 0
+    idx = [a.val if a.op == "var" else None for a in body.args]
+    if idx != list(grad.axes) + summed[:len(idx) - len(grad.axes)] or \
+            len(idx) != len(grad.axes) + len(summed):
+        return bw, 0
+    part = prog.definition(body.val)
+    defs = [d for d in prog.defs if d.name != grad.name]
+    program = Program(list(prog.inputs), defs, dict(prog.extents), [part.name], dict(prog.meta))
+    return type(bw)(program, bw.wrt, bw.saved, bw.cotangents), len(summed)
 
 
 def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, needs: list[bool]):
@@ -64,8 +99,11 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
         if not t.is_floating_point():
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
                                f"{t.dtype}; only float captured tensors have gradients.")
-        bw, kern = backward_kernel(st, name, sizes)
-        grads.append(kern(**{ph.name: env[ph.name] for ph in bw.program.inputs}))
+        bw, kern, rows = backward_kernel(st, name, sizes)
+        g = kern(**{ph.name: env[ph.name] for ph in bw.program.inputs})
+        if rows:
+            g = g.sum(dim=tuple(range(g.dim() - rows, g.dim())))
+        grads.append(g.to(t.dtype))
     return grads
 
 

@@ -107,6 +107,7 @@ class _Builder:
         self.target_axes: dict[str, tuple[str, ...]] = {}
         self.fresh = itertools.count()
         self.used_names = set(p.extents)
+        self.partials: list[Definition] = []   # row-wise partial gradients of inputs
 
     # -- which definitions carry a gradient ----------------------------------------------
     def _active(self) -> set[str]:
@@ -231,7 +232,7 @@ class _Builder:
                 "floordiv", "mod", "bitand", "bitor", "bitxor"):
             return  # integer / boolean values carry no gradient
         if op in ("load", "ref"):
-            self._accumulate(t, c, scope)
+            self._accumulate(t, c, scope, d)
             return
         if op == "add":
             self._push(a[0], c, scope, d)
@@ -309,7 +310,7 @@ class _Builder:
         return name
 
     # -- one read's contribution to its tensor's adjoint -----------------------------------
-    def _accumulate(self, read: Term, c: Term, scope: tuple[str, ...]) -> None:
+    def _accumulate(self, read: Term, c: Term, scope: tuple[str, ...], d: Definition) -> None:
         name = read.val
         if read.op == "load" and name not in self.wrt:
             return
@@ -335,7 +336,24 @@ class _Builder:
             for x in conds[1:]:
                 cond = Term("and", (cond, x))
             body = Term("where", (ir.substitute(cond, bind), body, const(0.0)))
-        for v in reversed([ren[s] for s in scope if ren[s] not in bind]):
+        left = [s for s in scope if ren[s] not in bind]
+        rows = [s for s in left if s in d.axes][:-1]
+        if read.op == "load" and len(left) >= 3 and rows and not set(rows) & set(targets):
+            # An input read along fewer axes than the definition (a captured per-head
+            # slope): its gradient reduces over batch, queries and keys at once.  Keep the
+            # forward's rows: a partial ``p[t…, rows…] = Σ_key …`` is one row-wise
+            # reduction like dQ's, and the gradient sums the partials over the rows.
+            inner = body
+            for v in reversed([ren[s] for s in left if s not in rows]):
+                inner = Term("sum", (inner,), v)
+            inner = ir.substitute(inner, {ren[s]: var(s) for s in rows})
+            pname = f"p_{name}_{len(self.partials) + 1}"
+            paxes = tuple(targets) + tuple(rows)
+            self.partials.append(Definition(pname, paxes, inner, "float32"))
+            body = Term("ref", tuple(var(a) for a in targets) + tuple(var(ren[s]) for s in rows),
+                        pname)
+            left = rows
+        for v in reversed([ren[s] for s in left]):
             body = Term("sum", (body,), v)
         self.contrib.setdefault(name, []).append(body)
 
@@ -346,6 +364,7 @@ class _Builder:
 
     # -- the program ----------------------------------------------------------------------
     def _assemble(self, adjoint_defs, grads, cotangents) -> Backward:
+        adjoint_defs = adjoint_defs + self.partials
         body_defs = adjoint_defs + grads
         reads = {n.val for d in body_defs for n in d.body.walk() if n.op in ("ref", "load")}
         # forward definitions the backward reads: saved ones become inputs, the rest are
