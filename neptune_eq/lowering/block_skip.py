@@ -133,6 +133,8 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
         if any(b is None for k, b in enumerate(idx) if k != dim):
             return None
         off = " + ".join(f"({x}) * {spec.name}_s{k}" for k, x in enumerate(at))
+        if role == "row":  # the row block's summary is loop-invariant: load it once
+            return _hoisted(em, f"{spec.name}_ptr + {off}", f"{spec.name}_s{len(at)}")
         lo = ops._name(f"tl.load({spec.name}_ptr + {off})")
         hi = ops._name(f"tl.load({spec.name}_ptr + {off} + {spec.name}_s{len(at)})")
         return lo, hi
@@ -148,6 +150,17 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
     if not drop:
         must = False
     return may, must, frozenset(drop)
+
+
+def _hoisted(em: Emitter, addr: str, stride: str) -> tuple[str, str]:
+    """[min, max] at ``addr`` loaded in the prologue, once per kernel (not per key block)."""
+    memo = em.__dict__.setdefault("_row_summaries", {})
+    if addr not in memo:
+        lo, hi = em.new("rs"), em.new("rs")
+        em.emit(f"{lo} = tl.load({addr})", scope=0)
+        em.emit(f"{hi} = tl.load({addr} + {stride})", scope=0)
+        memo[addr] = (lo, hi)
+    return memo[addr]
 
 
 def _global_bounds(ops: TritonOps, plan: TilePlan, t: Term, spec: SummarySpec, idx: list):
