@@ -161,3 +161,23 @@ def test_unknown_terms_are_never_decided():
     assert may is True and must is False
     may, _ = analyse(cond, {}, 0, 3, 8, 11, 4, 4, 0)  # the causal atom alone decides
     assert may is False
+
+
+@given(st.integers(1, 3), st.integers(1, 30), st.integers(1, 9), st.sampled_from(
+    [torch.int32, torch.int64, torch.float32, torch.bool]))
+@settings(max_examples=60, deadline=None)
+def test_summaries_are_exact_per_block_min_max(rows, n, block, dtype):
+    """summarize(): block k of dim 1 holds [min, max] of elements k*B .. k*B+B-1 (a short
+    last block is not widened by padding); the global one [min, max, nondecreasing]."""
+    g = torch.Generator().manual_seed(n * 31 + block)
+    x = torch.randint(-5, 6, (rows, n), generator=g).to(dtype)
+    s = summarize(x, 1, block)
+    xi = x.to(torch.int64) if dtype == torch.bool else x
+    assert s.shape == (rows, -(-n // block), 2)
+    for k in range(-(-n // block)):
+        part = xi[:, k * block:(k + 1) * block]
+        assert torch.equal(s[:, k, 0].to(xi.dtype), part.amin(1))
+        assert torch.equal(s[:, k, 1].to(xi.dtype), part.amax(1))
+    lo, hi, mono = summarize(xi[0], None, 1).tolist()
+    assert (lo, hi) == (xi[0].min().item(), xi[0].max().item())
+    assert bool(mono) == bool((xi[0][1:] >= xi[0][:-1]).all())

@@ -150,3 +150,27 @@ def test_jagged_sequences_from_offsets_nested_read():
     # the same kernel on a table whose offsets are not sorted: still exact
     run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids, offsets=torch.tensor(
         [30, 0, 5, 50], dtype=torch.int32)))
+
+
+def test_sorted_document_ids_become_loop_bounds(monkeypatch, tmp_path):
+    """The loop-bounds form for monotone ids: with sorted ids a row block's visible keys
+    are one range, found by binary search over the key-block summaries.  With the per-block
+    test removed from the kernel, the loop bounds alone keep NaN blocks of other documents
+    unread; with unsorted ids (the monotone flag off) the loop covers every key again."""
+    from neptune_eq.lowering import kernelgen
+    monkeypatch.setenv("NEPTUNE_EQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernelgen, "data_atoms", lambda plan, ps: [])  # bounds only
+    doc = ne.placeholder((64,), "int32", "doc")
+    out = ne.attention(1, 1, 64, 64, D, "float32", mask_mod=lambda b, h, i, j: doc[i] == doc[j])
+    kern = ne.superoptimize(out, target="interpreter")
+    assert "while " in kern.source and "(else: skipped)" not in kern.source
+    ids = torch.tensor([0] * 16 + [1] * 32 + [2] * 16, dtype=torch.int32)
+    q, k, v = qkv(1, 1, 64, 64, 8)
+    run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids))
+    v2 = v.clone()
+    v2[:, :, :16] = float("nan")      # document 0 = key block 0
+    v2[:, :, 48:] = float("nan")      # document 2 = key block 3
+    got = kern(q=q, k=k, v=v2, doc=ids)
+    assert torch.isfinite(got[:, :, 16:48]).all()   # rows of document 1 never loop there
+    shuffled = ids[torch.randperm(64, generator=torch.Generator().manual_seed(0))]
+    run_against_reference(kern, dict(q=q, k=k, v=v, doc=shuffled))

@@ -52,6 +52,10 @@ def summary_specs(plan: TilePlan) -> list[SummarySpec]:
                     continue  # one element per program: read from the tensor itself
                 spec = _spec(plan, n.val, hit)
                 specs.setdefault(spec.name, spec)
+            form = _key_side(atom, _roles(plan, "@j"), set(plan.grid_axes))
+            if form is not None and form[0].op == "load":  # searched: its flag too
+                spec = _spec(plan, form[0].val, None)
+                specs.setdefault(spec.name, spec)
     return list(specs.values())
 
 
@@ -129,6 +133,8 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
         if any(b is None for k, b in enumerate(idx) if k != dim):
             return None
         off = " + ".join(f"({x}) * {spec.name}_s{k}" for k, x in enumerate(at))
+        if role == "row":  # the row block's summary is loop-invariant: load it once
+            return _hoisted(em, f"{spec.name}_ptr + {off}", f"{spec.name}_s{len(at)}")
         lo = ops._name(f"tl.load({spec.name}_ptr + {off})")
         hi = ops._name(f"tl.load({spec.name}_ptr + {off} + {spec.name}_s{len(at)})")
         return lo, hi
@@ -144,6 +150,17 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
     if not drop:
         must = False
     return may, must, frozenset(drop)
+
+
+def _hoisted(em: Emitter, addr: str, stride: str) -> tuple[str, str]:
+    """[min, max] at ``addr`` loaded in the prologue, once per kernel (not per key block)."""
+    memo = em.__dict__.setdefault("_row_summaries", {})
+    if addr not in memo:
+        lo, hi = em.new("rs"), em.new("rs")
+        em.emit(f"{lo} = tl.load({addr})", scope=0)
+        em.emit(f"{hi} = tl.load({addr} + {stride})", scope=0)
+        memo[addr] = (lo, hi)
+    return memo[addr]
 
 
 def _global_bounds(ops: TritonOps, plan: TilePlan, t: Term, spec: SummarySpec, idx: list):
@@ -162,3 +179,135 @@ def _global_bounds(ops: TritonOps, plan: TilePlan, t: Term, spec: SummarySpec, i
         at = ops._name(f"tl.minimum(tl.maximum({end}, 0), {n} - 1)")
         ends.append(ops._name(f"tl.load({t.val}_ptr + {at} * {t.val}_s0)"))
     return ops.select(mono, ends[0], lo), ops.select(mono, ends[1], hi)
+
+
+# ----------------------------------------------------------------------------------
+# Monotone data -> loop bounds
+# ----------------------------------------------------------------------------------
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}
+
+
+def _key_side(atom: Term, roles: dict, grid: set) -> tuple[Term, str, Term] | None:
+    """``atom`` as ``K cmp E``: K the key index itself or a 1-D tensor read at it, E free
+    of the key axis; None if it has no such form."""
+    if atom.op not in _FLIP:
+        return None
+    a, b = atom.args
+    op = atom.op
+    for key, other, cmp in ((a, b, op), (b, a, _FLIP[op])):
+        if "@j" in free_axes(other):
+            continue
+        if key.op == "var" and key.val == "@j":
+            return key, cmp, other
+        if (key.op == "load" and len(key.args) == 1
+                and summary_dim(key, roles, grid) == (0, "loop")):
+            return key, cmp, other
+    return None
+
+
+def data_loop_bounds(em: Emitter, ps: Pass, k: int) -> tuple[str | None, str | None]:
+    """Key-loop bounds from data atoms ``K cmp E`` (emitted in the pass's scope): E is
+    bounded over the row block by ``block_predicate``; K = j gives the bound directly,
+    K = X[j] with X nondecreasing (its summary's flag, checked per call) gives it by a
+    binary search over X's key-block summary -- sorted document ids make a row block's
+    visible keys one contiguous range.  Returns (lo, hi) code, block-aligned lo."""
+    plan = em.plan
+    atoms = data_atoms(plan, ps)
+    if not atoms:
+        return None, None
+    roles = _roles(plan, "@j")
+    grid = set(plan.grid_axes)
+    los, his = [], []
+    for atom in atoms:
+        form = _key_side(atom, roles, grid)
+        if form is None:
+            continue
+        key, cmp, other = form
+        lo_e, hi_e = _row_bounds(em, other)
+        if lo_e is None:
+            continue
+        need_lo = lo_e if cmp in ("eq", "ge", "gt") else None   # K >= lo_e
+        need_hi = hi_e if cmp in ("eq", "le", "lt") else None   # K <= hi_e
+        if key.op == "var":
+            if need_lo is not None:
+                los.append(f"tl.maximum({need_lo}, 0)")
+            if need_hi is not None:
+                his.append(f"({need_hi}) + 1")
+            continue
+        spec = _spec(plan, key.val, (0, "loop"))
+        flag = _spec(plan, key.val, None)
+        nb = f"(({ps.extent} + B_{LOOP} - 1) // B_{LOOP})"
+        mono = em.new("mono")
+        em.emit(f"{mono} = tl.load({flag.name}_ptr + 2 * {flag.name}_s0) != 0")
+        if need_lo is not None:  # first key block whose max reaches lo_e
+            blk = _search(em, spec, nb, f"{spec.name}_s1", ">=", need_lo)
+            los.append(f"tl.where({mono}, {blk}, 0) * B_{LOOP}")
+        if need_hi is not None:  # one past the last key block whose min is <= hi_e
+            blk = _search(em, spec, nb, "0", ">", need_hi)
+            his.append(f"tl.where({mono}, {blk} * B_{LOOP}, {ps.extent})")
+    lo = hi = None
+    if los:
+        lo = f"j_dlo{k}"
+        em.emit(f"{lo} = {_fold_code('tl.maximum', los)}")
+        em.emit(f"{lo} = ({lo} // B_{LOOP}) * B_{LOOP}")
+    if his:
+        hi = f"j_dhi{k}"
+        em.emit(f"{hi} = {_fold_code('tl.minimum', his)}")
+    return lo, hi
+
+
+def _row_bounds(em: Emitter, t: Term):
+    """Bounds of a key-free term over the current row block (code), or (None, None)."""
+    plan = em.plan
+    if not any(n.op == "load" for n in t.walk()) and not free_axes(t):
+        return None, None
+    if not any(line.strip().startswith("row_hi =") for line in em.scopes[0][0]):
+        em.emit(f"row_hi = tl.minimum(row_last, {plan.row_extent} - 1)", scope=0)
+    ranges = {plan.block_axis: ("row_first", "row_hi")}
+    for a in plan.grid_axes:
+        ranges[a] = (f"ax_{a}", f"ax_{a}")
+    ops = TritonOps(em)
+    from .block_predicate import Analysis
+
+    def load(n: Term, idx: list):
+        hit = summary_dim(n, {plan.block_axis: "row"}, set(plan.grid_axes))
+        if hit is not None and hit[0] is None:
+            if any(b is None for b in idx):
+                return None
+            off = " + ".join(f"({b[0]}) * {n.val}_s{q}" for q, b in enumerate(idx)) or "0"
+            v = ops._name(f"tl.load({n.val}_ptr + {off})")
+            return v, v
+        spec = _spec(plan, n.val, hit)
+        if hit is None:
+            return _global_bounds(ops, plan, n, spec, idx)
+        dim, _ = hit
+        if any(b is None for q, b in enumerate(idx) if q != dim):
+            return None
+        at = ["pid_block" if q == dim else b[0] for q, b in enumerate(idx)]
+        off = " + ".join(f"({x}) * {spec.name}_s{q}" for q, x in enumerate(at))
+        return (ops._name(f"tl.load({spec.name}_ptr + {off})"),
+                ops._name(f"tl.load({spec.name}_ptr + {off} + {spec.name}_s{len(at)})"))
+
+    b = Analysis(ops, ranges.get, load).bounds(t)
+    return (None, None) if b is None else b
+
+
+def _search(em: Emitter, spec: SummarySpec, nb: str, field_off: str, cmp: str, target) -> str:
+    """Binary search over the key-block summary (nondecreasing when X is): the first block
+    whose [min, max] entry at ``field_off`` satisfies ``entry cmp target`` (nb if none)."""
+    lo, hi, mid, val = em.new("bs_lo"), em.new("bs_hi"), em.new("bs_mid"), em.new("bs_v")
+    em.emit(f"{lo} = row_first * 0")
+    em.emit(f"{hi} = row_first * 0 + {nb}")
+    em.emit(f"while {lo} < {hi}:  # monotone data: the visible keys are one range")
+    em.emit(f"    {mid} = ({lo} + {hi}) // 2")
+    em.emit(f"    {val} = tl.load({spec.name}_ptr + {mid} * {spec.name}_s0 + {field_off})")
+    em.emit(f"    {hi} = tl.where({val} {cmp} {target}, {mid}, {hi})")
+    em.emit(f"    {lo} = tl.where({val} {cmp} {target}, {lo}, {mid} + 1)")
+    return lo
+
+
+def _fold_code(fn: str, xs: list[str]) -> str:
+    out = xs[0]
+    for x in xs[1:]:
+        out = f"{fn}({out}, {x})"
+    return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
-from .block_skip import data_atoms, emit_block_test, summary_specs
+from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
 from .lower import Fold, LoweringError, TilePlan, drop_atoms
 from ..sizes import value
 
@@ -175,6 +175,13 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     if ps.hi_offset is not None:  # ... and one past the last visible key
         em.emit(f"j_hi{k} = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
         hi = f"j_hi{k}"
+    dlo, dhi = data_loop_bounds(em, ps, k)  # monotone data (sorted ids): one key range
+    if dlo is not None:
+        em.emit(f"j_lo{k}d = tl.maximum({lo}, {dlo})")
+        lo = f"j_lo{k}d"
+    if dhi is not None:
+        em.emit(f"j_hi{k}d = tl.maximum(tl.minimum({hi}, {dhi}), {lo})")
+        hi = f"j_hi{k}d"
     if split:  # this program's chunk (CHUNK is a multiple of B_L)
         em.emit(f"j_lo{k}s = tl.maximum({lo}, pid_split * CHUNK)")
         em.emit(f"j_hi{k}s = tl.minimum({hi}, pid_split * CHUNK + CHUNK)")
