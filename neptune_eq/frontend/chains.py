@@ -228,7 +228,7 @@ def _ragged_pool(s):  # softmax pooling over the first n[i] columns of each row 
 
 def _ragged_pool_ref(t):
     import torch
-    cols = torch.arange(t["x"].shape[1])[None, :]
+    cols = torch.arange(t["x"].shape[1], device=t["x"].device)[None, :]
     sc = torch.where(cols < t["n"][:, None], t["x"], torch.full_like(t["x"], -1.0e30))
     return {"y": sc.softmax(1) @ t["v"]}  # a fully masked row: uniform weights, as written
 
