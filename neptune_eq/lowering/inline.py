@@ -28,13 +28,13 @@ from __future__ import annotations
 from ..ir import Definition, Program, ProgramError, Term, free_axes, substitute, var
 
 
-def _loop_level(t: Term):
+def loop_level(t: Term):
     """The outermost reduce/fold nodes of ``t``."""
     if t.kind in ("reduce", "fold"):
         yield t
         return
     for a in t.args:
-        yield from _loop_level(a)
+        yield from loop_level(a)
 
 
 def _replace(t: Term, table: dict[Term, Term]) -> Term:
@@ -53,7 +53,7 @@ def isolate_reductions(program: Program) -> Program:
     for d in program.defs:
         nested = d.body.kind not in ("reduce", "fold") and (d.name in read
                                                             or d.name not in program.outputs)
-        tops = list(dict.fromkeys(_loop_level(d.body))) if nested else []
+        tops = list(dict.fromkeys(loop_level(d.body))) if nested else []
         if not tops:
             defs.append(d)
             continue

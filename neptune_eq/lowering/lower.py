@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
-from .inline import inline_derived
+from .inline import loop_level, inline_derived
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
 INNER_CHUNK = 64      # chunk of a wider inner contraction, looped inside the pass
@@ -166,15 +166,6 @@ class TilePlan:
         return "\n".join(lines)
 
 
-def _loop_level(t: Term):
-    """Outermost reduce/fold nodes of a term."""
-    if t.kind in ("reduce", "fold"):
-        yield t
-        return
-    for a in t.args:
-        yield from _loop_level(a)
-
-
 def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     """The tile plan of ``program``; ``pack_heads=False`` disables GQA head packing."""
     # A definition others read that is arithmetic over reductions: its reductions become
@@ -189,7 +180,7 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     folds: list[Fold] = []
     state_of: dict[Term, str] = {}
     for d in program.defs:
-        top = list(_loop_level(d.body))
+        top = list(loop_level(d.body))
         if d.body.kind in ("reduce", "fold"):
             f = Fold(d.name, d.body, d.axes, d.name)
             folds.append(f)
