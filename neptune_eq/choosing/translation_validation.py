@@ -57,11 +57,35 @@ def size_map(program: Program, small: int = SMALL) -> dict:
     """Every size in the program (an int, or a named ``Size``) -> its checked size:
     monotone and injective on the ints, named sizes after them."""
     sizes = set(program.extents.values()) | {n for ph in program.inputs for n in ph.shape}
+    grid = _grid_only(program)
     big = sorted(s for s in sizes if isinstance(s, int) and s > small)
-    big += sorted((s for s in sizes if isinstance(s, Size)), key=lambda s: s.name)
+    big += sorted((s for s in sizes if isinstance(s, Size) and s not in grid), key=lambda s: s.name)
     out = {s: s for s in sizes if isinstance(s, int) and s <= small}
     out.update({s: small + 2 * k + 1 for k, s in enumerate(big)})
+    # A named size that only ever spans grid axes (a batch) is never blocked, looped or
+    # masked by a tile: a small value distinct from every other checks it as well as 17
+    # would, without multiplying the interpreter's work by 17.
+    # (Past the small values, the next free large odd value keeps the map injective.)
+    used = set(out.values())
+    free = iter([v for v in range(2, small + 1) if v not in used]
+                + list(range(small + 2 * len(big) + 1, small + 2 * len(big) + 2 * len(grid) + 2, 2)))
+    out.update({s: next(free) for s in sorted(grid, key=lambda s: s.name)})
     return out
+
+
+def _grid_only(program: Program) -> set:
+    """Named sizes whose axes are always an outer output axis: never a definition's last
+    (blocked) axis, never reduced."""
+    out_axes = [d.axes for d in program.defs]
+    outer = {a for axes in out_axes for a in axes[:-1]}
+    inner = {axes[-1] for axes in out_axes if axes}
+    reduced = set(program.extents) - {a for axes in out_axes for a in axes}
+    by_size: dict = {}
+    for a, n in program.extents.items():
+        if isinstance(n, Size):
+            by_size.setdefault(n, set()).add(a)
+    return {n for n, axes in by_size.items()
+            if axes <= outer and not axes & (inner | reduced)}
 
 
 def shrink(program: Program, sizes: dict) -> Program:
