@@ -213,6 +213,7 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     if not row_axes:
         raise LoweringError("The folds share no spatial axis to parallelise over; expected "
                             "e.g. a row axis i shared by every reduction.")
+    row_axes = _contraction_columns_out(program, folds, row_axes)
     for f in folds:
         for a in f.state_axes:
             if a not in row_axes:
@@ -264,6 +265,38 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     if pack_heads is not False and program.extents[tp.block_axis] < PACK_ROWS_BELOW:
         tp.packed = _packable_head_axis(tp)
     return tp
+
+
+def _contraction_columns_out(program: Program, folds: list[Fold],
+                             row_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Row axes minus trailing ones that are the output columns of a contraction.
+
+    ``dK[j, e] = Σ_i dS[i, j] · q[i, e]``: every fold keeps ``e``, so ``e`` is a row axis,
+    yet blocking it (one program per ``j``, a strip of ``e``) reads each ``q[i, :]`` row
+    once per key and leaves no matrix product.  An axis that every fold keeping it reads
+    only through loads moving with the fold's own loop (``q[i, e]`` under ``Σ_i``) is the
+    N side of a product: held whole (<= MAX_WHOLE_AXIS), the row block on the axis before
+    it turns the fold into ``tl.dot([rows, i], [i, e])``, as ``O = Σ_j P·V`` is in the
+    forward."""
+    rows = list(row_axes)
+    while len(rows) > 1:
+        a = rows[-1]
+        n = program.extents[a]
+        if not isinstance(n, int) or n > MAX_WHOLE_AXIS:
+            break
+        ok = True
+        for f in folds:
+            if a not in f.state_axes:
+                continue
+            for t in f.term.args[0].walk():
+                if t.op == "load" and a in free_axes(t) and f.axis not in free_axes(t):
+                    ok = False
+            if not any(t.op == "load" and a in free_axes(t) for t in f.term.args[0].walk()):
+                ok = False
+        if not ok:
+            break
+        rows.pop()
+    return tuple(rows)
 
 
 def _check_splittable(tp: TilePlan) -> None:
