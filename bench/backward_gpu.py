@@ -5,9 +5,11 @@ fwd+bwd, and gradient error against fp64 autograd of the plain attention.
     python bench/backward_gpu.py            # H200 goal shapes: bf16, B=2, H=16, D=128
     python bench/backward_gpu.py --quick    # one length, for a smoke run
 
-writes bench/results/backward.json and bench/results/backward.md.  Every row is
-measured independently: a variant that fails records its error instead of stopping
-the run.
+writes backward.json and backward.md to bench/results (or --out), with the generated
+backward kernels' sources beside them.  Every row is measured independently: a variant
+that fails records its error instead of stopping the run.  Backward TFLOP/s are counted
+as FlashAttention does: 2.5x the forward's 4·B·H·L·S·D (halved when causal), over the
+backward's time (fwd+bwd minus fwd, both medians).
 """
 from __future__ import annotations
 
@@ -101,6 +103,7 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
     v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
     row = {"variant": name, "S": S, "L": L, "Hkv": Hkv}
+    fwd_flops = 4 * B * H * L * S * D * (0.5 if ref_kw.get("causal") else 1.0)
     impls = {"ours": lambda q, k, v: ne.flex_attention(q, k, v, **kw),
              "flex": lambda q, k, v: flex_c(q, k, v, **kw)}
     if sdpa_kw is not None:
@@ -119,6 +122,9 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
             row[f"ms_{impl}"] = do_bench(lambda: step(fn, q, k, v, g), return_mode="median")
             row[f"ms_fwd_{impl}"] = do_bench(lambda: fn(q.detach(), k.detach(), v.detach()),
                                              return_mode="median")
+            bwd = row[f"ms_{impl}"] - row[f"ms_fwd_{impl}"]
+            if bwd > 0:
+                row[f"bwd_tflops_{impl}"] = 2.5 * fwd_flops / bwd / 1e9
             if S == check_len and impl in ("ours", "flex"):
                 cl = min(L, check_len)
                 row[f"grad_err_{impl}"] = grad_error(fn, ref_kw, Hkv, cl, check_len, dtype)
@@ -135,9 +141,10 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
 
 def markdown(out: dict) -> str:
     lines = [f"# fwd+bwd, {out['device']}, {out['dtype']}, B={B} H={H} D={D}", "",
+             f"`{out.get('command', 'python bench/backward_gpu.py')}` (torch {out['torch']})", "",
              "| variant | S | ours ms | flex ms | sdpa ms | cudnn ms | x flex | x cudnn | "
-             "grad err ours | grad err flex | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bwd TFLOP/s ours / flex / cudnn | grad err ours | grad err flex | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(r, k, fmt="{:.3f}"):
         return fmt.format(r[k]) if k in r else "—"
@@ -145,7 +152,9 @@ def markdown(out: dict) -> str:
         errs = "; ".join(f"{k[6:]}: {v[:80]}" for k, v in r.items() if k.startswith("error_"))
         lines.append(f"| {r['variant']} | {r['S']} | {f(r, 'ms_ours')} | {f(r, 'ms_flex')} | "
                      f"{f(r, 'ms_sdpa')} | {f(r, 'ms_cudnn')} | {f(r, 'speedup_vs_flex', '{:.2f}')} | "
-                     f"{f(r, 'ratio_vs_cudnn', '{:.2f}')} | {f(r, 'grad_err_ours', '{:.2e}')} | "
+                     f"{f(r, 'ratio_vs_cudnn', '{:.2f}')} | "
+                     f"{f(r, 'bwd_tflops_ours', '{:.0f}')} / {f(r, 'bwd_tflops_flex', '{:.0f}')} / "
+                     f"{f(r, 'bwd_tflops_cudnn', '{:.0f}')} | {f(r, 'grad_err_ours', '{:.2e}')} | "
                      f"{f(r, 'grad_err_flex', '{:.2e}')} | {errs} |")
     lines += ["", "Gradient errors: max abs vs fp64 autograd of the plain attention, at "
               f"S = {out['check_len']}.  Goal: >= 1.3x flex, >= 0.9x cuDNN."]
@@ -156,19 +165,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", default="")
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     dtype = torch.bfloat16
-    lengths = (1024,) if args.quick else (1024, 4096)
+    lengths = (1024,) if args.quick else tuple(int(x) for x in args.lengths.split(","))
     check_len = lengths[0]
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda")
     flex_c = torch.compile(flex_attention)
     names = [n for n in variants(16, slopes) if not args.variants or n in args.variants.split(",")]
     rows = [bench_one(n, S, dtype, slopes, flex_c, check_len) for S in lengths for n in names]
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
-           "check_len": check_len, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "backward.json").write_text(json.dumps(out, indent=1))
-    (RESULTS / "backward.md").write_text(markdown(out) + "\n")
+           "check_len": check_len, "rows": rows,
+           "command": "python bench/backward_gpu.py " + " ".join(sys.argv[1:])}
+    res = Path(args.out)
+    res.mkdir(parents=True, exist_ok=True)
+    (res / "backward.json").write_text(json.dumps(out, indent=1))
+    (res / "backward.md").write_text(markdown(out) + "\n")
+    from neptune_eq.dropin import flex
+    src = res / "backward_kernels"
+    src.mkdir(exist_ok=True)
+    for n, st in enumerate(flex.STRUCTURES.values()):
+        for wrt, (_, kern, _) in st.backward.items():
+            (src / f"structure{n}_{'_'.join(wrt)}.py.txt").write_text(kern.explain() + "\n\n" +
+                                                                      kern.source)
     print(markdown(out))
 
 

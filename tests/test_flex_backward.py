@@ -75,11 +75,17 @@ def test_decode_gradients():
 def test_backward_kernels_are_derived_once_per_structure_and_input():
     check(1, 2, 2, 3, 4, 2)
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 2)
-    assert set(st.backward) == {"q", "k", "v"}
-    bw, kern, _ = st.backward["k"]
+    assert set(st.backward) == {("q",), ("k", "v")}
+    bw, kern, _ = st.backward[("k", "v")]
     text = kern.explain()
-    # dK is a loop over the query rows i, reading the row-wise dot Σ_e dO·O
-    assert "d_k[" in text and "(d_o[" in text and "* o[" in text
+    # FlashAttention-2's dK/dV: one program per block of keys j, one loop over the query
+    # rows i updating both (P recomputed once), the row-wise dot Σ_e dO·O read in it
+    assert "blocked: j" in text and "d_v:sum" in text and "d_k:sum" in text, text
+    assert "(d_o[" in text and "* o[" in text
+    assert "den[" not in kern.source  # the denominator is the constant 1: folded away
+    # four products per block: S = Q·Kᵀ, dV += Pᵀ·dO, dP = dO·Vᵀ, dK += dSᵀ·Q
+    loop = kern.source.split("for l0 in range(")[1]
+    assert loop.count("tl.dot(") == 4, loop
 
 
 def test_learnable_captured_slopes_get_gradients():

@@ -11,44 +11,61 @@ What the forward saved is only (O, lse).  The backward programs read a row max `
 denominator ``l`` instead: the row max is a constant of the program (softmax does not
 depend on it), so any per-row shift gives the same gradients, and with the shift
 ``m := lse = m + log l`` the denominator becomes ``l = Σ exp(s − lse) = 1``:
-``exp(s − m)/l = exp(s − (m + log l))``, P recomputed from the log-sum-exp alone.  A row
-with no visible key has lse = −inf: it gets ``l = 0``, which the program's own
-``where(l > 0, …)`` turns into zero gradients (never NaN).
+``exp(s − m)/l = exp(s − (m + log l))``, P recomputed from the log-sum-exp alone.  The
+denominator is then the constant 1 and is folded into the program
+(``autodiff.with_constant_input``): ``dO/max(l, ε)`` is ``dO`` again, an fp16 operand of the
+tensor-core products.  A row with no visible key has lse = −inf: it gets the shift
+``UNSEEN_ROW_SHIFT``, under which every ``exp(s − m)`` of the row underflows to exactly 0, so
+its gradients are zero (never NaN).
 """
 from __future__ import annotations
 
 import torch
 
 from . import flex
-from ..frontend.autodiff import backward_program
+from ..frontend.autodiff import backward_program, with_constant_input
 from ..ir import MASKED, ProgramError
 
 SAVED = ("mx", "den", "o")
+UNSEEN_ROW_SHIFT = -MASKED  # s − m <= −1e30 on a row with no visible key: P = 0
 
 
-def backward_kernel(st: "flex.Structure", wrt: str, sizes: dict[str, int]):
-    """The superoptimized backward kernel of structure ``st`` for input ``wrt``."""
+def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str, int]):
+    """The superoptimized backward kernel of structure ``st`` for the inputs ``wrt`` (one
+    kernel computes all of them: ``("k", "v")`` share the recomputed P in one loop)."""
     if wrt not in st.backward:
         with st.lock:
             if wrt not in st.backward:
                 from ..api import superoptimize
-                bw = backward_program(st.program, [wrt], saved=SAVED, constant=("mx",))
+                bw = backward_program(st.program, list(wrt), saved=SAVED, constant=("mx",))
+                bw = with_constant_input(bw, "den", 1.0)
                 bw, rows = _partial_only(bw, wrt)
                 try:
                     kern = superoptimize(bw.program, target=st.target, sizes={
                         n: sizes[n] for n in st.symbols} if st.symbols else None)
                 except Exception as e:  # noqa: BLE001 - named here, not deep in triton
-                    hint = ("report it with the mods that raised it" if wrt in ("q", "k", "v")
+                    hint = ("report it with the mods that raised it"
+                            if set(wrt) <= {"q", "k", "v"}
                             else "detach that captured tensor to train q, k and v meanwhile")
                     raise ProgramError(
-                        f"ne.flex_attention: the backward kernel for the gradient of {wrt!r} "
-                        f"could not be built ({type(e).__name__}: {str(e)[:300]}); "
-                        f"{hint}.") from e
+                        f"ne.flex_attention: the backward kernel for the gradient of "
+                        f"{', '.join(wrt)} could not be built ({type(e).__name__}: "
+                        f"{str(e)[:300]}); {hint}.") from e
                 st.backward[wrt] = (bw, kern, rows)
     return st.backward[wrt]
 
 
-def _partial_only(bw, wrt: str):
+def gradient_groups(names: list[str], needs: list[bool]) -> list[tuple[str, ...]]:
+    """Which gradients one kernel computes together: dK and dV (FlashAttention-2's loop
+    over query blocks per key block, P recomputed once for both); dQ (a loop over key
+    blocks per query block) and each captured tensor on their own."""
+    want = [n for n, need in zip(names, needs) if need]
+    kv = tuple(n for n in ("k", "v") if n in want)
+    return [g for g in [tuple(n for n in want if n == "q"), kv] if g] + \
+        [(n,) for n in want if n not in ("q", "k", "v")]
+
+
+def _partial_only(bw, wrt: tuple[str, ...]):
     """A captured tensor's gradient is ``d_X[t…] = Σ_rows p[t…, rows…]`` over a row-wise
     partial ``p`` (autodiff keeps the forward's rows).  The kernel computes the partial --
     one reduction over the keys per (batch, head, query) row, as dQ -- and the sum over
@@ -56,6 +73,9 @@ def _partial_only(bw, wrt: str):
     queries and keys at once does not tile yet.  Returns (backward, how many trailing
     row dims to sum; 0 when the gradient is computed whole)."""
     from ..ir import Program
+    if len(wrt) != 1:
+        return bw, 0
+    wrt = wrt[0]
     prog = bw.program
     grad = prog.definition("d_" + wrt)
     body, summed = grad.body, []
@@ -85,26 +105,25 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     sizes = {flex.SIZES[0]: q.shape[0], flex.SIZES[1]: q.shape[2], flex.SIZES[2]: k.shape[2]}
     visible = torch.isfinite(lse)
     env = dict(zip(names, tensors))
-    env["mx"] = torch.where(visible, lse, torch.full_like(lse, MASKED)).float().contiguous()
-    env["den"] = visible.float()
+    env["mx"] = torch.where(visible, lse,
+                            torch.full_like(lse, UNSEEN_ROW_SHIFT)).float().contiguous()
     env["o"] = out.contiguous()
     env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
     env["d_lse"] = (torch.zeros_like(lse) if d_lse is None else
                     torch.where(visible, d_lse.float(), 0.0)).contiguous()
-    grads = []
     for name, t, need in zip(names, tensors, needs):
-        if not need:
-            grads.append(None)
-            continue
-        if not t.is_floating_point():
+        if need and not t.is_floating_point():
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
                                f"{t.dtype}; only float captured tensors have gradients.")
-        bw, kern, rows = backward_kernel(st, name, sizes)
-        g = kern(**{ph.name: env[ph.name] for ph in bw.program.inputs})
-        if rows:
-            g = g.sum(dim=tuple(range(g.dim() - rows, g.dim())))
-        grads.append(g.to(t.dtype))
-    return grads
+    got = {}
+    for group in gradient_groups(names, needs):
+        bw, kern, rows = backward_kernel(st, group, sizes)
+        out = kern(**{ph.name: env[ph.name] for ph in bw.program.inputs})
+        for name, g in zip(group, out if len(group) > 1 else (out,)):
+            if rows:
+                g = g.sum(dim=tuple(range(g.dim() - rows, g.dim())))
+            got[name] = g
+    return [got[n].to(t.dtype) if n in got else None for n, t in zip(names, tensors)]
 
 
 def setup_context(ctx, inputs, output):

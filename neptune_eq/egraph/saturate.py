@@ -227,7 +227,7 @@ class Stage:
 # Families in order: normalise, derive and simplify folds, privatize them, then
 # everything (user files included) to a fixpoint.
 DEFAULT_SCHEDULE = [
-    Stage("algebra", ("algebra",), 6),
+    Stage("algebra", ("algebra", "backward"), 6),
     Stage("rolling", ("algebra", "rolling"), 24),
     Stage("split-k", ("splitk",), 2),
     Stage("layout", ("layout", "algebra"), 6),

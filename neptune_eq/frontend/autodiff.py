@@ -176,10 +176,16 @@ class _Builder:
         input along (``d_x[i, c]`` for ``y[i, c] = … x[i, c] …``): the lowering matches
         a producer's reads by axis name, so the backward must speak the forward's names."""
         shape = next(ph.shape for ph in self.p.inputs if ph.name == name)
+        # Gradients of inputs of one shape (dK and dV) share their axis names: each name
+        # known from one input's reads serves all, so the lowering sees folds that keep the
+        # same rows and runs them in one loop over the recomputed P (FlashAttention-2's
+        # fused dK/dV) rather than one kernel each.
+        group = {name} | {ph.name for ph in self.p.inputs
+                          if ph.name in self.wrt and ph.shape == shape}
         seen: list[list[str]] = [[] for _ in shape]
         for d in self.p.defs:
             for t in d.body.walk():
-                if t.op == "load" and t.val == name:
+                if t.op == "load" and t.val in group:
                     for k, ix in enumerate(t.args):
                         if ix.op == "var" and ix.val in d.axes and ix.val not in seen[k]:
                             seen[k].append(ix.val)
@@ -447,3 +453,57 @@ _UNARY_DERIVATIVE = {
 _DIFFERENTIABLE = set(_UNARY_DERIVATIVE) | {"add", "sub", "mul", "div", "neg", "maximum",
                                             "minimum", "where", "cast", "sum", "max", "min",
                                             "load", "ref"}
+
+
+# ----------------------------------------------------------------------------------
+# A saved value known to be a constant
+# ----------------------------------------------------------------------------------
+_FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+         "maximum": max, "minimum": min, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
+         "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b,
+         "ne": lambda a, b: a != b, "div": lambda a, b: a / b if b else math.copysign(
+             math.inf, a) if a else math.nan}
+
+
+def with_constant_input(bw: Backward, name: str, value: float) -> Backward:
+    """``bw`` where the saved input ``name`` is known to equal ``value`` everywhere it is
+    read; the placeholder is dropped and the arithmetic it fed is folded away.
+
+    Attention's backward reads the row denominator ``l`` through ``o = acc / max(l, ε)``
+    and ``where(l > 0, …)``.  Fed ``m := lse`` the denominator is 1 on every row that sees
+    a key (see ``dropin.flex_backward``): knowing it turns ``dO / max(l, ε)`` back into
+    ``dO`` -- an fp16 load the P·dO and dO·Vᵀ products take straight to the tensor cores,
+    where a computed fp32 tile would force an fp32 product."""
+    if name not in bw.saved:
+        raise ProgramError(f"Expected a saved input of the backward {list(bw.saved)}, got "
+                           f"{name!r}.")
+    p = bw.program
+    c = const(float(value))
+
+    def fold(t: Term) -> Term:
+        if t.op == "load" and t.val == name:
+            return c
+        t = t.map_args(fold)
+        a = t.args
+        if all(x.op in ("int", "flt") for x in a) and a and t.op in _FOLD:
+            v = _FOLD[t.op](*(x.val for x in a))
+            if isinstance(v, bool) or math.isfinite(v):
+                return const(v)
+        if t.op == "where" and a[0].op in ("int", "flt"):
+            return a[1] if a[0].val else a[2]
+        if t.op in ("mul", "div") and a[1].op in ("int", "flt") and a[1].val == 1:
+            return a[0]
+        if t.op == "mul" and a[0].op in ("int", "flt") and a[0].val == 1:
+            return a[1]
+        return t
+
+    defs = [Definition(d.name, d.axes, fold(d.body), d.dtype) for d in p.defs]
+    reads = {n.val for d in defs for n in d.body.walk() if n.op == "load"}
+    inputs = [ph for ph in p.inputs if ph.name != name and (ph.name in reads or ph.name in
+                                                            bw.cotangents)]
+    prog = Program(inputs, defs, dict(p.extents), list(p.outputs),
+                   dict(p.meta, saved=[s for s in p.meta.get("saved", []) if s != name],
+                        constant_inputs={**p.meta.get("constant_inputs", {}), name: value}))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, tuple(s for s in bw.saved if s != name),
+                    tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))

@@ -198,6 +198,9 @@ class Emitter:
         raise LoweringError(f"Codegen cannot emit {op!r} here (a fold nested in a fold?).")
 
     def _load(self, t: Term, scope: int) -> Tile:
+        same = self._same_load(t)
+        if same is not None:
+            return same
         idx = [self.expr(a) for a in t.args]
         axes = self.canon(sum((i.axes for i in idx), ()))
         strides = [f"{t.val}_s{k}" for k in range(len(idx))]
@@ -208,7 +211,42 @@ class Emitter:
         # Integer and boolean loads are values of kind int / bool, like index variables:
         # an id read from a captured tensor can index another load (offsets[doc[i]]).
         kind = "int" if dtype in ("int32", "int64") else "bool" if dtype == "bool" else dtype
-        return self.bind(f"tl.load({t.val}_ptr + {off}{mask})", axes, kind, scope)
+        tile = self.bind(f"tl.load({t.val}_ptr + {off}{mask})", axes, kind, scope)
+        self.scopes[scope][1][("load", self._load_signature(t))] = (t, tile)
+        return tile
+
+    def _load_signature(self, t: Term) -> tuple:
+        """A load's identity up to the names of whole axes of equal extent: the backward's
+        ``dO[i, e]``, ``dO[i, e']`` and ``dO[i, e'']`` (one per sum the adjoint wrote) are
+        one tile of memory, and Triton does not merge loads.  Whole axes of one extent have
+        identical offsets and masks, so one load serves every name."""
+        def canon(a: Term) -> Term:
+            if a.op == "var" and a.val in self.plan.whole_axes and self.env.get(a.val) == a.val:
+                return Term("var", (), f"#whole{self.plan.whole_axes[a.val]}")
+            return a.map_args(canon)
+        return (t.val, tuple(canon(a) for a in t.args))
+
+    def _same_load(self, t: Term) -> Tile | None:
+        """An earlier load of the same memory (``_load_signature``) in a visible scope, with
+        its whole axes renamed to this load's; None when there is none or the renaming
+        would reorder the tile's axes."""
+        sig = ("load", self._load_signature(t))
+        for _, cache, _ in reversed(self.scopes):
+            if sig in cache:
+                old, tile = cache[sig]
+                break
+        else:
+            return None
+        ren: dict[str, str] = {}
+        for a, b in zip(old.args, t.args):
+            for x, y in zip(a.walk(), b.walk()):
+                if x.op == "var" and y.op == "var" and x.val != y.val:
+                    if ren.setdefault(x.val, y.val) != y.val:
+                        return None
+        axes = tuple(ren.get(a, a) for a in tile.axes)
+        if self.canon(axes) != axes or len(set(axes)) != len(axes):
+            return None
+        return Tile(tile.code, axes, tile.kind)
 
     def _state(self, t: Term) -> Tile:
         if not t.args and t.op == "ref" and t.val in self.states:
@@ -254,6 +292,11 @@ class Emitter:
         n = next(x for x in b.axes if x != kaxis)
         if m == n:
             return None
+        if self.canon((m, n)) != (m, n):
+            # Cᵀ = Bᵀ·Aᵀ: swap the operands so the product comes out in the tile order,
+            # rather than transposing an accumulator (a trip through shared memory).
+            a, b, m, n = b, a, n, m
+            t = Term(t.op, (t.args[1], t.args[0]), t.val)
         lhs = a if a.axes == (m, kaxis) else Tile(f"tl.trans({a.code})", (m, kaxis), a.kind)
         rhs = b if b.axes == (kaxis, n) else Tile(f"tl.trans({b.code})", (kaxis, n), b.kind)
         # Padding along the contracted axis must contribute exactly zero: a masked load
