@@ -76,7 +76,7 @@ def test_backward_kernels_are_derived_once_per_structure_and_input():
     check(1, 2, 2, 3, 4, 2)
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 2)
     assert set(st.backward) == {("q",), ("k", "v")}
-    bw, kern, _ = st.backward[("k", "v")]
+    bw, kern, _, _ = st.backward[("k", "v")]
     text = kern.explain()
     # FlashAttention-2's dK/dV: one program per block of keys j, one loop over the query
     # rows i updating both (P recomputed once), the row-wise dot Σ_e dO·O read in it

@@ -37,7 +37,8 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
         with st.lock:
             if wrt not in st.backward:
                 from ..api import superoptimize
-                bw = backward_program(st.program, list(wrt), saved=SAVED, constant=("mx",))
+                program, expanded = _grouped_reads_expanded(st.program, wrt)
+                bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
                 bw = with_constant_input(bw, "den", 1.0)
                 bw, rows = _partial_only(bw, wrt)
                 try:
@@ -51,8 +52,45 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
                         f"ne.flex_attention: the backward kernel for the gradient of "
                         f"{', '.join(wrt)} could not be built ({type(e).__name__}: "
                         f"{str(e)[:300]}); {hint}.") from e
-                st.backward[wrt] = (bw, kern, rows)
+                st.backward[wrt] = (bw, kern, rows, expanded)
     return st.backward[wrt]
+
+
+def _grouped_reads_expanded(program, wrt: tuple[str, ...]):
+    """(program, {name: G}): the program where each input in ``wrt`` read only at head
+    ``y // G`` (GQA's K and V) is read at ``y`` from a copy with the query heads' count.
+
+    The adjoint of a read at ``y // G`` sums over the G query heads of a group; written
+    as is, that is ``Σ_y where(y // G = t, …)``, a loop over every head for each KV head.
+    Read at ``y``, dK and dV are per-query-head tiles like MHA's (one kernel over key
+    blocks, no atomics), and the sum over each group's G heads is a torch ``sum`` of a
+    ``[B, Hkv, G, S, D]`` view after the kernel."""
+    from ..ir import Placeholder, Program, Term, var
+    groups: dict[str, int] = {}
+    for d in program.defs:
+        for t in d.body.walk():
+            if t.op == "load" and t.val in wrt and len(t.args) > 1:
+                h = t.args[1]
+                if h.op == "floordiv" and h.args[0].op == "var" and h.args[1].op == "int":
+                    groups.setdefault(t.val, set()).add((h.args[0].val, int(h.args[1].val)))
+                else:
+                    groups.setdefault(t.val, set()).add(None)
+    groups = {n: next(iter(g))[1] for n, g in groups.items()
+              if len(g) == 1 and None not in g and next(iter(g))[1] > 1}
+    if not groups:
+        return program, {}
+
+    def swap(t: Term) -> Term:
+        t = t.map_args(swap)
+        if t.op == "load" and t.val in groups:
+            return Term("load", (t.args[0], var(t.args[1].args[0].val), *t.args[2:]), t.val)
+        return t
+    heads = {ph.name: ph.shape[1] for ph in program.inputs}["q"]
+    inputs = [Placeholder(ph.name, (ph.shape[0], heads, *ph.shape[2:]), ph.dtype)
+              if ph.name in groups else ph for ph in program.inputs]
+    defs = [type(d)(d.name, d.axes, swap(d.body), d.dtype) for d in program.defs]
+    return Program(inputs, defs, dict(program.extents), list(program.outputs),
+                   dict(program.meta)), groups
 
 
 def gradient_groups(names: list[str], needs: list[bool]) -> list[tuple[str, ...]]:
@@ -117,11 +155,17 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
                                f"{t.dtype}; only float captured tensors have gradients.")
     got = {}
     for group in gradient_groups(names, needs):
-        bw, kern, rows = backward_kernel(st, group, sizes)
-        out = kern(**{ph.name: env[ph.name] for ph in bw.program.inputs})
+        bw, kern, rows, expanded = backward_kernel(st, group, sizes)
+        feed = {ph.name: env[ph.name] for ph in bw.program.inputs}
+        for name, g in expanded.items():
+            feed[name] = feed[name].repeat_interleave(g, dim=1)
+        out = kern(**feed)
         for name, g in zip(group, out if len(group) > 1 else (out,)):
             if rows:
                 g = g.sum(dim=tuple(range(g.dim() - rows, g.dim())))
+            if name in expanded:  # per query head -> per KV head: the group's sum
+                n = expanded[name]
+                g = g.unflatten(1, (g.shape[1] // n, n)).sum(2)
             got[name] = g
     return [got[n].to(t.dtype) if n in got else None for n, t in zip(names, tensors)]
 
