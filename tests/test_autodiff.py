@@ -2,6 +2,7 @@
 programs, evaluated by the fp64 interpreter, against torch autograd in fp64 through the
 forward program (the interpreter is written in torch ops, so autograd runs through it)."""
 import math
+import re
 
 import pytest
 import torch
@@ -225,3 +226,36 @@ def test_gradcheck_causal_softcap_gqa_alibi():
 
 def test_gradcheck_decode():
     _gradcheck(ne.attention(1, 2, 1, 5, 2, "float64"), ["q", "k", "v"], constant=("mx",))
+
+
+def test_saved_constant_and_precomputed_row_statistic_keep_the_gradients():
+    """Attention's backward fed ``m := lse`` has denominator 1: ``with_constant_input``
+    folds it away; ``with_definition_as_input`` reads Σ_e dO·O from elsewhere (dQ's kernel);
+    the gradients stay those of autograd, and misuse is a clear error."""
+    from neptune_eq.frontend.autodiff import (with_constant_input, with_definition_as_input,
+                                              with_outputs)
+    p = ne.build_program(ne.attention(1, 2, 5, 6, 3, "float64"))
+    ins = _inputs(p)
+    leaf = {n: t.clone().requires_grad_(n in "qkv") for n, t in ins.items()}
+    fw = evaluate(p, leaf)
+    cot = torch.randn(fw["o"].shape, dtype=torch.float64)
+    ref = torch.autograd.grad((fw["o"] * cot).sum(), [leaf[w] for w in "kv"])
+    lse = fw["mx"] + torch.log(fw["den"])
+    bw = backward_program(p, ["k", "v"], constant=("mx",), saved=("mx", "den", "o"))
+    bw = with_constant_input(bw, "den", 1.0)
+    assert "den" not in {ph.name for ph in bw.program.inputs}
+    assert not re.search(r"[^_]den\[", str(bw.program)) and "/ 1.0" not in str(bw.program)
+    feed = {**ins, "mx": lse.detach(), "o": fw["o"].detach(), "d_o": cot}
+    stat = bw.program.definition("g_den")
+    row = evaluate(with_outputs(bw, ["g_den"]).program,
+                   {ph.name: feed[ph.name] for ph in bw.program.inputs})["g_den"]
+    pre = with_definition_as_input(bw, stat.name)
+    assert "o" not in {ph.name for ph in pre.program.inputs}  # O is read only by Σ dO·O
+    got = evaluate(pre.program, {**{ph.name: feed.get(ph.name) for ph in pre.program.inputs},
+                                 "g_den": row})
+    for r, w in zip(ref, "kv"):
+        assert (got["d_" + w] - r).abs().max().item() <= 1e-10 * max(1.0, r.abs().max().item())
+    with pytest.raises(ne.ir.ProgramError, match="saved input"):
+        with_constant_input(bw, "q", 1.0)
+    with pytest.raises(ne.ir.ProgramError, match="intermediate definition"):
+        with_definition_as_input(bw, "d_k")

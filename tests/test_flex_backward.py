@@ -75,13 +75,16 @@ def test_decode_gradients():
 def test_backward_kernels_are_derived_once_per_structure_and_input():
     check(1, 2, 2, 3, 4, 2)
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 2)
-    assert set(st.backward) == {("q",), ("k", "v")}
-    bw, kern, _, _ = st.backward[("k", "v")]
+    assert set(st.backward) == {(("q",), True), (("k", "v"), True)}
+    bw, kern, _, _, stats = st.backward[(("k", "v"), True)]
+    # Σ_e dO·O is computed once, by dQ's kernel, and read by dK/dV's as an input
+    assert stats and all(any(ph.name == n for ph in bw.program.inputs) for n in stats)
+    assert stats[0] in st.backward[(("q",), True)][0].program.outputs
     text = kern.explain()
     # FlashAttention-2's dK/dV: one program per block of keys j, one loop over the query
     # rows i updating both (P recomputed once), the row-wise dot Σ_e dO·O read in it
     assert "blocked: j" in text and "d_v:sum" in text and "d_k:sum" in text, text
-    assert "(d_o[" in text and "* o[" in text
+    assert "o[" not in kern.source.split("for l0 in range(")[1]  # no O tile in the loop
     assert "den[" not in kern.source  # the denominator is the constant 1: folded away
     # four products per block: S = Q·Kᵀ, dV += Pᵀ·dO, dP = dO·Vᵀ, dK += dSᵀ·Q
     loop = kern.source.split("for l0 in range(")[1]

@@ -23,37 +23,68 @@ from __future__ import annotations
 import torch
 
 from . import flex
-from ..frontend.autodiff import backward_program, with_constant_input
+from ..frontend.autodiff import (backward_program, with_constant_input,
+                                 with_definition_as_input, with_outputs)
 from ..ir import MASKED, ProgramError
 
 SAVED = ("mx", "den", "o")
 UNSEEN_ROW_SHIFT = -MASKED  # s − m <= −1e30 on a row with no visible key: P = 0
 
 
-def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str, int]):
+def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str, int],
+                    shared: bool = False):
     """The superoptimized backward kernel of structure ``st`` for the inputs ``wrt`` (one
-    kernel computes all of them: ``("k", "v")`` share the recomputed P in one loop)."""
-    if wrt not in st.backward:
+    kernel computes all of them: ``("k", "v")`` share the recomputed P in one loop).
+
+    ``shared``: dQ's and dK/dV's kernels both run, and the row statistics both read
+    (``row_statistics``: Σ_e dO·O) are computed once -- dQ's kernel returns them after dQ,
+    dK/dV's reads them as inputs.  Returns (backward, kernel, rows, expanded, stats)."""
+    key = (wrt, shared)
+    if key not in st.backward:
         with st.lock:
-            if wrt not in st.backward:
-                from ..api import superoptimize
-                program, expanded = _grouped_reads_expanded(st.program, wrt)
-                bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
-                bw = with_constant_input(bw, "den", 1.0)
-                bw, rows = _partial_only(bw, wrt)
-                try:
-                    kern = superoptimize(bw.program, target=st.target, sizes={
-                        n: sizes[n] for n in st.symbols} if st.symbols else None)
-                except Exception as e:  # noqa: BLE001 - named here, not deep in triton
-                    hint = ("report it with the mods that raised it"
-                            if set(wrt) <= {"q", "k", "v"}
-                            else "detach that captured tensor to train q, k and v meanwhile")
-                    raise ProgramError(
-                        f"ne.flex_attention: the backward kernel for the gradient of "
-                        f"{', '.join(wrt)} could not be built ({type(e).__name__}: "
-                        f"{str(e)[:300]}); {hint}.") from e
-                st.backward[wrt] = (bw, kern, rows, expanded)
-    return st.backward[wrt]
+            if key not in st.backward:
+                st.backward[key] = _build_backward(st, wrt, sizes, shared)
+    return st.backward[key]
+
+
+def _build_backward(st, wrt, sizes, shared):
+    from ..api import superoptimize
+    program, expanded = _grouped_reads_expanded(st.program, wrt)
+    bw = with_constant_input(
+        backward_program(program, list(wrt), saved=SAVED, constant=("mx",)), "den", 1.0)
+    stats = row_statistics(bw) if shared else []
+    if stats and wrt == ("q",):
+        bw = with_outputs(bw, stats)
+    else:
+        for name in stats:
+            bw = with_definition_as_input(bw, name)
+    bw, rows = _partial_only(bw, wrt)
+    try:
+        kern = superoptimize(bw.program, target=st.target, sizes={
+            n: sizes[n] for n in st.symbols} if st.symbols else None)
+    except Exception as e:  # noqa: BLE001 - named here, not deep in triton
+        hint = ("report it with the mods that raised it" if set(wrt) <= {"q", "k", "v"}
+                else "detach that captured tensor to train q, k and v meanwhile")
+        raise ProgramError(
+            f"ne.flex_attention: the backward kernel for the gradient of {', '.join(wrt)} "
+            f"could not be built ({type(e).__name__}: {str(e)[:300]}); {hint}.") from e
+    return bw, kern, rows, expanded, stats
+
+
+def row_statistics(bw) -> list[str]:
+    """Definitions of a backward that are one number per query row and read neither q, k
+    nor v -- reductions over the head dim of cotangents and saved values, such as
+    ``Σ_e dO·O`` (the adjoint of the softmax denominator).  Every gradient kernel of
+    attention reads them; computed per key block they would cost an O tile per block."""
+    p = bw.program
+    rows = p.shape_of("mx") if any(ph.name == "mx" for ph in p.inputs) else None
+    out = []
+    for d in p.defs:
+        if d.name in p.outputs or d.body.kind != "reduce" or p.shape_of(d.name) != rows:
+            continue
+        if not {n.val for n in d.body.walk() if n.op in ("load", "ref")} & {"q", "k", "v"}:
+            out.append(d.name)
+    return out
 
 
 def _grouped_reads_expanded(program, wrt: tuple[str, ...]):
@@ -154,13 +185,19 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
                                f"{t.dtype}; only float captured tensors have gradients.")
     got = {}
-    for group in gradient_groups(names, needs):
-        bw, kern, rows, expanded = backward_kernel(st, group, sizes)
+    groups = gradient_groups(names, needs)
+    shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
+    for group in groups:
+        bw, kern, rows, expanded, stats = backward_kernel(
+            st, group, sizes, shared and group[0] in ("q", "k", "v"))
         feed = {ph.name: env[ph.name] for ph in bw.program.inputs}
         for name, g in expanded.items():
             feed[name] = feed[name].repeat_interleave(g, dim=1)
         out = kern(**feed)
-        for name, g in zip(group, out if len(group) > 1 else (out,)):
+        out = out if isinstance(out, tuple) else (out,)
+        if stats and group == ("q",):  # dQ's kernel returned the row statistics too
+            env.update(zip(stats, out[len(group):]))
+        for name, g in zip(group, out):
             if rows:
                 g = g.sum(dim=tuple(range(g.dim() - rows, g.dim())))
             if name in expanded:  # per query head -> per KV head: the group's sum

@@ -507,3 +507,39 @@ def with_constant_input(bw: Backward, name: str, value: float) -> Backward:
     ir.validate(prog)
     return Backward(prog, bw.wrt, tuple(s for s in bw.saved if s != name),
                     tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))
+
+
+def with_outputs(bw: Backward, names: list[str]) -> Backward:
+    """``bw`` that also returns its definitions ``names`` (after its gradients)."""
+    p = bw.program
+    for n in names:
+        p.definition(n)  # a clear error for a name that is not a definition
+    prog = Program(list(p.inputs), list(p.defs), dict(p.extents),
+                   list(p.outputs) + [n for n in names if n not in p.outputs], dict(p.meta))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, bw.saved, bw.cotangents)
+
+
+def with_definition_as_input(bw: Backward, name: str) -> Backward:
+    """``bw`` reading its definition ``name`` as an input computed elsewhere -- by the
+    kernel of another gradient that computes it anyway, as dQ's kernel computes the row
+    dot ``Σ_e dO·O`` before its loop: the dK/dV kernel then reads one number per query
+    row instead of recomputing it from an O tile in every key block's program."""
+    p = bw.program
+    d = p.definition(name)
+    if name in p.outputs:
+        raise ProgramError(f"Expected an intermediate definition, got the output {name!r}.")
+
+    def swap(t: Term) -> Term:
+        t = t.map_args(swap)
+        return Term("load", t.args, name) if t.op == "ref" and t.val == name else t
+    defs = [Definition(x.name, x.axes, swap(x.body), x.dtype) for x in p.defs if x.name != name]
+    reads = {n.val for x in defs for n in x.body.walk() if n.op == "load"}
+    inputs = [ph for ph in p.inputs if ph.name in reads]
+    inputs.append(Placeholder(name, p.shape_of(name), d.dtype))
+    prog = Program(inputs, defs, dict(p.extents), list(p.outputs),
+                   dict(p.meta, precomputed=[*p.meta.get("precomputed", []), name],
+                        saved=[s for s in p.meta.get("saved", []) if s in reads]))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, tuple(s for s in bw.saved if s in reads),
+                    tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))
