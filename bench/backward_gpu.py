@@ -139,6 +139,24 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
     return row
 
 
+def profile(S: int, dtype) -> str:
+    """Where our fwd+bwd's time goes (kernels vs host gaps), plain attention at ``S``."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(B, H, S, D, device="cuda", dtype=dtype)
+    fn = lambda q, k, v: ne.flex_attention(q, k, v)  # noqa: E731
+    for _ in range(3):
+        step(fn, q, k, v, g)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step(fn, q, k, v, g)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
 def markdown(out: dict) -> str:
     lines = [f"# fwd+bwd, {out['device']}, {out['dtype']}, B={B} H={H} D={D}", "",
              f"`{out.get('command', 'python bench/backward_gpu.py')}` (torch {out['torch']})", "",
@@ -167,6 +185,8 @@ def main():
     ap.add_argument("--variants", default="")
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--profile", action="store_true",
+                    help="also write a torch.profiler table of our fwd+bwd (plain, first length)")
     args = ap.parse_args()
     dtype = torch.bfloat16
     lengths = (1024,) if args.quick else tuple(int(x) for x in args.lengths.split(","))
@@ -187,6 +207,8 @@ def main():
     res.mkdir(parents=True, exist_ok=True)
     (res / "backward.json").write_text(json.dumps(out, indent=1))
     (res / "backward.md").write_text(markdown(out) + "\n")
+    if args.profile:
+        (res / "backward_profile.txt").write_text(profile(lengths[0], dtype))
     from neptune_eq.dropin import flex
     src = res / "backward_kernels"
     src.mkdir(exist_ok=True)
