@@ -52,6 +52,9 @@ class Kernel:
     _launcher: Launcher | None = field(default=None, repr=False)
     _expect: list = field(default=None, repr=False)
     _out_specs: list = field(default=None, repr=False)
+    # (shape, dtype, device) of every input -> (sizes, launcher): a call at shapes met
+    # before skips the binding checks and the size read-off (~0.1 ms of host time a call)
+    _seen_shapes: dict = field(default_factory=dict, repr=False)
 
     def __getstate__(self):  # the compiled launcher is process-local: never cached
         state = dict(self.__dict__)
@@ -163,9 +166,24 @@ class Kernel:
         bucket's kernel; a new bucket is chosen once, without saturating)."""
         import torch
         prog = self.input_program
-        bound = check_inputs(prog, args, kwargs, self.target, symbolic=True)
-        values = sizes_of(prog, bound)
-        launcher = self._dispatch.launcher(values)
+        names = [ph.name for ph in prog.inputs]
+        ts = list(args) + [kwargs.get(n) for n in names[len(args):]]
+        if len(ts) == len(names) and len(args) + len(kwargs) == len(names) and all(
+                isinstance(t, torch.Tensor) for t in ts):
+            key = tuple((t.shape, t.dtype, t.device) for t in ts)
+            hit = self._seen_shapes.get(key)
+        else:
+            key = hit = None
+        if hit is not None:
+            bound, (values, launcher) = dict(zip(names, ts)), hit
+        else:
+            bound = check_inputs(prog, args, kwargs, self.target, symbolic=True)
+            values = sizes_of(prog, bound)
+            launcher = self._dispatch.launcher(values)
+            if key is not None:
+                if len(self._seen_shapes) >= 256:  # a growing KV cache: keep it bounded
+                    self._seen_shapes.clear()
+                self._seen_shapes[key] = (values, launcher)
         if self._out_specs is None:  # once: the per-call host time is what decode pays
             dev = "cuda" if self.target == "cuda" else "cpu"
             self._out_specs = [(name, tuple(n.name if hasattr(n, "name") else n for n in prog.shape_of(name)),
