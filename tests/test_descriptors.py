@@ -206,3 +206,26 @@ def test_gpu_form_compiles_for_sm90_with_tma_and_warp_specialization():
     assert tma["ok"] and tma["tma"] and tma["wgmma"]
     ws = _compile_sm90(kern, tma=True, ws=True, warps=4)
     assert ws["ok"] and ws["tma"] and ws["setmaxnreg"], ws
+
+
+def test_a_config_that_fails_to_compile_is_recorded_and_skipped(monkeypatch):
+    """A warp-specialised config whose compile raises (as causal + 4 warps did on Triton
+    3.6) is recorded with its reason by the timer, not compiled twice, never fatal."""
+    from neptune_eq.runtime import launcher as lr
+    kern = ne.superoptimize(examples.attention(1, 1, 16, 32, 16, "float16"), target="interpreter",
+                            cache=False)
+    ks, prog = kern.kernel_source, kern.program
+    ws = replace(kern.config, tma=True, warp_specialize=True, num_warps=4)
+    calls = []
+
+    def compile_(self, tensors):
+        calls.append(str(self.config))
+        if self.config.warp_specialize:
+            raise RuntimeError("PassManager::run failed\nunsupported load type for producer commit")
+    monkeypatch.setattr(lr.Launcher, "compile", compile_)
+    monkeypatch.setattr(lr, "compile_threads", lambda: 2)
+    ins = {n: torch.randn(prog.shape_of(n)).half() for n in ("q", "k", "v", "o")}
+    lr.compile_in_parallel([(prog, ks, kern.config), (prog, ks, ws)], "cuda", ins)
+    assert len(calls) == 2
+    res = lr.time_configs(prog, ks, "cuda", ins, [ws])
+    assert res == [(ws, None, "failed: unsupported load type for producer commit")]

@@ -461,6 +461,11 @@ def compile_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
+# (source, config) -> why it failed to compile on a thread: the timer records it without
+# compiling it a second time (a failed warp-specialised compile costs seconds)
+_COMPILE_FAILED: dict[tuple[str, str], str] = {}
+
+
 def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], target: str,
                         tensors: dict, values: dict | None = None) -> None:
     """Compile the (program, kernel, config) jobs on a thread pool before they are timed
@@ -480,8 +485,9 @@ def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], ta
         try:
             Launcher(program, ks, target, cfg.at(values),
                      tuple(values[s] for s in ks.size_params)).compile(tensors)
-        except Exception:  # noqa: BLE001 - recorded when the config is timed
-            pass
+        except Exception as e:  # noqa: BLE001 - recorded when the config is timed
+            msg = str(e).strip().splitlines()
+            _COMPILE_FAILED[(ks.source, str(cfg.at(values)))] = msg[-1] if msg else type(e).__name__
 
     for ks in {id(k): k for _, k, _ in jobs}.values():  # import each module once, not racing
         load_kernel(ks.concrete(values) if ks.size_params else ks, False)
@@ -505,6 +511,10 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     for cfg in configs:
         if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
             out.append((cfg, None, f"skipped: {TMA_NEEDS} (these inputs do not)"))
+            continue
+        why = _COMPILE_FAILED.get((ks.source, str(cfg.at(values))))
+        if why is not None:
+            out.append((cfg, None, f"failed: {why}"))
             continue
         try:
             la = Launcher(program, ks, target, cfg.at(values), size_args)
