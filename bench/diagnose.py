@@ -100,6 +100,12 @@ def _kernel_times(fn, n=20):
 
 
 def compiled(op, S):
+    """Every config the timer may compile (pointer, TMA, warp-specialised; pruned as the
+    timer prunes them): time, registers, spills, shared memory, and what the PTX uses.
+    Also written to bench/results/diagnose/compiled_<op>_<S>.json."""
+    import json
+    from neptune_eq.choosing.choose import prune_configs
+    from neptune_eq.choosing.costmodel import device_for
     from neptune_eq.runtime.launcher import Launcher, candidate_configs
     kern, args, *_ = _setup(op, S)
     bound = dict(zip([p.name for p in kern.program.inputs], args))
@@ -108,19 +114,35 @@ def compiled(op, S):
     tensors = {**bound, **outs}
     ks = kern.kernel_source
     print(f"{op} S={S}: {kern.chosen_row.structure}; chosen [{kern.config}]")
-    for cfg in candidate_configs(ks, "cuda"):
+    configs = prune_configs(kern.plan, candidate_configs(ks, "cuda"),
+                            device_for(torch.cuda.get_device_name()))
+    records = []
+    for cfg in configs:
         try:
             la = Launcher(kern.program, ks, "cuda", cfg)
             la(tensors)
             ms = do_bench(lambda: la(tensors), warmup=25, rep=100, return_mode="median")
-            for fn in la.fns:
+            run = la._pointer_twin or la  # a TMA config on unaligned inputs runs pointers
+            for fn in run.fns:
                 for ck in list(_compiled_kernels(fn))[-1:]:  # the one this config compiled
                     ptx = ck.asm.get("ptx", "")
+                    rec = {"config": str(cfg), "us": ms * 1e3, "kernel": fn.__name__,
+                           "regs": ck.n_regs, "spills": ck.n_spills, "smem": ck.metadata.shared,
+                           "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx,
+                           "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
+                    records.append(rec)
                     print(f"  [{cfg}] {ms * 1e3:8.1f} us  {fn.__name__}: regs {ck.n_regs} spills "
-                          f"{ck.n_spills} smem {ck.metadata.shared} wgmma {'wgmma' in ptx} "
-                          f"mma.sync {'mma.sync' in ptx}", flush=True)
+                          f"{ck.n_spills} smem {ck.metadata.shared} wgmma {rec['wgmma']} "
+                          f"mma.sync {rec['mma_sync']} tma {rec['tma']} setmaxnreg {rec['setmaxnreg']}",
+                          flush=True)
         except Exception as ex:  # noqa: BLE001
-            print(f"  [{cfg}] failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+            msg = [x for x in str(ex).strip().splitlines() if x.strip()]
+            records.append({"config": str(cfg), "failed": (msg[-1] if msg else type(ex).__name__)[:300]})
+            print(f"  [{cfg}] failed: {type(ex).__name__}: {records[-1]['failed'][:160]}", flush=True)
+    out = Path(__file__).parent / "results" / "diagnose"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"compiled_{op}_{S}.json").write_text(json.dumps(
+        {"gpu": torch.cuda.get_device_name(), "chosen": str(kern.config), "configs": records}, indent=1))
 
 
 def _compiled_kernels(fn):

@@ -11,7 +11,7 @@ from helpers import check_kernel
 def test_softmax_kernel(n, m):
     kern = check_kernel(examples.softmax(n, m))
     assert kern.plan.n_passes == 2
-    assert "for l0 in range" in kern.source and "tl.exp" in kern.source
+    assert "for l0 in tl.range(" in kern.source and "tl.exp" in kern.source
 
 
 def test_softmax_large_magnitude_scores_do_not_overflow():
@@ -27,7 +27,7 @@ def test_attention_kernel_is_single_pass_and_correct(shape, dtype):
     kern = check_kernel(examples.attention(*shape, dtype))
     assert kern.plan.n_passes == 1
     assert kern.source.count("tl.dot(") == 2       # QKᵀ and P·V, nothing templated
-    assert kern.source.count("for l0 in range") == 1
+    assert kern.source.count("for l0 in tl.range(") == 1
 
 
 def test_attention_large_scores_stay_finite():
@@ -38,7 +38,7 @@ def test_plain_multi_pass_program_also_lowers_correctly():
     from neptune_eq.egraph.rulefiles import shipped_rule_files
     files = [f for f in shipped_rule_files() if f.stem != "rolling"]
     kern = check_kernel(examples.attention(1, 2, 7, 19, 8, "float32"), rules=files)
-    assert kern.plan.n_passes == 2 and kern.source.count("for l0 in range") == 2
+    assert kern.plan.n_passes == 2 and kern.source.count("for l0 in tl.range(") == 2
 
 
 def test_kernel_call_errors():

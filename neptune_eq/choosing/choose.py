@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from .costmodel import Device, Estimate, best_estimate
+from .costmodel import DEVICES, DEFAULT_DEVICE, Device, Estimate, best_estimate, config_seconds
 from ..egraph.extract import Candidate
 from ..ir import Program
 from ..lowering.kernelgen import KernelSource, generate
@@ -98,10 +98,28 @@ def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) ->
 
 
 PRUNE_RATIO = 1.3  # candidates predicted slower than this times the best are not timed
+TMA_KEEP, WS_KEEP = 2, 2  # lowering variants timed per candidate (each one a compile)
+
+
+def prune_configs(plan: TilePlan, configs: list[TileConfig], device: Device) -> list[TileConfig]:
+    """The configs worth a compile: every pointer config (the measured baseline), the
+    tensor-descriptor form of the ``TMA_KEEP`` tile shapes the cost model predicts fastest,
+    and the ``WS_KEEP`` best-predicted warp-specialised ones.  A cold choice compiles
+    each config once (~1 s of a compile thread), so the variants are a handful, not a
+    product with every shape."""
+    pointer = [c for c in configs if not c.tma]
+    order = {id(c): n for n, c in enumerate(configs)}  # ties keep the hand-ordered list
+
+    def best(cs, n):
+        return sorted(cs, key=lambda c: (config_seconds(plan, device, c), order[id(c)]))[:n]
+    tma = best([c for c in configs if c.tma and not c.warp_specialize], TMA_KEEP)
+    ws = best([c for c in configs if c.warp_specialize], WS_KEEP)
+    return pointer + tma + ws
 
 
 def choose(rows: list[CandidateRow], target: str, tensors: dict | None, top_k: int,
-           sms: int, progress: bool = False, values: dict | None = None) -> CandidateRow:
+           sms: int, progress: bool = False, values: dict | None = None,
+           device: Device | None = None) -> CandidateRow:
     """The measured best of the top ``top_k`` on a GPU; the predicted best otherwise.
     Candidates that fail to compile are recorded and the next one is used.  ``values``:
     the named sizes ``tensors`` have, for kernels that take sizes at run time."""
@@ -125,7 +143,9 @@ def choose(rows: list[CandidateRow], target: str, tensors: dict | None, top_k: i
     for r in lowerable[:top_k]:
         if r not in timed:
             r.status = f"not timed: predicted {r.predicted_us / best_pred:.2f}x the best"
-    configs_of = {id(r): candidate_configs(r.kernel, target, sms) for r in timed}
+    device = device or DEVICES[DEFAULT_DEVICE]
+    configs_of = {id(r): prune_configs(r.plan, candidate_configs(r.kernel, target, sms), device)
+                  for r in timed}
     compile_in_parallel([(r.program, r.kernel, c) for r in timed for c in configs_of[id(r)]],
                         target, tensors, values)
     for n, r in enumerate(timed, 1):

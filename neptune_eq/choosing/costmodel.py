@@ -186,3 +186,19 @@ def best_estimate(plan: TilePlan, device: Device) -> Estimate:
             else:
                 out.append(estimate(plan, device, br, bk))
     return min(out, key=lambda e: e.seconds)
+
+
+# Lowering choices the model cannot derive from counts: measured on an H200 for a
+# hand-written FlashAttention forward (issue 16): pointer loads 480 TFLOP/s, tensor
+# descriptors 524 (x0.92 time), descriptors + warp-specialised key loop 546 (x0.88).
+# They rank variants of one tile shape among themselves; shapes are ranked by ``estimate``.
+LOWERING_FACTOR = {"pointer": 1.0, "tma": 0.92, "warp_specialized": 0.88}
+
+
+def config_seconds(plan: TilePlan, device: Device, cfg) -> float:
+    """Predicted time of ``plan`` under tile config ``cfg`` (a ``runtime.launcher.TileConfig``)."""
+    rows = cfg.blocks.get(f"B_{plan.block_axis}", 16)
+    keys = cfg.blocks.get("B_L", 16)
+    est = estimate(plan, device, rows, keys, cfg.splits if plan.split else 0)
+    kind = "warp_specialized" if cfg.warp_specialize else "tma" if cfg.tma else "pointer"
+    return est.seconds * LOWERING_FACTOR[kind]

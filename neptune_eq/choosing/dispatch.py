@@ -59,7 +59,7 @@ def choose_bucket(pool: list[Candidate], values: dict[str, int], target: str, de
         row.config = candidate_configs(row.kernel, target, device.sms)[0]
         row.chosen = True
     else:
-        row = choose(rows, target, tensors, top_k, device.sms, progress, values)
+        row = choose(rows, target, tensors, top_k, device.sms, progress, values, device)
     guards, program = origin[id(row.program)]
     return BucketChoice(guards, program, row, row.config, dict(values), rows)
 

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
+from . import descriptors
 from .lower import LoweringError, TilePlan
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
@@ -57,6 +58,10 @@ class Emitter:
         self.env: dict[str, str | Tile] = {}
         self.states: dict[str, Tile] = {}  # fold state name -> tile
         self.running: dict[str, tuple[str, str]] = {}  # fold -> (old var, new var) in a pass
+        # kernel axis -> (start of its tile, bound its mask tests): what a tensor
+        # descriptor needs to load the same tile (``descriptors``)
+        self.ranges: dict[str, tuple[str, str]] = {}
+        self.desc = descriptors.DescriptorState()
 
     # -- scopes --------------------------------------------------------------------------
     def push(self, indent: str):
@@ -211,7 +216,9 @@ class Emitter:
         # Integer and boolean loads are values of kind int / bool, like index variables:
         # an id read from a captured tensor can index another load (offsets[doc[i]]).
         kind = "int" if dtype in ("int32", "int64") else "bool" if dtype == "bool" else dtype
-        tile = self.bind(f"tl.load({t.val}_ptr + {off}{mask})", axes, kind, scope)
+        code = f"tl.load({t.val}_ptr + {off}{mask})"
+        var = descriptors.load(self, t.val, idx, axes, code, scope)  # or a TMA tile
+        tile = Tile(var, axes, kind) if var else self.bind(code, axes, kind, scope)
         self.scopes[scope][1][("load", self._load_signature(t))] = (t, tile)
         return tile
 

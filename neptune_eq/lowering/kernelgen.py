@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from . import descriptors
 from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
-from .lower import Fold, LoweringError, TilePlan, drop_atoms
+from .lower import Fold, LoweringError, TilePlan, combine_width_axis, drop_atoms, replace_folds
 from ..sizes import value
 
 
@@ -41,6 +42,8 @@ class KernelSource:
     combine_width: tuple[str, int] | None = None  # (axis, padded extent) the combine splits
     size_params: list[str] = field(default_factory=list)  # symbolic sizes, runtime ints n_<S>
     summaries: list = field(default_factory=list)  # block_predicate.SummarySpec, built per call
+    descriptors: dict = field(default_factory=dict)  # tensor -> row dims of its TMA tiles
+    warp_specializable: tuple = ()  # warp counts for warp-specialised configs
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -87,12 +90,6 @@ def _fold_order(folds: list[Fold]) -> list[Fold]:
     return done
 
 
-def _replace_folds(t: Term, state_of: dict[Term, str]) -> Term:
-    if t in state_of:
-        return Term("ref", (), state_of[t])
-    return t.map_args(lambda a: _replace_folds(a, state_of))
-
-
 def _init(em: Emitter, f: Fold, axes) -> str:
     if f.op in ("max", "rollmax"):
         return f"tl.full({em.shape(axes)}, {NEG}, tl.float32)"
@@ -124,6 +121,8 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
     # EVEN_x (constexpr) is true when the extent is a multiple of the block: the mask
     # folds to a constant and Triton drops it from loads and selects.
     em.emit(f"mask_{ba} = (offs_{ba} < {plan.row_extent}) | EVEN_{ba}")
+    if not plan.packed:
+        em.ranges[ba] = (f"pid_block * B_{ba}", f"{plan.row_extent}")
     if plan.packed:  # row r of the block is head (y % G) = r // S, query i = r % S
         y, g = plan.packed
         s = p.extents[ba]
@@ -144,8 +143,10 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
         if a == width_axis:  # the combine spreads this axis over programs (grid axis 2)
             em.emit(f"offs_{a} = pid_width * B_{a} + tl.arange(0, B_{a})")
             em.emit(f"mask_{a} = offs_{a} < {p.extents[a]}")
+            em.ranges[a] = (f"pid_width * B_{a}", f"{p.extents[a]}")
             continue
         em.emit(f"offs_{a} = tl.arange(0, B_{a})")
+        em.ranges[a] = ("0", f"{p.extents[a]}")
         full = " | True" if p.extents[a] == plan.whole_axes[a] else ""
         em.emit(f"mask_{a} = (offs_{a} < {p.extents[a]}){full}")
     em.push(indent)  # scope 1: the passes and the epilogue
@@ -187,7 +188,7 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
         em.emit(f"j_hi{k}s = tl.minimum({hi}, pid_split * CHUNK + CHUNK)")
         lo, hi = f"j_lo{k}s", f"j_hi{k}s"
     if not ps.bound_atoms:
-        _loop(em, k, lo, hi, frozenset())
+        _loop(em, k, lo, hi, frozenset(), main=True)
         return
     # interior: keys visible to every row of the block, aligned to whole key blocks
     a, b = lo, hi
@@ -201,14 +202,17 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
         b = f"j_in_hi{k}"
     if a != lo:
         _loop(em, k, lo, a, frozenset())
-    _loop(em, k, a, b, ps.bound_atoms)
+    _loop(em, k, a, b, ps.bound_atoms, main=True)
     if b != hi:
         _loop(em, k, b, hi, frozenset())
 
 
-def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
+def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, main: bool = False) -> None:
     ps = em.plan.passes[k]
-    em.emit(f"for l0 in range({lo}, {hi}, B_{LOOP}):" + ("  # interior: no mask" if known else ""))
+    head = descriptors.main_loop_header(lo, hi, f"B_{LOOP}") if main else \
+        f"for l0 in range({lo}, {hi}, B_{LOOP}):"
+    em.emit(head + ("  # interior: no mask" if known else ""))
+    em.ranges[LOOP] = ("l0", f"{ps.extent}")
     inner = em.scopes[0][2] + "    "
     em.push(inner)
     em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
@@ -401,7 +405,7 @@ def _combine(em: Emitter, cache: str = "") -> None:
             em.running.pop(name, None)
 
 
-def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: bool) -> None:
+def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: bool):
     """Split-k in one launch: after storing its partials, each chunk program counts itself
     in on its row block's semaphore; the last to arrive folds all partials and runs the
     epilogue (CUTLASS's serial split-k, FlashDecoding's combine).  It saves the combine
@@ -424,6 +428,7 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     body = last.pop()
     em.scopes[-1][0].extend(last.pop() + body)
     em.tmp = last.tmp
+    return last.desc  # the descriptors the combining program made
 
 
 def _grid_size(plan: TilePlan) -> int:
@@ -436,7 +441,7 @@ def _grid_size(plan: TilePlan) -> int:
 def _epilogue(em: Emitter) -> None:
     plan, p = em.plan, em.p
     for item in plan.epilogue:
-        expr = _replace_folds(item.expr, plan.state_of)
+        expr = replace_folds(item.expr, plan.state_of)
         for a in item.axes:
             em.env.setdefault(a, a)
         if len(item.loop_axes) > 1:
@@ -450,9 +455,11 @@ def _epilogue(em: Emitter) -> None:
             em.push(em.scopes[0][2] + "    ")
             em.emit(f"offs_{ECOL} = c0 + tl.arange(0, B_{ECOL})")
             em.emit(f"mask_{ECOL} = (offs_{ECOL} < {ext}) | EVEN_{ECOL}")
+            em.ranges[ECOL] = ("c0", f"{ext}")
             _store(em, item.name, em.expr(expr), item.axes)
             em.scopes[1][0].extend(em.pop())
             em.env.pop(ca)
+            em.ranges.pop(ECOL)
         else:
             _store(em, item.name, em.expr(expr), item.axes)
     for f in plan.fold_outputs:
@@ -470,7 +477,9 @@ def _store(em: Emitter, name: str, tile: Tile, axes: tuple[str, ...]) -> None:
         code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
     dt = _TL_DTYPE[p.dtype_of(name)]
     m = em.mask(taxes)
-    em.emit(f"tl.store({name}_ptr + {off}, ({code}).to({dt}){', mask=' + m if m else ''})")
+    line = f"tl.store({name}_ptr + {off}, ({code}).to({dt}){', mask=' + m if m else ''})"
+    if not descriptors.store(em, name, idx, taxes, f"({code}).to({dt})", line):
+        em.emit(line)
 
 
 def _kernel_text(name: str, sig: list[str], em: Emitter) -> list[str]:
@@ -505,7 +514,8 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
             f"EVEN_{LOOP}": (f"B_{LOOP}", [ps.extent for ps in plan.passes])}
     if f"B_{ECOL}" in tunables:
         even[f"EVEN_{ECOL}"] = (f"B_{ECOL}", [p.extents[a] for e in plan.epilogue for a in e.loop_axes])
-    consts = [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even)]
+    flags = [descriptors.TMA_FLAG, descriptors.WS_FLAG, descriptors.STAGES_FLAG]  # per config
+    consts = [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even) + flags]
     ptrs = [f"{t}_ptr" for t in tensors]
     # Symbolic sizes are runtime ints after the strides (Triton specialises == 1 and % 16).
     size_params = list(p.meta.get("size_params", ()))
@@ -525,7 +535,9 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
             _pass_loop(em, k, split=False)
         _epilogue(em)
         text = header + _kernel_text(name, ptrs + stride_args + consts, em)
-        return KernelSource(name, "\n".join(text) + "\n", **common)
+        return KernelSource(name, "\n".join(text) + "\n", **common,
+                            descriptors=descriptors.collect([em.desc]),
+                            warp_specializable=descriptors.warp_specializable(em.desc, plan, bool(summaries)))
     # split-k: the partials kernel runs the pass on one chunk and stores fold states ...
     em = Emitter(plan, name, bf16_dot_in_fp32)
     _prologue(em, split_axis=True)
@@ -534,8 +546,9 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
     part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em)
+    states = [em.desc]
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
-    width = _combine_width_axis(plan)
+    width = combine_width_axis(plan)
     em = Emitter(plan, name, bf16_dot_in_fp32)
     _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
@@ -543,36 +556,17 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     _epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
                         + [f"B_{SPLIT}: tl.constexpr"], em)
+    states.append(em.desc)
     # ... or both in one launch
     em = Emitter(plan, name, bf16_dot_in_fp32)
     _prologue(em, split_axis=True)
     _init_states(em)
     _pass_loop(em, 0, split=True)
     _store_partials(em)
-    _fused_combine(em, plan, name, bf16_dot_in_fp32)
+    states += [em.desc, _fused_combine(em, plan, name, bf16_dot_in_fp32)]
     fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
                          + consts + [f"B_{SPLIT}: tl.constexpr"], em)
     return KernelSource(name, "\n".join(header + part + comb + fused) + "\n", **common,
                         split_extent=plan.passes[0].extent, scratch=scratch,
+                        descriptors=descriptors.collect(states),
                         combine_width=(width, plan.whole_axes[width]) if width else None)
-
-
-def _combine_width_axis(plan: TilePlan) -> str | None:
-    """The one column axis of the fold states (the head dim of attention's output), if
-    the combine may spread it over programs: every wide state and every epilogue value
-    built from one is pointwise in it.  A decode has few rows, so without this a handful
-    of programs would fold every partial serially."""
-    folds = plan.passes[0].folds
-    wide = {a for f in folds for a in f.state_axes if a != plan.block_axis and a in plan.whole_axes}
-    if len(wide) != 1:
-        return None
-    (w,) = wide
-    wide_folds = {f.name for f in folds if w in f.state_axes}
-    for f in folds:  # a narrow fold must not read a wide one (that would reduce over w)
-        if w not in f.state_axes and accessed(f.term, ("run", "prev")) & wide_folds:
-            return None
-    for item in plan.epilogue:
-        reads = accessed(_replace_folds(item.expr, plan.state_of), ("ref",))
-        if item.loop_axes or (w not in item.axes and reads & wide_folds):
-            return None
-    return w

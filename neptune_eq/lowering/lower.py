@@ -482,3 +482,30 @@ def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list
     ``sms`` one, two and four times over, with chunks of at least two key blocks."""
     most = max(1, extent // (2 * block_keys))
     return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})
+
+
+def replace_folds(t: Term, state_of: dict[Term, str]) -> Term:
+    if t in state_of:
+        return Term("ref", (), state_of[t])
+    return t.map_args(lambda a: replace_folds(a, state_of))
+
+
+def combine_width_axis(plan: TilePlan) -> str | None:
+    """The one column axis of the fold states (the head dim of attention's output), if
+    the combine may spread it over programs: every wide state and every epilogue value
+    built from one is pointwise in it.  A decode has few rows, so without this a handful
+    of programs would fold every partial serially."""
+    folds = plan.passes[0].folds
+    wide = {a for f in folds for a in f.state_axes if a != plan.block_axis and a in plan.whole_axes}
+    if len(wide) != 1:
+        return None
+    (w,) = wide
+    wide_folds = {f.name for f in folds if w in f.state_axes}
+    for f in folds:  # a narrow fold must not read a wide one (that would reduce over w)
+        if w not in f.state_axes and accessed(f.term, ("run", "prev")) & wide_folds:
+            return None
+    for item in plan.epilogue:
+        reads = accessed(replace_folds(item.expr, plan.state_of), ("ref",))
+        if item.loop_axes or (w not in item.axes and reads & wide_folds):
+            return None
+    return w

@@ -13,12 +13,13 @@ import os
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..lowering.kernelgen import KernelSource
 from ..lowering.lower import split_factors
 from .block_summary import build_summaries
+from .descriptors import TMA_NEEDS, ensure_allocator, tma_ok
 from .launch import FastLaunch, _triton_int_specialisation, class_launch_key, current_stream, launch_key
 from ..ir import Program, ProgramError
 from .triton_mode import check_interpreter_importable, enable_interpreter
@@ -91,23 +92,35 @@ class TileConfig:
     num_stages: int = 2
     splits: int = 0          # split-k chunks (0: not a split-k kernel)
     fused: bool = False      # split-k in one launch (the last chunk combines)
+    tma: bool = False        # tiles through tensor descriptors (lowering/descriptors.py)
+    warp_specialize: bool = False  # the main key loop warp-specialised (needs tma)
+    loop_stages: int = 0     # pipeline depth of the main key loop (0: num_stages)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
         sp = f" splits={self.splits}" if self.splits else ""
         sp += " one-launch" if self.fused else ""
+        sp += " tma" if self.tma else ""
+        sp += " warp-specialized" if self.warp_specialize else ""
+        sp += f" loop-stages={self.loop_stages}" if self.loop_stages else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
 
     def at(self, values: dict) -> "TileConfig":
         """This config at the given sizes: a split factor chosen for a bucket is an
         expression of the named sizes (more keys, more chunks)."""
         from ..sizes import value
-        return TileConfig(self.blocks, self.num_warps, self.num_stages,
-                          max(1, value(self.splits, values)) if self.splits else 0, self.fused)
+        return replace(self, splits=max(1, value(self.splits, values)) if self.splits else 0)
 
     def as_dict(self) -> dict:
         return {"blocks": dict(self.blocks), "num_warps": self.num_warps,
-                "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused}
+                "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused,
+                "tma": self.tma, "warp_specialize": self.warp_specialize,
+                "loop_stages": self.loop_stages}
+
+    @property
+    def pointer_form(self) -> "TileConfig":
+        """The same tiles with pointer loads (where descriptors cannot be used)."""
+        return replace(self, tma=False, warp_specialize=False)
 
 
 def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
@@ -139,6 +152,31 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             out.append(TileConfig(blocks, w, s, sp))
             if sp:  # and split-k in one launch: timing decides
                 out.append(TileConfig(blocks, w, s, sp, fused=True))
+    return out + lowering_variants(ks, out)
+
+
+def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
+    """The GPU-only lowering choices of each pointer config: its tiles through tensor
+    descriptors (TMA), and -- where ``ks.warp_specializable`` says Triton can -- the main key
+    loop warp-specialised, at the base depth and one stage deeper.  All of them: the cost
+    model prunes what is timed (``choosing.choose.prune_configs``), so a cold choice stays
+    within its compile budget.  ``NEPTUNE_EQ_TMA=0`` / ``NEPTUNE_EQ_WARP_SPECIALIZE=0``
+    turn them off (e.g. a Triton whose warp specialisation aborts instead of raising)."""
+    if not getattr(ks, "descriptors", None) or os.environ.get("NEPTUNE_EQ_TMA", "1") == "0":
+        return []
+    out = [replace(c, tma=True) for c in pointer_configs]
+    warps = getattr(ks, "warp_specializable", ())
+    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "1") == "0":
+        warps = ()
+    seen = set()
+    for c in pointer_configs:
+        for w in warps:
+            for depth in (c.num_stages, c.num_stages + 1):
+                ws = replace(c, num_warps=w, tma=True, warp_specialize=True,
+                             loop_stages=0 if depth == c.num_stages else depth)
+                if str(ws) not in seen:
+                    seen.add(str(ws))
+                    out.append(ws)
     return out
 
 
@@ -174,7 +212,17 @@ class Launcher:
         consts.update(self.config.blocks)
         for flag, (block, extents) in (self.ks.even_flags or {}).items():
             consts[flag] = all(n % consts[block] == 0 for n in extents)
+        if self.config.warp_specialize and not self.config.tma:
+            raise ValueError(f"Config {self.config}: warp specialisation needs tma=True (Triton "
+                             "specialises only loops whose loads are all TMA loads).")
+        # lowering choices (constexprs of every generated kernel, ``lowering/descriptors``);
+        # a kernel without descriptor tiles has nothing to switch
+        tma = self.config.tma and bool(getattr(self.ks, "descriptors", None))
+        consts.update(TMA=tma, WS=tma and self.config.warp_specialize,
+                      LOOP_STAGES=self.config.loop_stages or self.config.num_stages)
         self.consts = consts
+        self.tma = tma
+        self._pointer_twin = None  # the pointer form, for calls whose tensors TMA cannot take
         self.options = dict(num_warps=self.config.num_warps, num_stages=self.config.num_stages)
         self.stride_of = sorted({t for t, _ in self.ks.stride_params})
         self.fast_ok = (self.target == "cuda"
@@ -289,7 +337,24 @@ class Launcher:
             sem = self._sems[where] = torch.zeros(rows * grid, dtype=torch.int32, device=device)
         return sem
 
+    def _pointer_form(self, tensors: dict):
+        """``self``, or the same tiles with pointer loads when these tensors break TMA's
+        alignment rules (a view with odd strides, a head dim of 8 bytes ...)."""
+        if not self.tma:
+            return self
+        if tma_ok(self.ks.descriptors, tensors):
+            if self.target == "cuda":
+                ensure_allocator()  # per call: Triton keeps the allocator per thread context
+            return self
+        if self._pointer_twin is None:
+            self._pointer_twin = Launcher(self.program, self.ks, self.target,
+                                          self.config.pointer_form, self.size_args)
+        return self._pointer_twin
+
     def __call__(self, tensors: dict):
+        run = self._pointer_form(tensors)
+        if run is not self:
+            return run(tensors)
         arg_lists, key, stream = self._arg_lists(tensors)
         steps = self._launches
         if self.target == "interpreter":
@@ -308,6 +373,8 @@ class Launcher:
     def compile(self, tensors: dict) -> None:
         """Compile every kernel of this launcher for ``tensors`` without launching it
         (Triton's ``warmup``): what ``compile_in_parallel`` runs on its threads."""
+        if self.tma and not tma_ok(self.ks.descriptors, tensors):
+            return self._pointer_form(tensors).compile(tensors)
         arg_lists, _, _ = self._arg_lists(tensors)
         for fl, a in zip(self._launches, arg_lists):
             fl.fn.warmup(*a, grid=fl.grid, **fl.consts, **fl.options)
@@ -394,6 +461,11 @@ def compile_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
+# (source, config) -> why it failed to compile on a thread: the timer records it without
+# compiling it a second time (a failed warp-specialised compile costs seconds)
+_COMPILE_FAILED: dict[tuple[str, str], str] = {}
+
+
 def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], target: str,
                         tensors: dict, values: dict | None = None) -> None:
     """Compile the (program, kernel, config) jobs on a thread pool before they are timed
@@ -413,8 +485,9 @@ def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], ta
         try:
             Launcher(program, ks, target, cfg.at(values),
                      tuple(values[s] for s in ks.size_params)).compile(tensors)
-        except Exception:  # noqa: BLE001 - recorded when the config is timed
-            pass
+        except Exception as e:  # noqa: BLE001 - recorded when the config is timed
+            msg = str(e).strip().splitlines()
+            _COMPILE_FAILED[(ks.source, str(cfg.at(values)))] = msg[-1] if msg else type(e).__name__
 
     for ks in {id(k): k for _, k, _ in jobs}.values():  # import each module once, not racing
         load_kernel(ks.concrete(values) if ks.size_params else ks, False)
@@ -434,7 +507,15 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
         program, ks = bind(program, values), ks.concrete(values)
     size_args = tuple(values[s] for s in ks.size_params)
     out = []
+    tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
     for cfg in configs:
+        if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
+            out.append((cfg, None, f"skipped: {TMA_NEEDS} (these inputs do not)"))
+            continue
+        why = _COMPILE_FAILED.get((ks.source, str(cfg.at(values))))
+        if why is not None:
+            out.append((cfg, None, f"failed: {why}"))
+            continue
         try:
             la = Launcher(program, ks, target, cfg.at(values), size_args)
             la(tensors)

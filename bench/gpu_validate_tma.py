@@ -1,0 +1,141 @@
+"""GPU check of the lowering variants: every pointer / TMA / warp-specialised tile config
+of the chosen kernel, each against the fp64 reference, on odd sizes too.
+
+    python bench/gpu_validate_tma.py [--out $OUT] [--only causal gqa ...] [--all-configs]
+
+For each case the kernel is superoptimized for CUDA; then the configs the timer may pick
+(``prune_configs`` with generous quotas, or every config with ``--all-configs``) are
+compiled on threads and each one is launched into fresh NaN-filled outputs and compared
+with the reference interpreter in fp64.  A config that fails to compile is recorded with
+its reason (that is the timer's job to skip); a config that compiles and differs is BAD.
+Also checks the pointer fallback: a TMA config called on a K view whose row stride is
+not a 16-byte multiple.  Writes gpu_validate_tma.json after each case; exit 1 on any BAD.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+import neptune_eq as ne
+from neptune_eq.choosing import choose as ch
+from neptune_eq.choosing.costmodel import device_for
+from neptune_eq.frontend import examples
+from neptune_eq.interp import evaluate
+from neptune_eq.runtime.launcher import Launcher, candidate_configs, compile_in_parallel
+
+TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}
+
+
+def cases():
+    causal = lambda off: (lambda b, h, i, j: j <= i + off)  # noqa: E731
+    return [
+        ("global fp16 B=2 H=4 S=1000 D=128", lambda: ne.attention(2, 4, 1000, 1000, 128, "float16"), 1.0),
+        ("global bf16 B=3 H=2 S=3000 D=64", lambda: ne.attention(3, 2, 3000, 3000, 64, "bfloat16"), 1.0),
+        ("causal fp16 H=4 S=777 D=128", lambda: ne.attention(1, 4, 777, 777, 128, "float16",
+                                                             mask_mod=causal(0)), 1.0),
+        ("causal bf16 rows without keys S=300", lambda: ne.attention(1, 2, 300, 300, 64, "bfloat16",
+                                                                     mask_mod=causal(-7)), 1.0),
+        ("gqa fp16 8/2 heads S=1029 D=128", lambda: ne.attention(1, 8, 1029, 1029, 128, "float16",
+                                                                 kv_heads=2), 1.0),
+        ("gqa causal bf16 16/2 heads S=515 D=64", lambda: ne.attention(2, 16, 515, 515, 64, "bfloat16",
+                                                                       kv_heads=2, mask_mod=causal(0)), 1.0),
+        ("global fp16 scores x30 S=333 D=64", lambda: ne.attention(1, 2, 333, 333, 64, "float16"), 30.0),
+        ("decode fp16 32/8 heads S=4099", lambda: ne.attention(1, 32, 1, 4099, 128, "float16", kv_heads=8,
+                                                               mask_mod=causal(4098)), 1.0),
+        ("softmax fp32 64x1000", lambda: examples.softmax(64, 1000), 1.0),
+        ("softmax fp16 37x4100", lambda: examples.softmax(37, 4100), 1.0),
+    ]
+
+
+def check(kern, cfg, ins, ref, dt, tensors_override=None):
+    prog = kern.program
+    outs = {n: torch.full(prog.shape_of(n), float("nan"), dtype=getattr(torch, prog.dtype_of(n)),
+                          device="cuda") for n in prog.outputs}
+    dev = {k: v.cuda() for k, v in ins.items()}
+    dev.update(tensors_override or {})
+    la = Launcher(prog, kern.kernel_source, "cuda", cfg)
+    for _ in range(2):  # the checked launch, then the direct one
+        la({**dev, **outs})
+    torch.cuda.synchronize()
+    got = outs[prog.outputs[0]].cpu()
+    err = (got.double() - ref).abs().max().item()
+    ok = bool(torch.isfinite(got).all()) and err <= TOL[dt] * max(1.0, ref.abs().max().item())
+    return ok, err, la
+
+
+def run_case(name, build, scale, all_configs):
+    t0 = time.perf_counter()
+    kern = ne.superoptimize(build(), target="cuda", cache=False)
+    prog = kern.input_program
+    ins = {ph.name: (torch.randn(ph.shape, dtype=torch.float64) * scale).to(getattr(torch, ph.dtype))
+           for ph in prog.inputs}
+    ref = evaluate(prog, ins)[prog.outputs[0]]
+    dt = prog.dtype_of(prog.outputs[0])
+    configs = candidate_configs(kern.kernel_source, "cuda")
+    if not all_configs:
+        ch.TMA_KEEP, ch.WS_KEEP = 4, 6
+        configs = ch.prune_configs(kern.plan, configs, device_for(torch.cuda.get_device_name()))
+    dev = {k: v.cuda() for k, v in ins.items()}
+    outs = {n: torch.empty(prog.shape_of(n), dtype=getattr(torch, prog.dtype_of(n)), device="cuda")
+            for n in prog.outputs}
+    compile_in_parallel([(kern.program, kern.kernel_source, c) for c in configs], "cuda", {**dev, **outs})
+    rows = []
+    for cfg in configs:
+        try:
+            ok, err, la = check(kern, cfg, ins, ref, dt)
+            rows.append({"config": str(cfg), "status": "ok" if ok else "BAD", "err": err,
+                         "tma_used": la.tma and la._pointer_twin is None})
+        except Exception as e:  # noqa: BLE001 - a config that does not compile: recorded
+            msg = [x for x in str(e).strip().splitlines() if x.strip()]
+            rows.append({"config": str(cfg), "status": "compile failed",
+                         "reason": (msg[-1] if msg else type(e).__name__)[:300]})
+    fallback = None
+    tma_cfgs = [c for c in configs if c.tma]
+    k_in = prog.inputs[1].name if len(prog.inputs) > 1 else None
+    if tma_cfgs and k_in and len(prog.shape_of(k_in)) == 4:  # a K view with a 2-element pad per row
+        kk = ins[k_in]
+        wide = torch.zeros(*kk.shape[:-1], kk.shape[-1] + 2, dtype=kk.dtype, device="cuda")
+        view = wide[..., :kk.shape[-1]]
+        view.copy_(kk.cuda())
+        ok, err, la = check(kern, tma_cfgs[0], ins, ref, dt, {k_in: view})
+        fallback = {"ok": ok, "err": err, "pointer_twin": la._pointer_twin is not None}
+    bad = [r for r in rows if r["status"] == "BAD"] + ([fallback] if fallback and not fallback["ok"] else [])
+    return {"case": name, "ok": not bad, "chosen": str(kern.config), "configs": rows,
+            "fallback": fallback, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--only", nargs="*", default=None, help="cases whose name has one of these")
+    ap.add_argument("--all-configs", action="store_true", help="every config, not the pruned set")
+    a = ap.parse_args()
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), "cases": []}
+    for name, build, scale in cases():
+        if a.only and not any(o in name for o in a.only):
+            continue
+        r = run_case(name, build, scale, a.all_configs)
+        res["cases"].append(r)
+        n = {s: sum(c["status"] == s for c in r["configs"]) for s in ("ok", "BAD", "compile failed")}
+        tma_ok = sum(c["status"] == "ok" and c.get("tma_used") for c in r["configs"])
+        ws_ok = sum(c["status"] == "ok" and "warp-specialized" in c["config"] for c in r["configs"])
+        print(f"{'ok ' if r['ok'] else 'BAD'} {name:<42} {n} tma-ok={tma_ok} ws-ok={ws_ok} "
+              f"fallback={r['fallback']} chosen [{r['chosen']}] {r['seconds']}s", flush=True)
+        for c in r["configs"]:
+            if c["status"] != "ok":
+                print(f"      {c['status']}: [{c['config']}] {c.get('reason', c.get('err'))}", flush=True)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "gpu_validate_tma.json").write_text(json.dumps(res, indent=1))
+    sys.exit(0 if all(r["ok"] for r in res["cases"]) else 1)
+
+
+if __name__ == "__main__":
+    main()

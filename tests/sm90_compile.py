@@ -1,0 +1,47 @@
+"""Compile a generated module for sm_90 on a machine without a GPU (a subprocess helper).
+
+    python tests/sm90_compile.py MODULE.py KERNEL JSON_SPEC
+
+Triton compiles for a named target without a driver (``triton.compile`` with a
+``GPUTarget``) down to PTX and cubin (its bundled ptxas), so the GPU form of a kernel --
+tensor descriptors, warp-specialised loops -- is checked for structure on CPU.  It must
+run without ``TRITON_INTERPRET`` (which turns ``@triton.jit`` into the interpreter), hence
+a subprocess.  JSON_SPEC: {"dtypes": {param: "*fp16" | "i32"}, "constexprs": {...},
+"num_warps": 4, "num_stages": 3}.  Prints one JSON line: ok, error, and what the PTX
+uses.  This is the newest Triton's compiler, not the GPU machine's 3.6: the GPU run of
+bench/gpu_validate_tma.py validates there.
+"""
+import importlib.util
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+
+def main():
+    path, kernel, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    mod_spec = importlib.util.spec_from_file_location("sm90_mod", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    fn = getattr(mod, kernel)
+    sig = {n: spec["dtypes"].get(n, "constexpr" if n in spec["constexprs"] else "i32")
+           for n in fn.arg_names}
+    src = ASTSource(fn, signature=sig, constexprs=spec["constexprs"])
+    try:
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        msg = [x for x in str(e).strip().splitlines() if x.strip()]
+        print(json.dumps({"ok": False, "error": msg[-1] if msg else type(e).__name__}))
+        return
+    ptx = ck.asm["ptx"]
+    print(json.dumps({"ok": True, "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,
+                      "setmaxnreg": "setmaxnreg" in ptx, "shared": ck.metadata.shared}))
+
+
+if __name__ == "__main__":
+    main()
