@@ -39,6 +39,9 @@ def test_document_mask_kernel_has_a_block_test(document_kernel):
     src = document_kernel.source
     assert "bs_doc_d0_loop_ptr" in src and "bs_doc_d0_row_ptr" in src
     assert "(else: skipped)" in src and "every pair visible: no elementwise mask" in src
+    # every summary (row blocks, key blocks, global) comes from one pre-pass launch
+    assert document_kernel.launches == ["neptune_kernel_summaries", "neptune_kernel"]
+    assert src.count("def neptune_kernel_summaries(") == 1
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
