@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
+from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
 from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, drop_atoms
@@ -179,6 +180,10 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     if ps.hi_offset is not None:  # ... and one past the last visible key
         em.emit(f"j_hi{k} = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
         hi = f"j_hi{k}"
+    rng = data_ranges(em, ps, k)  # data atoms as key ranges: no per-block test
+    if rng is not None:
+        range_loops(em, k, lo, hi, split, rng, _loop, lambda: _tested_loops(em, k, lo, hi, split))
+        return
     dlo, dhi = data_loop_bounds(em, ps, k)  # monotone data (sorted ids): one key range
     if dlo is not None:
         em.emit(f"j_lo{k}d = tl.maximum({lo}, {dlo})")
@@ -186,6 +191,13 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     if dhi is not None:
         em.emit(f"j_hi{k}d = tl.maximum(tl.minimum({hi}, {dhi}), {lo})")
         hi = f"j_hi{k}d"
+    _tested_loops(em, k, lo, hi, split)
+
+
+def _tested_loops(em: Emitter, k: int, lo: str, hi: str, split: bool) -> None:
+    """Loops over [lo, hi) cut by the affine mask's interior; a data mask is tested per
+    key block inside them (``_loop``)."""
+    ps = em.plan.passes[k]
     if split:  # this program's chunk (CHUNK is a multiple of B_L)
         em.emit(f"j_lo{k}s = tl.maximum({lo}, pid_split * CHUNK)")
         em.emit(f"j_hi{k}s = tl.minimum({hi}, pid_split * CHUNK + CHUNK)")
@@ -210,17 +222,19 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
         _loop(em, k, b, hi, frozenset())
 
 
-def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
+def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = True) -> None:
+    """One key loop; ``known``: atoms true on all its blocks; ``test``: data mask per block."""
     ps = em.plan.passes[k]
     em.emit(f"for l0 in range({lo}, {hi}, B_{LOOP}):" + ("  # interior: no mask" if known else ""))
-    inner = em.scopes[0][2] + "    "
+    parent = em.scopes[-1]
+    inner = parent[2] + "    "
     em.push(inner)
     em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
     em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_{LOOP}")
     # One loop variable for every fold of the pass, so shared subterms (the score
     # tile of attention) are computed once per block.
     loop_var = f"loop{k}"
-    atoms = data_atoms(em.plan, ps)
+    atoms = data_atoms(em.plan, ps) if test else []
     if not atoms:
         _loop_body(em, k, loop_var, known)
     else:  # a mask over captured tensors: skip / unmask whole blocks by their summaries
@@ -233,7 +247,7 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
             _branch(em, k, loop_var, known | drop, inner + "        ")
             em.emit("    else:")
             _branch(em, k, loop_var, known, inner + "        ")
-    em.scopes[1][0].extend(em.pop())
+    parent[0].extend(em.pop())
 
 
 def _branch(em: Emitter, k: int, loop_var: str, known: frozenset, indent: str) -> None:
