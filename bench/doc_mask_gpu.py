@@ -6,15 +6,18 @@ sequences from offsets (a nested read ``offsets[doc[q]]``), prefix-LM with a per
 prefix.  Columns:
 
 * ``ms_ours``        -- ne.flex_attention per call (summaries rebuilt every call);
-* ``ms_prepass``     -- the summaries alone (``runtime.block_summary``) at the kernel's tiles;
+* ``ms_prepass``     -- the summary pre-pass alone (its one launch, as a call makes it:
+                        allocation + direct launch) at the kernel's tiles;
 * ``ms_flex_prebuilt`` -- torch flex_attention (compiled) with a BlockMask built once;
 * ``ms_flex_percall``  -- create_block_mask + flex_attention per call (mask rebuilt);
 * TFLOP/s counted on visible pairs only (4·D flops per pair), as FlexAttention reports.
 
     python bench/doc_mask_gpu.py                      # all cases, S 4096..32768, fp16+bf16
     python bench/doc_mask_gpu.py --S 8192 --dtype float16 --cases doc13
-Writes bench/results/doc_mask.json and bench/results/doc_mask.md (rows are appended to
-the JSON as they finish, so a partial run keeps what it measured).
+    python bench/doc_mask_gpu.py --dtype bfloat16 --S 8192 32768 --out doc_mask_bf16
+    python bench/doc_mask_gpu.py --smoke               # CPU: tiny sizes, interpreter, no timing
+Writes bench/results/<out>.json and bench/results/<out>.md (rows are written as they
+finish, so a partial run keeps what it measured).
 """
 from __future__ import annotations
 
@@ -24,19 +27,24 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-from triton.testing import do_bench
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import neptune_eq as ne  # noqa: E402
+import neptune_eq as ne  # noqa: E402  (first: picks the Triton interpreter without a GPU)
+import torch  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+
 from neptune_eq.dropin import flex as ne_flex  # noqa: E402
-from neptune_eq.runtime.block_summary import build_summaries  # noqa: E402
+from neptune_eq.runtime.launch import current_stream  # noqa: E402
 from neptune_eq.runtime.launcher import check_inputs  # noqa: E402
 from neptune_eq.sizes import sizes_of  # noqa: E402
 
 H, D = 16, 128
+DEV = "cuda"
 RESULTS = Path(__file__).parent / "results"
+
+
+def do_bench(fn, **kw):
+    from triton.testing import do_bench as bench
+    return bench(fn, **kw)
 
 
 def doc_ids(S: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +53,7 @@ def doc_ids(S: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     cuts = torch.sort(torch.randperm(S - 1, generator=g)[: n - 1] + 1).values
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([S])])
     ids = torch.repeat_interleave(torch.arange(n), offsets.diff())
-    return ids.to(torch.int32).cuda(), offsets.to(torch.int32).cuda()
+    return ids.to(torch.int32).to(DEV), offsets.to(torch.int32).to(DEV)
 
 
 def case(name: str, S: int):
@@ -65,7 +73,7 @@ def case(name: str, S: int):
             return (kv >= offsets[doc[q]]) & (q >= kv)
         return mask, 1, float((lens * (lens + 1) / 2).sum())
     if name == "prefix_lm":
-        prefix = torch.tensor([S // 4, S // 2], dtype=torch.int32, device="cuda")
+        prefix = torch.tensor([S // 4, S // 2], dtype=torch.int32, device=DEV)
 
         def mask(b, h, q, kv):
             return (kv < prefix[b]) | (q >= kv)
@@ -74,23 +82,52 @@ def case(name: str, S: int):
     raise SystemExit(f"unknown case {name!r}; expected doc1/doc4/doc13/doc64/jagged/prefix_lm")
 
 
+def launcher_of(q, k, v, mask):
+    """The launcher ne.flex_attention runs at these sizes, and its bound inputs."""
+    spec = ne_flex.check(q, k, v, None, False, False)
+    sizes = {"B": q.shape[0], "L": q.shape[2], "S": k.shape[2]}
+    st, captured = ne_flex.trace(spec, None, mask, sizes)
+    kern = st.kernel_at(sizes)
+    prog = kern.input_program
+    bound = check_inputs(prog, (q, k, v, *captured.values()), {}, DEV, symbolic=True)
+    la = kern._dispatch.launcher(sizes_of(prog, bound)) if kern._dispatch else kern._launcher
+    return kern, la, bound
+
+
 def prepass_ms(q, k, v, mask) -> float | None:
-    """Time of the summaries alone, at the tiles the kernel runs with at these sizes."""
+    """Time of the summary pre-pass alone as a call runs it (allocate the summaries, one
+    direct launch), at the tiles the kernel runs with at these sizes."""
     try:
-        spec = ne_flex.check(q, k, v, None, False, False)
-        sizes = {"B": q.shape[0], "L": q.shape[2], "S": k.shape[2]}
-        st, captured = ne_flex.trace(spec, None, mask, sizes)
-        kern = st.kernel_at(sizes)
-        prog = kern.input_program
-        bound = check_inputs(prog, (q, k, v, *captured.values()), {}, "cuda", symbolic=True)
-        la = kern._dispatch.launcher(sizes_of(prog, bound)) if kern._dispatch else kern._launcher
-        if not la.ks.summaries:
+        _, la, bound = launcher_of(q, k, v, mask)
+        if la._pre is None:
             return 0.0
-        return do_bench(lambda: build_summaries(la.ks.summaries, bound, la.consts),
-                        return_mode="median")
+        sums, launch, args, ints = la._pre.prepare(bound)
+        ck = launch.slow(args + ints)   # Triton's own launch picks the compiled kernel
+        stream = current_stream(torch.cuda.current_device())
+
+        def once():
+            _, fl, a, i = la._pre.prepare(bound)
+            fl.fast(ck, a + i, stream)
+        return do_bench(once, return_mode="median")
     except Exception as e:  # noqa: BLE001 - a measurement, never a crash of the table
         print(f"  pre-pass not measured: {e}", file=sys.stderr)
         return None
+
+
+def smoke_one(name: str, S: int, dtype: torch.dtype) -> dict:
+    """CPU: one case at a tiny size through the Triton interpreter, against torch's eager
+    flex_attention with the same mask (no timing; checks the bench's own code paths)."""
+    mask, B, pairs = case(name, S)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(3))
+    ours = ne.flex_attention(q, k, v, mask_mod=mask)
+    bm = create_block_mask(mask, B, None, S, S, device="cpu")
+    ref = flex_attention(q.float(), k.float(), v.float(), block_mask=bm)
+    kern, la, _ = launcher_of(q, k, v, mask)
+    return {"case": name, "S": S, "dtype": str(dtype).replace("torch.", ""), "B": B,
+            "density": pairs / (B * S * S), "launches": kern.launches,
+            "branch_free_loops": "if mono" in kern.source or "(else: skipped)" not in kern.source,
+            "max_abs_diff_vs_flex": (ours.float() - ref).abs().max().item()}
 
 
 def run_one(name: str, S: int, dtype: torch.dtype, flex) -> dict:
@@ -123,24 +160,27 @@ def run_one(name: str, S: int, dtype: torch.dtype, flex) -> dict:
     return row
 
 
-def write(rows: list[dict]) -> None:
+def write(rows: list[dict], out: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    (RESULTS / "doc_mask.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (RESULTS / f"{out}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     lines = [f"# Data-derived block sparsity ({meta['device']}, torch {meta['torch']}, H={H}, D={D})",
              "", "TFLOP/s on visible pairs.  ours = ne.flex_attention per call (block summaries "
              "rebuilt each call); prebuilt / per-call = torch flex_attention (compiled) with a "
              "BlockMask built once / per call.", "",
-             "| case | S | dtype | density | ours TF/s | prebuilt TF/s | per-call TF/s | x prebuilt "
-             "| x per-call | pre-pass % | max diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Goals (issue 17): x prebuilt >= 1.2, x per-call >= 10, pre-pass < 3 % of our call.",
+             "", "| case | S | dtype | density | ours ms | ours TF/s | prebuilt TF/s | per-call TF/s "
+             "| x prebuilt | x per-call | pre-pass ms | pre-pass % | max diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         share = f"{100 * r['prepass_share']:.2f}" if r.get("prepass_share") is not None else "n/a"
+        pre = f"{r['ms_prepass']:.4f}" if r.get("ms_prepass") is not None else "n/a"
         lines.append(f"| {r['case']} | {r['S']} | {r['dtype']} | {r['density']:.3f} | "
-                     f"{r['tflops_ours']:.0f} | {r['tflops_flex_prebuilt']:.0f} | "
+                     f"{r['ms_ours']:.3f} | {r['tflops_ours']:.0f} | {r['tflops_flex_prebuilt']:.0f} | "
                      f"{r['tflops_flex_percall']:.1f} | {r['speedup_vs_prebuilt']:.2f} | "
-                     f"{r['speedup_vs_percall']:.1f} | {share} | {r['max_abs_diff_vs_flex']:.1e} |")
-    (RESULTS / "doc_mask.md").write_text("\n".join(lines) + "\n")
+                     f"{r['speedup_vs_percall']:.1f} | {pre} | {share} | "
+                     f"{r['max_abs_diff_vs_flex']:.1e} |")
+    (RESULTS / f"{out}.md").write_text("\n".join(lines) + "\n")
 
 
 def main():
@@ -149,9 +189,20 @@ def main():
     ap.add_argument("--dtype", nargs="*", default=["float16", "bfloat16"])
     ap.add_argument("--cases", nargs="*",
                     default=["doc1", "doc4", "doc13", "doc64", "jagged", "prefix_lm"])
+    ap.add_argument("--out", default="doc_mask",
+                    help="results file name under bench/results/ (without .md / .json)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of the bench itself: S=64, H=2, D=16 in the Triton "
+                         "interpreter against eager flex_attention; writes <out>_smoke.json")
     args = ap.parse_args()
+    for dt in args.dtype:
+        if not isinstance(getattr(torch, dt, None), torch.dtype):
+            raise SystemExit(f"unknown dtype {dt!r}; expected float16 / bfloat16 / float32")
+    if args.smoke:
+        return smoke(args)
     if not torch.cuda.is_available():
-        raise SystemExit("This benchmark needs a CUDA GPU (torch sees none).")
+        raise SystemExit("This benchmark needs a CUDA GPU (torch sees none); --smoke runs a "
+                         "tiny CPU check of it.")
     flex = torch.compile(flex_attention, dynamic=False)
     rows = []
     for dt in args.dtype:
@@ -160,7 +211,21 @@ def main():
                 row = run_one(name, S, getattr(torch, dt), flex)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                write(rows)
+                write(rows, args.out)
+
+
+def smoke(args) -> None:
+    global H, D, DEV
+    H, D, DEV = 2, 16, "cpu"
+    rows = []
+    for name in args.cases:
+        row = smoke_one(name, 64, torch.float32)
+        print(json.dumps(row), flush=True)
+        if not row["max_abs_diff_vs_flex"] < 1e-3:
+            raise SystemExit(f"{name}: differs from flex_attention by {row['max_abs_diff_vs_flex']}")
+        rows.append(row)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}_smoke.json").write_text(json.dumps({"rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

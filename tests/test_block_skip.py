@@ -13,6 +13,27 @@ from neptune_eq.interp import evaluate
 D = 16
 
 
+def key_loops(src: str) -> list[list[str]]:
+    """The body lines of every key loop (``for l0 in range``) of a kernel's source."""
+    lines = src.splitlines()
+    out = []
+    for n, line in enumerate(lines):
+        if line.lstrip().startswith("for l0 in range("):
+            ind = len(line) - len(line.lstrip())
+            body = []
+            for nxt in lines[n + 1:]:
+                if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= ind:
+                    break
+                body.append(nxt.strip())
+            out.append(body)
+    return out
+
+
+def branch_free_loops(src: str) -> int:
+    """How many key loops have no ``if`` in their body (a data mask as loop bounds)."""
+    return sum(not any(b.startswith(("if ", "else:")) for b in body) for body in key_loops(src))
+
+
 def run_against_reference(kern, tensors: dict, atol=1e-4):
     got = kern(**tensors)
     ref = evaluate(kern.input_program, tensors)["o"]
@@ -39,6 +60,9 @@ def test_document_mask_kernel_has_a_block_test(document_kernel):
     src = document_kernel.source
     assert "bs_doc_d0_loop_ptr" in src and "bs_doc_d0_row_ptr" in src
     assert "(else: skipped)" in src and "every pair visible: no elementwise mask" in src
+    # every summary (row blocks, key blocks, global) comes from one pre-pass launch
+    assert document_kernel.launches == ["neptune_kernel_summaries", "neptune_kernel"]
+    assert src.count("def neptune_kernel_summaries(") == 1
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -76,7 +100,11 @@ def test_prefix_lm_with_a_per_sample_prefix():
     out = ne.attention(2, 1, 45, 45, D, "float32",
                        mask_mod=lambda b, h, i, j: (j < prefix[b]) | (j <= i))
     kern = ne.superoptimize(out, target="interpreter")
-    assert "bs_prefix_all_ptr" not in kern.source and "(else: skipped)" in kern.source
+    # both sides of the | are key ranges (keys < prefix[b], keys <= i): loop bounds only,
+    # no per-block test and no summaries at all
+    assert "bs_prefix_all_ptr" not in kern.source and "(else: skipped)" not in kern.source
+    assert kern.launches == ["neptune_kernel"]
+    assert branch_free_loops(kern.source) == len(key_loops(kern.source)) == 3
     q, k, v = qkv(2, 1, 45, 45, 4)
     lens = torch.tensor([20, 3], dtype=torch.int32)
     run_against_reference(kern, dict(q=q, k=k, v=v, prefix=lens))
@@ -152,18 +180,22 @@ def test_jagged_sequences_from_offsets_nested_read():
         [30, 0, 5, 50], dtype=torch.int32)))
 
 
-def test_sorted_document_ids_become_loop_bounds(monkeypatch, tmp_path):
+def test_sorted_document_ids_become_loop_bounds():
     """The loop-bounds form for monotone ids: with sorted ids a row block's visible keys
-    are one range, found by binary search over the key-block summaries.  With the per-block
-    test removed from the kernel, the loop bounds alone keep NaN blocks of other documents
-    unread; with unsorted ids (the monotone flag off) the loop covers every key again."""
-    from neptune_eq.lowering import kernelgen
-    monkeypatch.setenv("NEPTUNE_EQ_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernelgen, "data_atoms", lambda plan, ps: [])  # bounds only
+    are one range (binary search over the key-block summaries) and the blocks it sees
+    whole another -- three loops (masked, unmasked, masked) with no per-block ``if``, under
+    the ids' nondecreasing flag; unsorted ids take the per-block test form.  NaN in the V
+    blocks of other documents shows the loop bounds alone keep them unread."""
     doc = ne.placeholder((64,), "int32", "doc")
     out = ne.attention(1, 1, 64, 64, D, "float32", mask_mod=lambda b, h, i, j: doc[i] == doc[j])
     kern = ne.superoptimize(out, target="interpreter")
-    assert "while " in kern.source and "(else: skipped)" not in kern.source
+    src = kern.source
+    assert "if mono0_" in src and "else:  # unsorted: test each key block" in src
+    loops = key_loops(src)
+    assert len(loops) == 4 and branch_free_loops(src) == 3   # + the tested fallback loop
+    assert [len(b) > 0 for b in loops[:3]] == [True] * 3
+    assert "t" in " ".join(loops[1]) and "doc_ptr" not in " ".join(loops[1])  # unmasked
+    assert all("doc_ptr" in " ".join(b) for b in (loops[0], loops[2]))      # boundary
     ids = torch.tensor([0] * 16 + [1] * 32 + [2] * 16, dtype=torch.int32)
     q, k, v = qkv(1, 1, 64, 64, 8)
     run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids))
@@ -174,3 +206,74 @@ def test_sorted_document_ids_become_loop_bounds(monkeypatch, tmp_path):
     assert torch.isfinite(got[:, :, 16:48]).all()   # rows of document 1 never loop there
     shuffled = ids[torch.randperm(64, generator=torch.Generator().manual_seed(0))]
     run_against_reference(kern, dict(q=q, k=k, v=v, doc=shuffled))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sorted_documents_with_padding_random(document_kernel, seed):
+    """Random sorted documents with a padding run (id -1) first, causal inside each: the
+    range form (no per-block test) against the fp64 reference, and the padding keys'
+    NaN values are never read by any row."""
+    g = torch.Generator().manual_seed(100 + seed)
+    pad = int(torch.randint(0, 20, (), generator=g))
+    cuts = torch.sort(torch.randint(pad, 53, (3,), generator=g)).values
+    ids = torch.full((53,), -1, dtype=torch.int32)
+    for c in cuts.tolist():
+        ids[c:] += 1
+    ids[pad:] = ids[pad:].clamp(min=0)
+    q, k, v = qkv(1, 2, 53, 53, seed)
+    run_against_reference(document_kernel, dict(q=q, k=k, v=v, doc=ids))
+    v2 = v.clone()
+    v2[:, :, :pad - pad % 16] = float("nan")  # whole key blocks of padding
+    got = document_kernel(q=q, k=k, v=v2, doc=ids)
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_jagged_random_offsets_are_loop_bounds(seed):
+    """Jagged sequences, ``j >= offsets[doc[i]]`` and causal: a key-index range (no flag
+    needed), exact against the reference for random lengths."""
+    doc = ne.placeholder((61,), "int32", "doc")
+    offsets = ne.placeholder((5,), "int32", "offsets")
+    out = ne.attention(1, 1, 61, 61, D, "float32",
+                       mask_mod=lambda b, h, i, j: (j >= offsets[doc[i]]) & (j <= i))
+    kern = ne.superoptimize(out, target="interpreter")
+    assert branch_free_loops(kern.source) == len(key_loops(kern.source))
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randint(1, 61, (3,), generator=g)).values
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([61])]).to(torch.int32)
+    ids = torch.repeat_interleave(torch.arange(4, dtype=torch.int32), offs.diff().long())
+    q, k, v = qkv(1, 1, 61, 61, 20 + seed)
+    run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids, offsets=offs))
+
+
+def test_decode_split_with_key_ranges_per_head():
+    """Decode (split-k / one-row-block forms) with a per-head key window read from data:
+    the window is a key range in every chunk (no per-block test); keys outside it are
+    never read (NaN there), and the answer matches the reference."""
+    lo = ne.placeholder((2,), "int32", "lo")
+    hi = ne.placeholder((2,), "int32", "hi")
+    out = ne.attention(1, 2, 1, 90, D, "float32",
+                       mask_mod=lambda b, h, i, j: (j >= lo[h]) & (j < hi[h]))
+    kern = ne.superoptimize(out, target="interpreter")
+    assert branch_free_loops(kern.source) == len(key_loops(kern.source)) > 0
+    q, k, v = qkv(1, 2, 1, 90, 9)
+    starts, ends = torch.tensor([33, 0], dtype=torch.int32), torch.tensor([90, 20], dtype=torch.int32)
+    run_against_reference(kern, dict(q=q, k=k, v=v, lo=starts, hi=ends))
+    v[0, 0, :32] = float("nan")   # head 0 sees keys 33..89: key blocks 0, 1 never read
+    v[0, 1, 32:] = float("nan")   # head 1 sees keys 0..19: blocks from 2 on never read
+    got = kern(q=q, k=k, v=v, lo=starts, hi=ends)
+    assert torch.isfinite(got).all()
+    # the split-k candidate (partial + combine, and one launch) bounds every chunk the same way
+    from neptune_eq.runtime.launcher import Launcher, candidate_configs
+    row = next((r for r in kern.candidates if r.plan is not None and r.plan.split), None)
+    if row is None:
+        pytest.skip("no split-k candidate for this decode")
+    assert branch_free_loops(row.kernel.source) == len(key_loops(row.kernel.source)) > 0
+    ref = evaluate(kern.input_program, dict(q=q, k=k, v=v.nan_to_num(), lo=starts, hi=ends))["o"]
+    for fused in (False, True):
+        cfg = candidate_configs(row.kernel, "interpreter")[0]
+        cfg.splits, cfg.fused = 3, fused
+        o = torch.empty(1, 2, 1, D)
+        Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, lo=starts,
+                                                                    hi=ends, o=o))
+        assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)

@@ -52,11 +52,19 @@ def summary_specs(plan: TilePlan) -> list[SummarySpec]:
                     continue  # one element per program: read from the tensor itself
                 spec = _spec(plan, n.val, hit)
                 specs.setdefault(spec.name, spec)
-            form = _key_side(atom, _roles(plan, "@j"), set(plan.grid_axes))
-            if form is not None and form[0].op == "load":  # searched: its flag too
-                spec = _spec(plan, form[0].val, None)
-                specs.setdefault(spec.name, spec)
+            for sub in _comparisons(atom):  # a searched key (sorted ids): its flag too
+                form = _key_side(sub, _roles(plan, "@j"), set(plan.grid_axes))
+                if form is not None and form[0].op == "load":
+                    spec = _spec(plan, form[0].val, None)
+                    specs.setdefault(spec.name, spec)
     return list(specs.values())
+
+
+def _comparisons(t: Term) -> list[Term]:
+    """The comparisons an atom combines by ``&`` / ``|`` (``block_ranges`` bounds each)."""
+    if t.op in ("and", "or"):
+        return [c for a in t.args for c in _comparisons(a)]
+    return [t]
 
 
 def _spec(plan: TilePlan, tensor: str, hit) -> SummarySpec:
@@ -256,10 +264,11 @@ def data_loop_bounds(em: Emitter, ps: Pass, k: int) -> tuple[str | None, str | N
     return lo, hi
 
 
-def _row_bounds(em: Emitter, t: Term):
-    """Bounds of a key-free term over the current row block (code), or (None, None)."""
+def _row_bounds(em: Emitter, t: Term, const_ok: bool = False):
+    """Bounds of a key-free term over the current row block (code, or Python numbers for
+    a constant when ``const_ok``), or (None, None)."""
     plan = em.plan
-    if not any(n.op == "load" for n in t.walk()) and not free_axes(t):
+    if not const_ok and not any(n.op == "load" for n in t.walk()) and not free_axes(t):
         return None, None
     if not any(line.strip().startswith("row_hi =") for line in em.scopes[0][0]):
         em.emit(f"row_hi = tl.minimum(row_last, {plan.row_extent} - 1)", scope=0)

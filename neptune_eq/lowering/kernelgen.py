@@ -19,7 +19,9 @@ from dataclasses import dataclass, field, replace
 from . import descriptors
 from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
+from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
+from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis, drop_atoms, replace_folds
 from ..sizes import value
 
@@ -44,6 +46,7 @@ class KernelSource:
     summaries: list = field(default_factory=list)  # block_predicate.SummarySpec, built per call
     descriptors: dict = field(default_factory=dict)  # tensor -> row dims of its TMA tiles
     warp_specializable: tuple = ()  # warp counts for warp-specialised configs
+    prepass: object = None            # summary_kernel.Prepass: the one launch that builds them
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -60,17 +63,19 @@ class KernelSource:
     def kernel_names(self) -> list[str]:
         """Every kernel of the module; a split-k module holds both ways to run it: partial +
         combine (two launches), or ``_fused`` (one launch, see ``_fused_combine``)."""
+        pre = [self.prepass.kernel] if self.prepass else []  # last: launchers index the others
         if not self.split_extent:
-            return [self.name]
-        return [f"{self.name}_partial", f"{self.name}_combine", f"{self.name}_fused"]
+            return [self.name] + pre
+        return [f"{self.name}_partial", f"{self.name}_combine", f"{self.name}_fused"] + pre
 
     def launched(self, fused: bool) -> list[str]:
         """The kernels one call runs, in order: split-k runs partial + combine, or the one
         ``_fused`` kernel."""
-        names = self.kernel_names
+        pre = [self.prepass.kernel] if self.prepass else []  # the summaries come first
+        names = self.kernel_names[:len(self.kernel_names) - len(pre)]
         if not self.split_extent:
-            return names
-        return names[2:] if fused else names[:2]
+            return pre + names
+        return pre + (names[2:] if fused else names[:2])
 
 
 def _fold_order(folds: list[Fold]) -> list[Fold]:
@@ -176,6 +181,10 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     if ps.hi_offset is not None:  # ... and one past the last visible key
         em.emit(f"j_hi{k} = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
         hi = f"j_hi{k}"
+    rng = data_ranges(em, ps, k)  # data atoms as key ranges: no per-block test
+    if rng is not None:
+        range_loops(em, k, lo, hi, split, rng, _loop, lambda: _tested_loops(em, k, lo, hi, split))
+        return
     dlo, dhi = data_loop_bounds(em, ps, k)  # monotone data (sorted ids): one key range
     if dlo is not None:
         em.emit(f"j_lo{k}d = tl.maximum({lo}, {dlo})")
@@ -183,6 +192,13 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     if dhi is not None:
         em.emit(f"j_hi{k}d = tl.maximum(tl.minimum({hi}, {dhi}), {lo})")
         hi = f"j_hi{k}d"
+    _tested_loops(em, k, lo, hi, split)
+
+
+def _tested_loops(em: Emitter, k: int, lo: str, hi: str, split: bool) -> None:
+    """Loops over [lo, hi) cut by the affine mask's interior; a data mask is tested per
+    key block inside them (``_loop``)."""
+    ps = em.plan.passes[k]
     if split:  # this program's chunk (CHUNK is a multiple of B_L)
         em.emit(f"j_lo{k}s = tl.maximum({lo}, pid_split * CHUNK)")
         em.emit(f"j_hi{k}s = tl.minimum({hi}, pid_split * CHUNK + CHUNK)")
@@ -207,20 +223,24 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
         _loop(em, k, b, hi, frozenset())
 
 
-def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, main: bool = False) -> None:
+def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = True,
+          main: bool = False) -> None:
+    """One key loop; ``known``: atoms true on all its blocks; ``test``: data mask per block;
+    ``main``: the pass's main loop (pipelined, warp-specialisable: ``descriptors``)."""
     ps = em.plan.passes[k]
     head = descriptors.main_loop_header(lo, hi, f"B_{LOOP}") if main else \
         f"for l0 in range({lo}, {hi}, B_{LOOP}):"
     em.emit(head + ("  # interior: no mask" if known else ""))
     em.ranges[LOOP] = ("l0", f"{ps.extent}")
-    inner = em.scopes[0][2] + "    "
+    parent = em.scopes[-1]
+    inner = parent[2] + "    "
     em.push(inner)
     em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
     em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_{LOOP}")
     # One loop variable for every fold of the pass, so shared subterms (the score
     # tile of attention) are computed once per block.
     loop_var = f"loop{k}"
-    atoms = data_atoms(em.plan, ps)
+    atoms = data_atoms(em.plan, ps) if test else []
     if not atoms:
         _loop_body(em, k, loop_var, known)
     else:  # a mask over captured tensors: skip / unmask whole blocks by their summaries
@@ -233,7 +253,7 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, main: bool = 
             _branch(em, k, loop_var, known | drop, inner + "        ")
             em.emit("    else:")
             _branch(em, k, loop_var, known, inner + "        ")
-    em.scopes[1][0].extend(em.pop())
+    parent[0].extend(em.pop())
 
 
 def _branch(em: Emitter, k: int, loop_var: str, known: frozenset, indent: str) -> None:
@@ -523,10 +543,14 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     header = ["# generated by neptune_eq from the program:",
               *[f"#   {line}" for line in str(p).splitlines()],
               "import triton", "import triton.language as tl"]
+    pre_text, prepass = "", None
+    if summaries:  # one launch builds every summary, per call (summary_kernel)
+        pre_text, prepass = prepass_source(name, summaries, p.dtype_of,
+                                           lambda t: len(p.shape_of(t)))
     common = dict(params=ptrs, stride_params=strides, tunables={**tunables, **fixed},
                   grid_axes=plan.grid_axes, block_axis=ba, even_flags=even,
                   row_extent=plan.row_extent, grid_size=_grid_size(plan), size_params=size_params,
-                  summaries=summaries)
+                  summaries=summaries, prepass=prepass)
     if not plan.split:
         em = Emitter(plan, name, bf16_dot_in_fp32)
         _prologue(em, split_axis=False)
@@ -535,7 +559,7 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
             _pass_loop(em, k, split=False)
         _epilogue(em)
         text = header + _kernel_text(name, ptrs + stride_args + consts, em)
-        return KernelSource(name, "\n".join(text) + "\n", **common,
+        return KernelSource(name, "\n".join(text) + "\n" + pre_text, **common,
                             descriptors=descriptors.collect([em.desc]),
                             warp_specializable=descriptors.warp_specializable(em.desc, plan, bool(summaries)))
     # split-k: the partials kernel runs the pass on one chunk and stores fold states ...
@@ -566,7 +590,7 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
     states += [em.desc, _fused_combine(em, plan, name, bf16_dot_in_fp32)]
     fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
                          + consts + [f"B_{SPLIT}: tl.constexpr"], em)
-    return KernelSource(name, "\n".join(header + part + comb + fused) + "\n", **common,
+    return KernelSource(name, "\n".join(header + part + comb + fused) + "\n" + pre_text, **common,
                         split_extent=plan.passes[0].extent, scratch=scratch,
                         descriptors=descriptors.collect(states),
                         combine_width=(width, plan.whole_axes[width]) if width else None)

@@ -1,24 +1,29 @@
-"""Per-block [min, max] summaries of the captured tensors a mask reads.
+"""Per-block [min, max] summaries of the captured tensors a mask reads, rebuilt per call.
 
 A kernel whose mask reads a captured tensor with a tile-varying index (``doc[kv]``)
 takes, besides the tensor itself, a summary of it along that dimension: block ``n``
 holds ``[min, max]`` over elements ``n*B .. n*B + B - 1``, where ``B`` is the tile the
 kernel runs with (its row block for a query index, its key block for a key index).
 Reads that are not a bare tile index (``offsets[doc[q]]``) use the tensor's global
-``[min, max]``.  ``lowering.block_predicate`` turns those bounds into a per-block
-skip / no-mask decision.
+``[min, max, nondecreasing]``.  ``lowering.block_predicate`` turns those bounds into a
+per-block skip / no-mask decision.
 
-The summaries depend on the data, so they are rebuilt on every call: one
-``torch.aminmax`` per summary, O(S) work (a tensor of S ids is read once per summary).
+The summaries depend on the data, so they are rebuilt on every call, by ONE launch of
+the kernel's generated pre-pass (``lowering.summary_kernel``): a few microseconds of GPU
+time and no host synchronisation (the nondecreasing flag is computed on the device and
+read by the main kernel, never by the host).  ``summarize`` is the same computation in
+torch: the reference the pre-pass is tested against, bit for bit.
 """
 from __future__ import annotations
 
+from .launch import FastLaunch
 
 
 def summarize(x, dim: int | None, block: int):
     """``[min, max]`` of ``x`` per block of ``block`` elements along ``dim`` (a trailing
     axis of 2; the summarised dim becomes the block count), or ``[min, max, monotone]`` of
-    all of ``x`` (shape (3,)) when ``dim`` is None.  Booleans are summarised as int32 0/1."""
+    all of ``x`` (shape (3,)) when ``dim`` is None.  Booleans are summarised as int32 0/1.
+    The torch reference of the pre-pass (it synchronises: tests only)."""
     import torch
     if x.dtype == torch.bool:
         x = x.to(torch.int32)
@@ -37,6 +42,72 @@ def summarize(x, dim: int | None, block: int):
 
 
 def build_summaries(specs, tensors: dict, consts: dict) -> dict:
-    """Every summary a kernel takes, from its inputs and its block sizes."""
+    """Every summary a kernel takes, by the torch reference (``summarize``)."""
     return {s.name: summarize(tensors[s.tensor], s.dim, consts[s.block] if s.block else 1)
             for s in specs}
+
+
+class SummaryPrepass:
+    """The per-call driver of a kernel's pre-pass: allocates the summaries and gives the
+    one launch that fills them.  What depends only on the captured tensors' shapes (the
+    grid, the summaries' shapes and strides, where each summary's programs start) is
+    worked out once per shape."""
+
+    def __init__(self, prepass, consts: dict, fn, options: dict | None = None):
+        self.pre, self.fn = prepass, fn
+        blocks = sorted({s.block for s in prepass.specs if s.block})
+        groups = prepass.groups(consts)
+        self.consts = {b: consts[b] for b in blocks}
+        self.consts.update({f"G_{k}": g for k, g in enumerate(groups) if g})
+        self.block_consts = consts
+        self.options = options or {"num_warps": 4, "num_stages": 1}
+        self._plans: dict[tuple, tuple] = {}
+
+    def _plan(self, shapes: tuple, dtypes: tuple) -> tuple:
+        import torch
+        by_name = dict(zip((t for t, _ in self.pre.tensors), shapes))
+        for (t, rank), shape in zip(self.pre.tensors, shapes):
+            if len(shape) != rank:
+                raise ValueError(f"Expected the captured tensor {t!r} with {rank} dims, got "
+                                 f"shape {tuple(shape)}.")
+            if any(n == 0 for n in shape):
+                raise ValueError(f"The captured tensor {t!r} the mask reads is empty (shape "
+                                 f"{tuple(shape)}); a mask cannot index an empty tensor.")
+        dt = dict(zip((t for t, _ in self.pre.tensors), dtypes))
+        outs, out_strides = [], []
+        for s in self.pre.specs:
+            dtype = torch.int32 if dt[s.tensor] == torch.bool else dt[s.tensor]
+            if s.dim is None:
+                shape = (3,)
+            else:
+                shape = list(by_name[s.tensor])
+                shape[s.dim] = -(-shape[s.dim] // self.block_consts[s.block])
+                shape = (*shape, 2)
+            outs.append((s.name, shape, dtype))
+            strides, acc = [], 1
+            for n in reversed(shape):  # contiguous
+                strides.append(acc)
+                acc *= n
+            out_strides += reversed(strides)
+        counts = self.pre.programs(by_name, self.block_consts)
+        starts, at = [], 0
+        for c in counts[:-1]:
+            at += c
+            starts.append(at)
+        grid = (at + counts[-1],)
+        return outs, out_strides + starts, FastLaunch(self.fn, grid, self.consts, self.options)
+
+    def prepare(self, tensors: dict) -> tuple[dict, FastLaunch, list, list]:
+        """(summaries by name, the launch, its arguments, its integer arguments)."""
+        import torch
+        xs = [tensors[t] for t, _ in self.pre.tensors]
+        key = tuple((x.shape, x.dtype) for x in xs)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(tuple(x.shape for x in xs),
+                                                 tuple(x.dtype for x in xs))
+        outs, tail, launch = plan
+        dev = xs[0].device
+        made = {name: torch.empty(shape, dtype=dtype, device=dev) for name, shape, dtype in outs}
+        ints = [v for x in xs for v in (*x.shape, *x.stride())] + tail
+        return made, launch, xs + list(made.values()), ints

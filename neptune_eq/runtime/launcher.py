@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..lowering.kernelgen import KernelSource
 from ..lowering.lower import split_factors
-from .block_summary import build_summaries
+from .block_summary import SummaryPrepass, build_summaries
 from .descriptors import TMA_NEEDS, ensure_allocator, tma_ok
 from .launch import FastLaunch, _triton_int_specialisation, class_launch_key, current_stream, launch_key
 from ..ir import Program, ProgramError
@@ -230,9 +230,12 @@ class Launcher:
         self.fast_reason = "" if self.fast_ok else "off (interpreter or NEPTUNE_EQ_FAST_LAUNCH=0)"
         self._checked: dict[tuple, list] = {}
         self._int_class = None
-        if self.ks.summaries and self.fast_ok:
-            # Block summaries are rebuilt from the data on every call (fresh tensors).
-            self.fast_ok, self.fast_reason = False, "off (block summaries rebuilt per call)"
+        # Block summaries are rebuilt from the data on every call by one pre-pass launch
+        # (the last kernel of the module); a kernel cached before the pre-pass existed
+        # builds them with torch.
+        self._pre = (SummaryPrepass(self.ks.prepass, consts, self.fns[-1])
+                     if self.ks.summaries and self.ks.prepass else None)
+        self._last_summaries: dict = {}
         if self.size_args and self.fast_ok:
             # A kernel with runtime sizes meets a new size on most calls (a growing KV
             # cache), and one launcher serves one size: checks are shared by every
@@ -293,19 +296,33 @@ class Launcher:
                 FastLaunch(self.fns[1], self.grid() + (nw,), {**self.consts, **over, "B_P": bp},
                            self.options)]
 
-    def _arg_lists(self, tensors: dict) -> tuple[list[list], tuple | None, int | None]:
-        """Arguments of each kernel in launch order, the fast-launch key, and the stream the
-        launches go to (looked up once per call; None in the interpreter)."""
-        import torch
-        if self.ks.summaries:  # the masks' data changes per call: summarise it (O(S))
+    def _arg_lists(self, tensors: dict) -> tuple[list[list], tuple | None, int | None, list]:
+        """Arguments of each kernel in launch order, the fast-launch key, the stream the
+        launches go to (looked up once per call; None in the interpreter), and the
+        launches themselves (the summary pre-pass first, when the kernel has one)."""
+        pre = None
+        if self._pre is not None:  # the masks' data changes per call: summarise it (O(S))
+            sums, pre_launch, pre_args, pre_ints = self._pre.prepare(tensors)
+            pre = (pre_launch, pre_args + pre_ints)
+            tensors = {**tensors, **sums}
+            self._last_summaries = sums
+        elif self.ks.summaries:
             tensors = {**tensors, **build_summaries(self.ks.summaries, tensors, self.consts)}
         args = [tensors[n[:-4]] for n in self.ks.params]
         st = {t: tensors[t].stride() for t in self.stride_of}
         strides = [st[t][k] for t, k in self.ks.stride_params] + list(self.size_args)
         key = None
         if self.fast_ok:
-            key = (class_launch_key(args, strides, self._int_class) if self._int_class
-                   else launch_key(args, strides))
+            ints = strides + pre_ints if pre else strides  # the pre-pass's sizes count too
+            key = (class_launch_key(args, ints, self._int_class) if self._int_class
+                   else launch_key(args, ints))
+        lists, key, stream = self._main_arg_lists(args, strides, key)
+        if pre is None:
+            return lists, key, stream, self._launches
+        return [pre[1]] + lists, key, stream, [pre[0]] + self._launches
+
+    def _main_arg_lists(self, args: list, strides: list, key) -> tuple[list[list], tuple, int]:
+        import torch
         stream = None  # needed by the direct launch and the one-launch split-k's counters
         if key is not None:
             stream = current_stream(key[0])
@@ -355,8 +372,7 @@ class Launcher:
         run = self._pointer_form(tensors)
         if run is not self:
             return run(tensors)
-        arg_lists, key, stream = self._arg_lists(tensors)
-        steps = self._launches
+        arg_lists, key, stream, steps = self._arg_lists(tensors)
         if self.target == "interpreter":
             for fl, a in zip(steps, arg_lists):
                 fl.fn[fl.grid](*a, **fl.consts, **fl.options)
@@ -368,29 +384,32 @@ class Launcher:
             return
         cks = [fl.slow(a) for fl, a in zip(steps, arg_lists)]
         if key is not None:
-            self._check_fast(tensors, key, cks)
+            self._check_fast(tensors, key, cks, steps)
 
     def compile(self, tensors: dict) -> None:
         """Compile every kernel of this launcher for ``tensors`` without launching it
         (Triton's ``warmup``): what ``compile_in_parallel`` runs on its threads."""
         if self.tma and not tma_ok(self.ks.descriptors, tensors):
             return self._pointer_form(tensors).compile(tensors)
-        arg_lists, _, _ = self._arg_lists(tensors)
-        for fl, a in zip(self._launches, arg_lists):
+        arg_lists, _, _, steps = self._arg_lists(tensors)
+        for fl, a in zip(steps, arg_lists):
             fl.fn.warmup(*a, grid=fl.grid, **fl.consts, **fl.options)
 
-    def _check_fast(self, tensors: dict, key: tuple, cks: list) -> None:
-        """Launch the fast way into fresh outputs; keep it only if bit-identical."""
+    def _check_fast(self, tensors: dict, key: tuple, cks: list, steps: list) -> None:
+        """Launch the fast way into fresh outputs (and fresh summaries); keep it only if
+        both are bit-identical to Triton's own launch."""
         import torch
         outs = {n: torch.empty_like(tensors[n]) for n in self.program.outputs}
-        arg_lists, key2, stream = self._arg_lists({**tensors, **outs})
+        want = {**{n: tensors[n] for n in outs}, **self._last_summaries}
+        arg_lists, key2, stream, _ = self._arg_lists({**tensors, **outs})
         if key2 != key:
             return  # fresh outputs align differently: check on a later call
+        got = {**outs, **self._last_summaries}
         try:
-            for fl, ck, a in zip(self._launches, cks, arg_lists):
+            for fl, ck, a in zip(steps, cks, arg_lists):
                 fl.fast(ck, a, stream)
-            same = all(torch.equal(tensors[n].contiguous().view(torch.uint8),
-                                   outs[n].contiguous().view(torch.uint8)) for n in outs)
+            same = all(torch.equal(want[n].contiguous().view(torch.uint8),
+                                   got[n].contiguous().view(torch.uint8)) for n in want)
         except Exception as e:  # noqa: BLE001 - Triton internals differ: keep the normal path
             self._fast_off(f"off: direct launch failed ({e})")
             return

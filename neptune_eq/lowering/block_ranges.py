@@ -1,0 +1,254 @@
+"""Data masks as loop bounds: the key blocks a row block may see, and those it sees whole,
+as two ranges -- no per-block test inside the loop.
+
+A mask atom ``K cmp E`` (``cmp`` one of < <= > >= ==) whose key side ``K`` is the key
+index ``j`` or a 1-D captured tensor read at it (``doc[j]``), and whose other side ``E``
+does not move with the key (bounded over the row block by ``block_predicate``:
+``doc[i]``, ``offsets[doc[i]]``, ``prefix[b]``, ``i``), holds on the key blocks of one
+interval when ``K`` is nondecreasing in ``j`` -- always for ``j``, for ``X[j]`` when ``X``
+is (the flag of its global summary, computed on the data each call).  For every atom
+that gives two key ranges: ``may`` (outside it no pair is visible: skipped) and ``must``
+(block-aligned; every pair of a block inside is visible: no elementwise mask).  They
+compose over ``&`` (intersection) and ``|`` (hull for may; union for must when the two
+touch, else the longer one -- a subset of the truth, so still sound).
+
+A pass whose data atoms all have that form runs, when the flag holds,
+
+    for l0 in range(a, c):  masked    # boundary blocks (document starts ...)
+    for l0 in range(c, d):  unmasked  # inside every range: no mask at all
+    for l0 in range(d, b):  masked    # boundary blocks (the diagonal, document ends)
+
+with no ``if`` in any loop body (a branch around the loads keeps Triton from pipelining
+them), and the per-block test form of ``block_skip`` otherwise (unsorted ids).  Keys
+``j`` never need the flag: prefix-LM (``j < prefix[b] | j <= i``) and jagged sequences
+(``j >= offsets[doc[i]]``) are loop bounds outright.  This is a lowering choice derived
+from the mask's terms, nothing document-specific.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Term
+from .block_predicate import Analysis, _maybe_float, summary_dim
+from .block_skip import _key_side, _roles, _row_bounds, _search, _spec, data_atoms
+from .codegen import LOOP, Emitter
+from .lower import Pass
+
+_CMP = ("lt", "le", "gt", "ge", "eq")
+
+
+@dataclass(frozen=True)
+class DataRanges:
+    """Key ranges (code, ``[lo, hi)``) of one pass's data atoms over the current row block;
+    ``mono``: code of the runtime condition they need (None: always valid)."""
+    may: tuple[str, str]
+    must: tuple[str, str]
+    mono: str | None
+    atoms: frozenset
+
+
+class _Static:
+    """``block_predicate``'s algebra on placeholders: does a term have bounds at all?"""
+
+    def binary(self, op, a, b):
+        return "x"
+
+    def floordiv(self, a, c):
+        return "x"
+
+    def mod(self, a, c):
+        return "x"
+
+    def select(self, c, a, b):
+        return "x"
+
+    def not_(self, a):
+        return "x"
+
+
+def _boundable(plan, e: Term) -> bool:
+    """``e`` has bounds over a row block (as ``block_skip._row_bounds`` reads them)."""
+    known = {plan.block_axis, *plan.grid_axes}
+
+    def load(t, idx):
+        hit = summary_dim(t, {plan.block_axis: "row"}, set(plan.grid_axes))
+        if hit is None:  # the global summary
+            return "x", "x"
+        need = [b for q, b in enumerate(idx) if q != hit[0]]  # the element / a row's summary
+        return None if any(b is None for b in need) else ("x", "x")
+    return Analysis(_Static(), lambda a: ("x", "x") if a in known else None,
+                    load).bounds(e) is not None
+
+
+def _int_valued(plan, e: Term) -> bool:
+    """``e`` is an integer (a key index compares with it exactly at block ends)."""
+    if _maybe_float(e):
+        return False
+    return all(plan.program.dtype_of(n.val) in ("int32", "int64", "bool")
+               for n in e.walk() if n.op == "load")
+
+
+def _rangeable(plan, t: Term) -> bool:
+    if t.op in ("and", "or"):
+        return all(_rangeable(plan, a) for a in t.args)
+    if t.op not in _CMP:
+        return False
+    form = _key_side(t, _roles(plan, "@j"), set(plan.grid_axes))
+    if form is None:
+        return False
+    key, _, other = form
+    if key.op == "var" and not _int_valued(plan, other):
+        return False
+    return _boundable(plan, other)
+
+
+def data_ranges(em: Emitter, ps: Pass, k: int) -> DataRanges | None:
+    """The key ranges of pass ``k``'s data atoms (emitted in the pass's scope), or None
+    when some data atom has no range form (the per-block test is used then)."""
+    plan = em.plan
+    atoms = data_atoms(plan, ps)
+    if not atoms or not all(_rangeable(plan, a) for a in atoms):
+        return None
+    ctx = _Ctx(em, ps, k)
+    may, must = ctx.of(atoms[0])
+    for a in atoms[1:]:
+        may2, must2 = ctx.of(a)
+        may, must = ctx.meet(may, may2), ctx.meet(must, must2)
+    may_lo, may_hi = (ctx.name(f"j_may_lo{k}", may[0]), ctx.name(f"j_may_hi{k}", may[1]))
+    must_lo, must_hi = (ctx.name(f"j_must_lo{k}", must[0]), ctx.name(f"j_must_hi{k}", must[1]))
+    mono = None
+    if ctx.flags:
+        mono = ctx.name(f"mono{k}", " & ".join(f"({f})" for f in dict.fromkeys(ctx.flags)))
+    return DataRanges((may_lo, may_hi), (must_lo, must_hi), mono, frozenset(atoms))
+
+
+class _Ctx:
+    """Emits the ranges of atoms: code in key positions (``B_L``-aligned where noted)."""
+
+    def __init__(self, em: Emitter, ps: Pass, k: int):
+        self.em, self.ps, self.k = em, ps, k
+        self.ext = str(ps.extent)
+        self.flags: list[str] = []
+
+    def name(self, prefix: str, code: str) -> str:
+        v = self.em.new(prefix + "_")
+        if code.lstrip("-").isdigit():  # a tensor, not a constexpr: tl ops then take it as one
+            code = f"row_first * 0 + ({code})"
+        self.em.emit(f"{v} = {code}")
+        return v
+
+    def meet(self, r, s):
+        return _fold("maximum", r[0], s[0]), _fold("minimum", r[1], s[1])
+
+    def of(self, t: Term):
+        """(may, must) key ranges of a range-able atom."""
+        if t.op == "and":
+            (ma, sa), (mb, sb) = self.of(t.args[0]), self.of(t.args[1])
+            return self.meet(ma, mb), self.meet(sa, sb)
+        if t.op == "or":
+            (ma, sa), (mb, sb) = self.of(t.args[0]), self.of(t.args[1])
+            may = _fold("minimum", ma[0], mb[0]), _fold("maximum", ma[1], mb[1])
+            a_lo, b_lo = self.name("sr", sa[0]), self.name("sr", sb[0])
+            a_hi = self.name("sr", f"tl.maximum({sa[1]}, {a_lo})")  # empty: (x, x)
+            b_hi = self.name("sr", f"tl.maximum({sb[1]}, {b_lo})")
+            touch = self.name("sr", f"tl.maximum({a_lo}, {b_lo}) <= tl.minimum({a_hi}, {b_hi})")
+            longer = self.name("sr", f"{a_hi} - {a_lo} >= {b_hi} - {b_lo}")
+            lo = (f"tl.where({touch}, tl.minimum({a_lo}, {b_lo}), "
+                  f"tl.where({longer}, {a_lo}, {b_lo}))")
+            hi = (f"tl.where({touch}, tl.maximum({a_hi}, {b_hi}), "
+                  f"tl.where({longer}, {a_hi}, {b_hi}))")
+            return may, (lo, hi)
+        plan = self.em.plan
+        key, cmp, other = _key_side(t, _roles(plan, "@j"), set(plan.grid_axes))
+        elo, ehi = (e if isinstance(e, str) else self.name("e", f"row_first * 0 + ({e})")
+                    for e in _row_bounds(self.em, other, const_ok=True))
+        if key.op == "var":
+            return self._index(cmp, elo, ehi)
+        return self._search(key, cmp, elo, ehi)
+
+    def _index(self, cmp: str, elo, ehi):
+        """``j cmp E``, E an integer in [elo, ehi]: block ends compare exactly."""
+        B, ext = f"B_{LOOP}", self.ext
+
+        def up(x):  # first block start >= x
+            return f"((tl.maximum({x}, 0) + {B} - 1) // {B}) * {B}"
+
+        def down(x):  # last block start <= x ... as an end: blocks ending at or before x
+            return f"(tl.maximum({x}, 0) // {B}) * {B}"
+        if cmp == "gt":
+            cmp, elo, ehi = "ge", f"({elo}) + 1", f"({ehi}) + 1"
+        if cmp == "lt":
+            cmp, elo, ehi = "le", f"({elo}) - 1", f"({ehi}) - 1"
+        if cmp == "ge":   # keys >= elo may, block starts >= ehi must
+            return (f"tl.maximum({elo}, 0)", ext), (up(ehi), ext)
+        if cmp == "le":   # keys <= ehi may, blocks whose last key <= elo must
+            return ("0", f"({ehi}) + 1"), ("0", down(f"({elo}) + 1"))
+        return (f"tl.maximum({elo}, 0)", f"({ehi}) + 1"), (up(ehi), down(f"({elo}) + 1"))
+
+    def _search(self, key: Term, cmp: str, elo, ehi):
+        """``X[j] cmp E`` with X nondecreasing: first blocks by binary search over X's
+        key-block summary ([min, max] per block, both nondecreasing then)."""
+        em, plan = self.em, self.em.plan
+        spec = _spec(plan, key.val, (0, "loop"))
+        flag = _spec(plan, key.val, None)
+        self.flags.append(f"tl.load({flag.name}_ptr + 2 * {flag.name}_s0) != 0")
+        nb = f"(({self.ext} + B_{LOOP} - 1) // B_{LOOP})"
+        mx, mn = f"{spec.name}_s1", "0"
+
+        def first(field, op, target):  # first key block whose entry op target, as a key
+            return f"{_search(em, spec, nb, field, op, target)} * B_{LOOP}"
+        ext = self.ext
+        if cmp == "ge":
+            return (first(mx, ">=", elo), ext), (first(mn, ">=", ehi), ext)
+        if cmp == "gt":
+            return (first(mx, ">", elo), ext), (first(mn, ">", ehi), ext)
+        if cmp == "le":
+            return ("0", first(mn, ">", ehi)), ("0", first(mx, ">", elo))
+        if cmp == "lt":
+            return ("0", first(mn, ">=", ehi)), ("0", first(mx, ">=", elo))
+        return ((first(mx, ">=", elo), first(mn, ">", ehi)),
+                (first(mn, ">=", ehi), first(mx, ">", elo)))
+
+
+def _fold(fn: str, a: str, b: str) -> str:
+    """``tl.<fn>(a, b)``, computed here when both are integer literals."""
+    if a.lstrip("-").isdigit() and b.lstrip("-").isdigit():
+        return str((max if fn == "maximum" else min)(int(a), int(b)))
+    return f"tl.{fn}({a}, {b})"
+
+
+def range_loops(em: Emitter, k: int, lo: str, hi: str, split: bool, rng: DataRanges,
+                loop, fallback) -> None:
+    """The pass's loops over [lo, hi) (the affine bounds) cut by the data ranges: masked,
+    unmasked, masked -- under ``if mono:`` with ``fallback()`` (the per-block test form)
+    in the ``else`` when the ranges need a nondecreasing tensor.  ``loop(em, k, lo, hi,
+    known, test)`` emits one loop."""
+    ps = em.plan.passes[k]
+    outer = em.scopes[-1][2]
+    if rng.mono is not None:
+        em.emit(f"if {rng.mono}:  # nondecreasing data: the visible keys are one range")
+        em.push(outer + "    ")
+    B = f"B_{LOOP}"
+    a, b = f"j_ra{k}", f"j_rb{k}"
+    em.emit(f"{a} = (tl.maximum({lo}, {rng.may[0]}) // {B}) * {B}")
+    em.emit(f"{b} = tl.maximum(tl.minimum({hi}, {rng.may[1]}), {a})")
+    if split:  # this program's chunk (CHUNK is a multiple of B_L)
+        em.emit(f"{a} = tl.maximum({a}, pid_split * CHUNK)")
+        em.emit(f"{b} = tl.maximum(tl.minimum({b}, pid_split * CHUNK + CHUNK), {a})")
+    c, d = f"j_rc{k}", f"j_rd{k}"
+    ai, bi = a, b  # the affine mask's interior (causal: keys before the row block's first)
+    if ps.lo_offset is not None:
+        ai = f"((row_last + ({ps.lo_offset}) + {B} - 1) // {B}) * {B}"
+    if ps.hi_offset is not None:
+        bi = f"((row_first + ({ps.hi_offset})) // {B}) * {B}"
+    em.emit(f"{c} = tl.minimum(tl.maximum(tl.maximum({ai}, {rng.must[0]}), {a}), {b})")
+    em.emit(f"{d} = tl.maximum(tl.minimum(tl.minimum({bi}, {rng.must[1]}), {b}), {c})")
+    loop(em, k, a, c, frozenset(), False)
+    loop(em, k, c, d, ps.bound_atoms | rng.atoms, False)
+    loop(em, k, d, b, frozenset(), False)
+    if rng.mono is not None:
+        em.scopes[-2][0].extend(em.pop())
+        em.emit("else:  # unsorted: test each key block")
+        em.push(outer + "    ")
+        fallback()
+        em.scopes[-2][0].extend(em.pop())

@@ -1,0 +1,194 @@
+"""The summary pre-pass: every per-block [min, max] summary a kernel reads, in ONE launch.
+
+A kernel whose mask reads captured tensors (``doc[i] == doc[j]``) takes summaries of them
+(``block_predicate.SummarySpec``): per block of ``B_i`` / ``B_L`` elements along one
+dimension a ``[min, max]`` pair, or ``[min, max, nondecreasing]`` of the whole tensor.
+They depend on the data, so they are rebuilt on every call; separate ``torch`` reductions
+cost one launch each (three for a causal document mask), more than the work itself.
+
+This module writes one ``@triton.jit`` kernel (``<name>_summaries``) that computes all of
+them over a flat 1-D grid.  Programs ``[P_k, P_{k+1})`` belong to summary ``k``:
+
+* a per-block summary gives each program ``G_k`` consecutive blocks of one "row" (one
+  index of every other dimension), read as a ``[G_k, B]`` tile -- ``G_k = TILE // B``, so
+  a program reads about ``TILE`` elements however small the blocks are;
+* a global summary is one program that walks the flattened tensor in chunks of ``CHUNK``
+  (the tensors it is used for -- offsets tables, per-sample prefixes -- are short).
+
+Sizes and strides are runtime arguments, so one compiled pre-pass serves every size (the
+symbolic-size kernels).  The values are those of ``torch.aminmax`` (the reference,
+``runtime.block_summary.summarize``): a short last block is padded with its own first
+element (never widening the range), a float block holding a NaN summarises to NaN, and
+booleans are summarised as int32 0/1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_predicate import SummarySpec
+from .codegen import _TL_DTYPE
+
+TILE = 2048    # elements one per-block program reads (G_k blocks of B)
+CHUNK = 1024   # elements per step of a global summary's walk
+
+
+@dataclass(frozen=True)
+class Prepass:
+    """How to launch the pre-pass: ``tensors`` are the captured tensors it reads, each
+    ``(name, rank)``, in parameter order; ``specs`` the summaries it writes, in parameter
+    order (the ``SummarySpec`` list of the main kernel)."""
+    kernel: str
+    tensors: tuple
+    specs: tuple
+
+    def groups(self, consts: dict) -> list[int]:
+        """``G_k`` of each summary (0 for a global one) at the launch's block sizes."""
+        return [0 if s.dim is None else max(1, TILE // consts[s.block]) for s in self.specs]
+
+    def programs(self, shapes: dict, consts: dict) -> list[int]:
+        """Programs of each summary at the given tensor shapes and block sizes."""
+        out = []
+        for s, g in zip(self.specs, self.groups(consts)):
+            if s.dim is None:
+                out.append(1)
+                continue
+            shape = shapes[s.tensor]
+            nb = -(-shape[s.dim] // consts[s.block])
+            rows = 1
+            for k, n in enumerate(shape):
+                if k != s.dim:
+                    rows *= n
+            out.append(rows * -(-nb // g))
+        return out
+
+
+def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of) -> tuple[str, Prepass]:
+    """Source text of the pre-pass kernel (to append to the kernel's module, which
+    imports ``triton`` and ``tl``) and its launch description.  ``dtype_of`` / ``rank_of``:
+    a captured tensor's dtype name and number of dimensions."""
+    if not specs:
+        raise ValueError("A summary pre-pass needs at least one summary.")
+    kernel = f"{name}_summaries"
+    tensors = tuple(dict.fromkeys((s.tensor, rank_of(s.tensor)) for s in specs))
+    blocks = sorted({s.block for s in specs if s.block})
+    ptrs = [f"x_{t}_ptr" for t, _ in tensors] + [f"{s.name}_ptr" for s in specs]
+    ints = [f"x_{t}_{w}{k}" for t, r in tensors for w in ("n", "s") for k in range(r)]
+    ints += [f"{s.name}_s{k}" for s in specs for k in range(_out_rank(s, rank_of))]
+    ints += [f"P_{k}" for k in range(1, len(specs))]
+    consts = [f"{b}: tl.constexpr" for b in blocks]
+    consts += [f"G_{k}: tl.constexpr" for k, s in enumerate(specs) if s.dim is not None]
+    floats = any(not _is_int(dtype_of(s.tensor)) for s in specs)
+    lines = ["", ""]
+    if floats:  # min / max that return NaN when either side is NaN, as torch.aminmax does
+        lines += ["@triton.jit", "def _nan_min(a, b):",
+                  "    return tl.where(a != a, a, tl.where(b != b, b, tl.minimum(a, b)))",
+                  "", "", "@triton.jit", "def _nan_max(a, b):",
+                  "    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))", "", ""]
+    lines += ["@triton.jit", f"def {kernel}(", *[f"    {p}," for p in ptrs + ints + consts], "):",
+              "    pid = tl.program_id(0)"]
+    for k, s in enumerate(specs):
+        if len(specs) == 1:
+            head, ind = [], "    "
+        elif k == 0:
+            head, ind = ["    if pid < P_1:"], "        "
+        elif k < len(specs) - 1:
+            head, ind = [f"    elif pid < P_{k + 1}:"], "        "
+        else:
+            head, ind = ["    else:"], "        "
+        dt = dtype_of(s.tensor)
+        body = (_block_body(k, s, rank_of(s.tensor), dt) if s.dim is not None
+                else _global_body(s, rank_of(s.tensor), dt))
+        lines += head + [f"{ind}# {s.name}: {_describe(s)}"] + [ind + ln for ln in body]
+    return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs))
+
+
+def _out_rank(s: SummarySpec, rank_of) -> int:
+    return 1 if s.dim is None else rank_of(s.tensor) + 1
+
+
+def _is_int(dtype: str) -> bool:
+    return dtype in ("int32", "int64", "int16", "int8", "uint8", "bool")
+
+
+def _describe(s: SummarySpec) -> str:
+    if s.dim is None:
+        return f"[min, max, nondecreasing] of all of {s.tensor}"
+    return f"[min, max] of {s.tensor} per block of {s.block} along dim {s.dim}"
+
+
+def _value(v: str, dtype: str) -> str:
+    return f"{v}.to(tl.int32)" if dtype == "bool" else v  # bool: summarised as int32 0/1
+
+
+def _reduce(fn: str, v: str, axis: int, dtype: str) -> str:
+    if _is_int(dtype):
+        return f"tl.{fn}({v}, axis={axis})"
+    return f"tl.reduce({v}, {axis}, _nan_{fn})"
+
+
+def _block_body(k: int, s: SummarySpec, rank: int, dtype: str) -> list[str]:
+    """G_k blocks of one row of the tensor per program."""
+    t, d, b, out = s.tensor, s.dim, s.block, s.name
+    n, st = f"x_{t}_n{d}", f"x_{t}_s{d}"
+    lines = [f"p = pid{f' - P_{k}' if k else ''}",
+             f"nb = ({n} + {b} - 1) // {b}",
+             f"ngrp = (nb + G_{k} - 1) // G_{k}",
+             "grp = p % ngrp",
+             "rest = p // ngrp",
+             "base_in = rest * 0",
+             "base_out = rest * 0"]
+    for q in reversed(range(rank)):  # the row: every other index, last dim fastest
+        if q == d:
+            continue
+        lines += [f"i{q} = rest % x_{t}_n{q}", f"rest = rest // x_{t}_n{q}",
+                  f"base_in += i{q} * x_{t}_s{q}", f"base_out += i{q} * {out}_s{q}"]
+    lines += [f"blk = grp * G_{k} + tl.arange(0, G_{k})",
+              "has = blk < nb",
+              f"pos = blk[:, None] * {b} + tl.arange(0, {b})[None, :]",
+              f"ok = pos < {n}",
+              # a short last block is padded with its own first element: no wider range
+              f"first = tl.load(x_{t}_ptr + base_in + blk * {b} * {st}, mask=has)",
+              f"v = tl.load(x_{t}_ptr + base_in + pos * {st}, mask=ok & has[:, None])",
+              f"v = {_value('tl.where(ok, v, first[:, None])', dtype)}",
+              f"lo = {_reduce('min', 'v', 1, dtype)}",
+              f"hi = {_reduce('max', 'v', 1, dtype)}",
+              f"tl.store({out}_ptr + base_out + blk * {out}_s{d}, lo, mask=has)",
+              f"tl.store({out}_ptr + base_out + blk * {out}_s{d} + {out}_s{rank}, hi, mask=has)"]
+    return lines
+
+
+def _global_body(s: SummarySpec, rank: int, dtype: str) -> list[str]:
+    """One program walks the whole tensor (flat index, last dim fastest)."""
+    t, out = s.tensor, s.name
+    total = " * ".join(f"x_{t}_n{q}" for q in range(rank))
+    out_dt = "tl.int32" if dtype == "bool" else _TL_DTYPE[dtype]
+    lines = [f"total = {total}",
+             f"first = {_value(f'tl.load(x_{t}_ptr)', dtype)}",
+             "lo = first",
+             "hi = first",
+             # bad: 1 once some x[k] > x[k+1] (or a NaN) is seen; only a 1-D tensor may be
+             # flagged nondecreasing
+             f"bad = pid * 0{'' if rank == 1 else ' + 1'}",
+             f"for start in range(0, total, {CHUNK}):",
+             f"    f = start + tl.arange(0, {CHUNK})",
+             "    ok = f < total",
+             "    rem = f",
+             "    off = f * 0"]
+    for q in reversed(range(rank)):
+        lines += [f"    off += (rem % x_{t}_n{q}) * x_{t}_s{q}", f"    rem = rem // x_{t}_n{q}"]
+    lines += [f"    v = {_value(f'tl.where(ok, tl.load(x_{t}_ptr + off, mask=ok), first)', dtype)}"]
+    if _is_int(dtype):
+        lines += ["    lo = tl.minimum(lo, tl.min(v, axis=0))",
+                  "    hi = tl.maximum(hi, tl.max(v, axis=0))"]
+    else:
+        lines += [f"    lo = _nan_min(lo, {_reduce('min', 'v', 0, dtype)})",
+                  f"    hi = _nan_max(hi, {_reduce('max', 'v', 0, dtype)})"]
+    if rank == 1:  # (a NaN compares false: not nondecreasing, as in torch)
+        lines += ["    back = ok & (f > 0)",
+                  f"    prev = {_value(f'tl.where(back, tl.load(x_{t}_ptr + (f - 1) * x_{t}_s0, mask=back), first)', dtype)}",
+                  "    down = tl.where(back, tl.where(v >= prev, 0, 1), 0)",
+                  "    bad = tl.maximum(bad, tl.max(down, axis=0))"]
+    lines += [f"tl.store({out}_ptr, lo)",
+              f"tl.store({out}_ptr + {out}_s0, hi)",
+              f"tl.store({out}_ptr + 2 * {out}_s0, tl.where(bad == 0, 1, 0).to({out_dt}))"]
+    return lines

@@ -1,0 +1,138 @@
+"""The summary pre-pass (lowering.summary_kernel + runtime.block_summary): ONE launch
+computes every per-block [min, max] and global [min, max, nondecreasing] summary a kernel
+reads, bit-identical to the torch reference ``summarize`` -- odd sizes, several block
+sizes at once, int / float / bool data (NaN and inf included), non-contiguous tensors,
+and one compiled pre-pass reused at other sizes (symbolic sizes are runtime arguments)."""
+import importlib.util
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import neptune_eq  # noqa: F401 - chooses the Triton interpreter before triton is imported
+from neptune_eq.lowering.block_predicate import SummarySpec
+from neptune_eq.lowering.summary_kernel import prepass_source
+from neptune_eq.runtime.block_summary import SummaryPrepass, summarize
+from neptune_eq.runtime.triton_mode import enable_interpreter
+
+_MODULES: dict[str, object] = {}
+
+
+def compile_prepass(specs, dtypes: dict, ranks: dict, tmp_path_factory):
+    """The generated pre-pass, imported as Triton needs it (from a file)."""
+    text, pre = prepass_source("t", specs, dtypes.__getitem__, ranks.__getitem__)
+    src = "import triton\nimport triton.language as tl\n" + text
+    if src not in _MODULES:
+        enable_interpreter()
+        path = tmp_path_factory.mktemp("prepass") / f"prepass_{len(_MODULES)}.py"
+        path.write_text(src)
+        name = f"neptune_eq_test_prepass_{len(_MODULES)}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        _MODULES[src] = mod
+    return getattr(_MODULES[src], pre.kernel), pre, text
+
+
+def run(fn, pre, tensors: dict, consts: dict) -> dict:
+    drv = SummaryPrepass(pre, consts, fn)
+    outs, launch, args, ints = drv.prepare(tensors)
+    launch.fn[launch.grid](*args, *ints, **launch.consts, **launch.options)
+    return outs
+
+
+def check(specs, tensors: dict, consts: dict, tmp_path_factory):
+    dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in tensors.items()}
+    ranks = {n: t.dim() for n, t in tensors.items()}
+    fn, pre, _ = compile_prepass(specs, dtypes, ranks, tmp_path_factory)
+    got = run(fn, pre, tensors, consts)
+    for s in specs:
+        want = summarize(tensors[s.tensor], s.dim, consts[s.block] if s.block else 1)
+        assert got[s.name].dtype == want.dtype and got[s.name].shape == want.shape, s
+        g, w = got[s.name], want
+        if g.is_floating_point():  # a NaN is a NaN (torch's payload differs by path)
+            assert torch.equal(g.isnan(), w.isnan()), (s, g, w)
+            g, w = g.nan_to_num(0.0, float("inf"), -float("inf")), w.nan_to_num(0.0, float("inf"), -float("inf"))
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (s, got[s.name], want)
+
+
+def doc_specs(t="doc"):
+    """What a causal document mask reads: row blocks, key blocks, the global summary."""
+    return [SummarySpec(f"bs_{t}_d0_row", t, 0, "B_i"), SummarySpec(f"bs_{t}_d0_loop", t, 0, "B_L"),
+            SummarySpec(f"bs_{t}_all", t, None, None)]
+
+
+def test_one_kernel_one_launch_for_every_summary(tmp_path_factory):
+    specs = doc_specs()
+    _, pre, text = compile_prepass(specs, {"doc": "int32"}, {"doc": 1}, tmp_path_factory)
+    assert text.count("@triton.jit") == 1 and pre.kernel == "t_summaries"
+    drv = SummaryPrepass(pre, {"B_i": 16, "B_L": 32}, None)
+    _, launch, _, ints = drv.prepare({"doc": torch.zeros(1000, dtype=torch.int32)})
+    # 63 row blocks (4 per program of 2048 // 16 = 128 blocks: 1 program), 32 key blocks
+    # (1 program), the global walk (1 program)
+    assert launch.grid == (3, 1, 1) and ints[-2:] == [1, 2]
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 53, 1000, 4099])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_document_summaries_match_torch(n, dtype, tmp_path_factory):
+    g = torch.Generator().manual_seed(n)
+    ids = torch.sort(torch.randint(-1, 9, (n,), generator=g)).values.to(dtype)
+    check(doc_specs(), {"doc": ids}, {"B_i": 16, "B_L": 64}, tmp_path_factory)
+    shuffled = ids[torch.randperm(n, generator=g)]   # the flag must go off
+    check(doc_specs(), {"doc": shuffled}, {"B_i": 128, "B_L": 16}, tmp_path_factory)
+
+
+def test_float_summaries_propagate_nan_and_keep_inf(tmp_path_factory):
+    x = torch.linspace(-3, 3, 77)
+    x[5] = float("nan")
+    x[40] = float("inf")
+    x[70] = -float("inf")
+    check(doc_specs("x"), {"x": x}, {"B_i": 16, "B_L": 32}, tmp_path_factory)
+    check(doc_specs("x"), {"x": torch.linspace(-3, 3, 77)}, {"B_i": 16, "B_L": 32},
+          tmp_path_factory)
+
+
+def test_bool_and_multi_dim_summaries(tmp_path_factory):
+    """A (heads, keys) keep table along dim 1, a per-sample id table along dim 1 of a
+    transposed (non-contiguous) tensor and along dim 0, a bool table and global summaries
+    of 2-D tensors (never flagged nondecreasing)."""
+    g = torch.Generator().manual_seed(0)
+    keep = torch.randint(0, 2, (3, 70), generator=g, dtype=torch.int32)
+    bdoc = torch.randint(0, 5, (45, 2), generator=g).t()    # (2, 45), strides (1, 2)
+    allowed = torch.randint(0, 2, (5, 7), generator=g).bool()
+    specs = [SummarySpec("bs_keep_d1_loop", "keep", 1, "B_L"),
+             SummarySpec("bs_bdoc_d1_row", "bdoc", 1, "B_i"),
+             SummarySpec("bs_bdoc_d0_loop", "bdoc", 0, "B_L"),
+             SummarySpec("bs_allowed_d1_loop", "allowed", 1, "B_L"),
+             SummarySpec("bs_allowed_all", "allowed", None, None),
+             SummarySpec("bs_bdoc_all", "bdoc", None, None)]
+    check(specs, {"keep": keep, "bdoc": bdoc, "allowed": allowed}, {"B_i": 16, "B_L": 32},
+          tmp_path_factory)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 300), st.sampled_from([16, 32, 64, 128]), st.sampled_from([16, 64]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_one_compiled_prepass_serves_every_size(n, bi, bl, sort, seed):
+    """Sizes and strides are runtime arguments: the same module (symbolic sizes) at any
+    length and any pair of block sizes, against torch."""
+    import tempfile
+    from pathlib import Path
+
+    class Factory:  # hypothesis does not mix with function-scoped pytest fixtures
+        def mktemp(self, name):
+            return Path(tempfile.mkdtemp(prefix=name))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 7, (n,), generator=g, dtype=torch.int32)
+    if sort:
+        ids = torch.sort(ids).values
+    check(doc_specs(), {"doc": ids}, {"B_i": bi, "B_L": bl}, Factory())
+
+
+def test_empty_captured_tensor_is_a_clear_error(tmp_path_factory):
+    fn, pre, _ = compile_prepass(doc_specs(), {"doc": "int32"}, {"doc": 1}, tmp_path_factory)
+    with pytest.raises(ValueError, match="is empty"):
+        run(fn, pre, {"doc": torch.zeros(0, dtype=torch.int32)}, {"B_i": 16, "B_L": 16})
