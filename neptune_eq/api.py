@@ -59,6 +59,7 @@ class Kernel:
     def __getstate__(self):  # the compiled launcher is process-local: never cached
         state = dict(self.__dict__)
         state["_launcher"] = None
+        state["_seen_shapes"] = {}
         return state
 
     @property
