@@ -160,13 +160,18 @@ def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> li
     descriptors (TMA), and -- where ``ks.warp_specializable`` says Triton can -- the main key
     loop warp-specialised, at the base depth and one stage deeper.  All of them: the cost
     model prunes what is timed (``choosing.choose.prune_configs``), so a cold choice stays
-    within its compile budget.  ``NEPTUNE_EQ_TMA=0`` / ``NEPTUNE_EQ_WARP_SPECIALIZE=0``
-    turn them off (e.g. a Triton whose warp specialisation aborts instead of raising)."""
+    within its compile budget.  ``NEPTUNE_EQ_TMA=0`` turns descriptors off.
+
+    Warp specialisation is opt-in (``NEPTUNE_EQ_WARP_SPECIALIZE=1``): on an H100 with
+    Triton 3.6 (``bench/gpu_validate_tma.py``, bench/results/gpu_validate_tma.md) four
+    warp-specialised configs of the global-attention kernel returned NaN at odd sizes and
+    one aborted in Triton's NVGPUWarpSpecialization pass, while every TMA-only config was
+    right.  A config that is timed but wrong would be chosen by speed alone."""
     if not getattr(ks, "descriptors", None) or os.environ.get("NEPTUNE_EQ_TMA", "1") == "0":
         return []
     out = [replace(c, tma=True) for c in pointer_configs]
     warps = getattr(ks, "warp_specializable", ())
-    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "1") == "0":
+    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "0") != "1":
         warps = ()
     seen = set()
     for c in pointer_configs:
