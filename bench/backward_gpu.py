@@ -198,6 +198,9 @@ def main():
         # A compiled flex_attention met at a second length can fall back to an unfused
         # path (measured: 194 ms at S=8192 after S=2048): compile afresh per length.
         torch._dynamo.reset()
+        # every variant (mods, grad or not) is a recompile: the default limit of 8 sends
+        # the later ones to an unfused fallback (measured: alibi at 235 ms)
+        torch._dynamo.config.recompile_limit = 64
         flex_c = torch.compile(flex_attention)
         rows += [bench_one(n, S, dtype, slopes, flex_c, check_len) for n in names]
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
