@@ -23,6 +23,8 @@ booleans are summarised as int32 0/1.
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from .block_predicate import SummarySpec
@@ -98,8 +100,26 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of) -> tu
         dt = dtype_of(s.tensor)
         body = (_block_body(k, s, rank_of(s.tensor), dt) if s.dim is not None
                 else _global_body(s, rank_of(s.tensor), dt))
+        if len(specs) > 1:
+            body = _own_names(body, k)
         lines += head + [f"{ind}# {s.name}: {_describe(s)}"] + [ind + ln for ln in body]
     return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs))
+
+
+def _own_names(body: list[str], k: int) -> list[str]:
+    """The branch's locals renamed ``name_k``: Triton types a variable assigned in several
+    branches of one ``if`` as one type, and the branches differ (a block summary's ``lo``
+    is a tile of G blocks, a whole-tensor summary's a scalar): measured on Triton 3.6,
+    "Mismatched type for first between then block and else block"."""
+    names = set()
+    for line in body:
+        m = re.match(r"\s*(?:for\s+)?(\w+)\s*(?:=|\+=|\s+in\b)", line)
+        if m:
+            names.add(m.group(1))
+    if not names:
+        return body
+    pat = re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
+    return [pat.sub(lambda m: f"{m.group(1)}_{k}", line) for line in body]
 
 
 def _out_rank(s: SummarySpec, rank_of) -> int:
