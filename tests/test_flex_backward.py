@@ -113,3 +113,22 @@ def test_learnable_captured_slopes_get_gradients():
     for a, r in zip(got, ref):
         assert torch.isfinite(a).all()
         assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
+
+
+def test_the_op_and_the_eager_function_give_the_same_gradients():
+    """Eager calls with grad take ``torch_op.EagerFlexAttention`` (no custom-op dispatch);
+    ``torch.compile`` takes the ``neptune_eq::flex_attention`` op and its registered
+    autograd formula.  Both run ``flex_backward.run_backward``: the same gradients."""
+    from neptune_eq.dropin import torch_op
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 2, 6, 4)
+    eager = torch.autograd.grad(ne.flex_attention(q, k, v), (q, k, v), g)
+    skey = next(key for key, s in flex.STRUCTURES.items()  # plain: no mods, nothing captured
+                if set(s.shapes) == {"q", "k", "v"} and s.shapes["q"][1:] == (2, s.shapes["q"][2], 4)
+                and s.program is not None
+                and "where" not in str(s.program.definition("s").body))
+    out, _, _ = torch_op.flex_attention_op(q, k, v, [], skey, False)
+    via_op = torch.autograd.grad(out, (q, k, v), g)
+    for a, b in zip(eager, via_op):
+        assert torch.equal(a, b)

@@ -120,8 +120,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         skey, captured = torch_op.eager_structure(
             score_mod, mask_mod, spec, {SIZES[0]: query.shape[0], SIZES[1]: query.shape[2],
                                         SIZES[2]: key.shape[2]})
-    if compiling or any(x.requires_grad for x in (query, key, value, *captured)):
+    if compiling:
         out, lse, mx = torch_op.flex_attention_op(query, key, value, captured, skey, want_max)
+    elif torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, *captured)):
+        out, lse, mx = torch_op.EagerFlexAttention.apply(query, key, value, skey, want_max,
+                                                         *captured)
     else:  # eager, no autograd: the op's dispatch layers would only add host time
         out, lse, mx = run(skey, query, key, value, captured, want_max)
     if return_aux is not None:
