@@ -50,8 +50,9 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
 def _build_backward(st, wrt, sizes, shared):
     from ..api import superoptimize
     program, expanded = _grouped_reads_expanded(st.program, wrt)
-    bw = with_constant_input(
-        backward_program(program, list(wrt), saved=SAVED, constant=("mx",)), "den", 1.0)
+    bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
+    if "den" in bw.saved:  # (a gradient that never reads the denominator keeps none)
+        bw = with_constant_input(bw, "den", 1.0)
     stats = row_statistics(bw) if shared else []
     if stats and wrt == ("q",):
         bw = with_outputs(bw, stats)
