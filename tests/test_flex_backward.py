@@ -132,3 +132,22 @@ def test_the_op_and_the_eager_function_give_the_same_gradients():
     via_op = torch.autograd.grad(out, (q, k, v), g)
     for a, b in zip(eager, via_op):
         assert torch.equal(a, b)
+
+
+def test_document_mask_backward_skips_blocks_like_the_forward():
+    """A mask over a captured tensor (sorted document ids, causal inside each): the
+    backward kernels derive the same block summaries and key ranges as the forward (one
+    summary pre-pass, then the kernel), and the gradients match fp64 autograd."""
+    torch.manual_seed(0)
+    n = 37
+    doc = torch.tensor(sorted(torch.randint(0, 4, (n,)).tolist()), dtype=torch.int32)
+
+    def mask(b, h, i, j):
+        return (doc[i] == doc[j]) & (j <= i)
+
+    got = check(1, 2, 2, n, n, 8, None, mask, None,
+                lambda i, j: (doc[i] == doc[j]) & (j <= i))
+    assert all(torch.isfinite(x).all() for x in got)
+    st = [s for s in flex.STRUCTURES.values() if s.backward and "doc" in s.shapes][-1]
+    for _, kern, *_ in st.backward.values():
+        assert kern.launches == ["neptune_kernel_summaries", "neptune_kernel"]
