@@ -151,3 +151,20 @@ def test_document_mask_backward_skips_blocks_like_the_forward():
     st = [s for s in flex.STRUCTURES.values() if s.backward and "doc" in s.shapes][-1]
     for _, kern, *_ in st.backward.values():
         assert kern.launches == ["neptune_kernel_summaries", "neptune_kernel"]
+
+
+def test_value_head_dim_differs_dk_dv_still_share_one_loop():
+    """Ev != E: dK[j, k3] and dV[j, e] keep the same key rows (autodiff names them alike
+    where the extents agree), so they still share one loop over query blocks."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 2, 21, 8, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 21, 16, requires_grad=True)
+    g = torch.randn(1, 2, 21, 16)
+    got = torch.autograd.grad(ne.flex_attention(q, k, v, mask_mod=lambda b, h, i, j: j <= i),
+                              (q, k, v), g)
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(reference(*ins, mask=lambda i, j: j <= i)[0], ins, g.double())
+    for a, r in zip(got, ref):
+        assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
+    st = [s for s in flex.STRUCTURES.values() if s.backward and s.shapes["v"][-1] == 16][-1]
+    assert "blocked: j" in st.backward[(("k", "v"), True)][1].explain()

@@ -176,12 +176,13 @@ class _Builder:
         input along (``d_x[i, c]`` for ``y[i, c] = … x[i, c] …``): the lowering matches
         a producer's reads by axis name, so the backward must speak the forward's names."""
         shape = next(ph.shape for ph in self.p.inputs if ph.name == name)
-        # Gradients of inputs of one shape (dK and dV) share their axis names: each name
-        # known from one input's reads serves all, so the lowering sees folds that keep the
+        # Gradients of inputs of one shape but maybe the last dim (dK and dV, Ev may differ
+        # from E) share their axis names where the extents agree: each name known from one
+        # input's reads serves all, so the lowering sees folds that keep the
         # same rows and runs them in one loop over the recomputed P (FlashAttention-2's
         # fused dK/dV) rather than one kernel each.
-        group = {name} | {ph.name for ph in self.p.inputs
-                          if ph.name in self.wrt and ph.shape == shape}
+        group = {name} | {ph.name for ph in self.p.inputs if ph.name in self.wrt
+                          and len(ph.shape) == len(shape) and ph.shape[:-1] == shape[:-1]}
         seen: list[list[str]] = [[] for _ in shape]
         for d in self.p.defs:
             for t in d.body.walk():
