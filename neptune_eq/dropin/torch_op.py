@@ -81,21 +81,17 @@ class EagerFlexAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, structure: str, max_scores: bool, *captured):
+        from . import flex_backward
         out, lse, mx = flex.run(structure, q, k, v, list(captured), max_scores)
-        ctx.structure = structure
-        ctx.captured_needs = [c.requires_grad and c.is_floating_point() for c in captured]
-        ctx.save_for_backward(q, k, v, out, lse, *captured)
-        ctx.mark_non_differentiable(mx)
+        flex_backward.setup_context(ctx, (q, k, v, captured, structure, max_scores),
+                                    (out, lse, mx))
         return out, lse, mx
 
     @staticmethod
     def backward(ctx, d_out, d_lse, d_mx):
         from . import flex_backward
-        q, k, v, out, lse, *captured = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[:3]) + list(ctx.captured_needs)
-        grads = flex_backward.run_backward(ctx.structure, q, k, v, captured, out, lse, d_out,
-                                           d_lse, needs)
-        return (grads[0], grads[1], grads[2], None, None, *grads[3:])
+        dq, dk, dv, d_captured, _, _ = flex_backward.backward(ctx, d_out, d_lse, d_mx)
+        return (dq, dk, dv, None, None, *d_captured)
 
 
 # ----------------------------------------------------------------------------------
