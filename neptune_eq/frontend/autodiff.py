@@ -462,8 +462,7 @@ _DIFFERENTIABLE = set(_UNARY_DERIVATIVE) | {"add", "sub", "mul", "div", "neg", "
 _FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
          "maximum": max, "minimum": min, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
          "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b,
-         "ne": lambda a, b: a != b, "div": lambda a, b: a / b if b else math.copysign(
-             math.inf, a) if a else math.nan}
+         "ne": lambda a, b: a != b, "div": lambda a, b: a / b if b else math.nan}  # x/0: kept
 
 
 def with_constant_input(bw: Backward, name: str, value: float) -> Backward:
