@@ -120,11 +120,12 @@ class CostModel:
 class Extraction:
     """The cheapest term of every e-class under a cost model."""
     view: EGraphView
+    model: CostModel
     best: dict[str, tuple[float, Node]] = field(default_factory=dict)
 
     @classmethod
     def run(cls, view: EGraphView, model: CostModel) -> "Extraction":
-        ex = cls(view)
+        ex = cls(view, model)
         changed = True
         while changed:
             changed = False
@@ -170,6 +171,33 @@ class Extraction:
         memo[cls] = out
         return out
 
+    def term_rooted_at_reduction(self, cls: str, memo: dict) -> Term:
+        """The cheapest term of ``cls`` whose top node is a reduction or fold.
+
+        A definition read through ``run:``/``prev:`` must be one: those reads name the
+        running value of its top reduction.  Its class may hold a cheaper non-reduction
+        form (``Σ_j a·c = (Σ_j a)·c`` puts a ``mul`` on top), which alone is equal in
+        total but has no running value."""
+        best = None
+        for n in self.view.classes.get(cls, ()):
+            if n.op not in REDUCTION_OPS or self.model.node_cost(self.view, cls, n) == INF:
+                continue
+            kids = [k for k in n.children if k not in self.view.literal]
+            if any(k not in self.best for k in kids):
+                continue
+            cost = self.model.node_cost(self.view, cls, n) + sum(self.best[k][0] for k in kids)
+            if best is None or cost < best[0]:
+                best = (cost, n)
+        if best is None:
+            raise ValueError(f"e-class {cls} is read through run/prev but holds no "
+                             "finite-cost reduction")
+        saved = self.best[cls]
+        self.best[cls] = best  # decode this one class at the reduction node
+        try:
+            return self.term(cls, {k: v for k, v in memo.items() if k != cls})
+        finally:
+            self.best[cls] = saved
+
     def _idx(self, cls: str, memo) -> list[Term]:
         out = []
         while True:
@@ -189,6 +217,8 @@ class Candidate:
 
 
 FOLD_OPS = ("RollSum", "RollMax", "SplitK")
+# Constructors whose term is a reduction (or a fold of one): what run:/prev: may read.
+REDUCTION_OPS = ("Sum", "Max", "Min") + FOLD_OPS
 
 
 def check_folds(view: EGraphView, model: CostModel) -> list:
@@ -218,13 +248,10 @@ def extract_program(view: EGraphView, program: Program, model: CostModel | None 
     ex = Extraction.run(view, model)
     memo: dict = {}
     bodies = {d.name: ex.term(view.roots[f"def_{d.name}"], memo) for d in program.defs}
-    needed, stack = set(), list(program.outputs)
-    while stack:
-        n = stack.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        stack.extend(accessed(bodies[n]))
+    needed = _needed(bodies, program.outputs)
+    for name in _running_targets(bodies, needed):
+        if bodies[name].kind not in ("reduce", "fold"):
+            bodies[name] = ex.term_rooted_at_reduction(view.roots[f"def_{name}"], memo)
     defs = [Definition(d.name, d.axes, bodies[d.name], d.dtype) for d in program.defs
             if d.name in needed]
     cost = sum(ex.cost(view.roots[f"def_{d.name}"]) for d in defs)
@@ -332,12 +359,10 @@ def top_programs(view: EGraphView, program: Program, model: CostModel, k: int = 
     out: dict[str, Candidate] = {}
     for _, choice in beams:
         bodies = {n: kb.term(view.roots[f"def_{n}"], r) for n, r in choice.items()}
-        needed, stack = set(), list(program.outputs)
-        while stack:
-            n = stack.pop()
-            if n not in needed:
-                needed.add(n)
-                stack.extend(accessed(bodies[n]))
+        needed = _needed(bodies, program.outputs)
+        if any(bodies[n].kind not in ("reduce", "fold")
+               for n in _running_targets(bodies, needed)):
+            continue  # run:/prev: of a non-reduction form has no meaning (see above)
         defs = [Definition(d.name, d.axes, bodies[d.name], d.dtype) for d in program.defs
                 if d.name in needed]
         cost = sum(kb.lists[view.roots[f"def_{d.name}"]][choice[d.name]][0] for d in defs)
@@ -346,6 +371,22 @@ def top_programs(view: EGraphView, program: Program, model: CostModel, k: int = 
         if key not in out or out[key].cost > cost:
             out[key] = cand
     return sorted(out.values(), key=lambda c: c.cost)[:k]
+
+
+def _needed(bodies: dict[str, Term], outputs) -> set[str]:
+    """The definitions the outputs read, directly or through others."""
+    needed, stack = set(), list(outputs)
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(accessed(bodies[n]))
+    return needed
+
+
+def _running_targets(bodies: dict[str, Term], names) -> set[str]:
+    """Definitions some body in ``names`` reads through ``run:`` or ``prev:``."""
+    return {t for n in names for t in accessed(bodies[n], ("run", "prev"))}
 
 
 def _describe(defs) -> str:
