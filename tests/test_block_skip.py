@@ -184,7 +184,7 @@ def test_jagged_sequences_from_offsets_nested_read():
 
 def test_sorted_document_ids_become_loop_bounds():
     """The loop-bounds form for monotone ids: with sorted ids a row block's visible keys
-    are one range (binary search over the key-block summaries) and the blocks it sees
+    are one range (counted from the key-block summaries) and the blocks it sees
     whole another -- three loops (masked, unmasked, masked) with no per-block ``if``, under
     the ids' nondecreasing flag; unsorted ids take the per-block test form.  NaN in the V
     blocks of other documents shows the loop bounds alone keep them unread."""
@@ -279,3 +279,20 @@ def test_decode_split_with_key_ranges_per_head():
         Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, lo=starts,
                                                                     hi=ends, o=o))
         assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
+
+
+def test_block_range_count_spans_several_chunks(monkeypatch):
+    """The key ranges count summary entries SEARCH_CHUNK at a time; with a chunk of 2 the
+    4-7 key blocks here take several chunks, so a wrong carry between chunks (or a stray
+    entry past the last block) would shift a range and drop or admit a block."""
+    from neptune_eq.lowering import block_skip
+    monkeypatch.setattr(block_skip, "SEARCH_CHUNK", 2)
+    doc = ne.placeholder((100,), "int32", "doc")
+    out = ne.attention(1, 1, 100, 100, D, "float32",
+                       mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    assert "tl.arange(0, 2)" in kern.source
+    ids = torch.repeat_interleave(torch.arange(5, dtype=torch.int32),
+                                  torch.tensor([7, 30, 21, 2, 40]))
+    q, k, v = qkv(1, 1, 100, 100, 3)
+    run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids))

@@ -301,18 +301,24 @@ def _row_bounds(em: Emitter, t: Term, const_ok: bool = False):
     return (None, None) if b is None else b
 
 
+SEARCH_CHUNK = 512  # summary entries counted per vector load (S = 65536 at B_L = 128: one)
+
+
 def _search(em: Emitter, spec: SummarySpec, nb: str, field_off: str, cmp: str, target) -> str:
-    """Binary search over the key-block summary (nondecreasing when X is): the first block
-    whose [min, max] entry at ``field_off`` satisfies ``entry cmp target`` (nb if none)."""
-    lo, hi, mid, val = em.new("bs_lo"), em.new("bs_hi"), em.new("bs_mid"), em.new("bs_v")
-    em.emit(f"{lo} = row_first * 0")
-    em.emit(f"{hi} = row_first * 0 + {nb}")
-    em.emit(f"while {lo} < {hi}:  # monotone data: the visible keys are one range")
-    em.emit(f"    {mid} = ({lo} + {hi}) // 2")
-    em.emit(f"    {val} = tl.load({spec.name}_ptr + {mid} * {spec.name}_s0 + {field_off})")
-    em.emit(f"    {hi} = tl.where({val} {cmp} {target}, {mid}, {hi})")
-    em.emit(f"    {lo} = tl.where({val} {cmp} {target}, {lo}, {mid} + 1)")
-    return lo
+    """The first block whose [min, max] entry at ``field_off`` satisfies ``entry cmp
+    target`` (nb if none), valid when the summary is nondecreasing (the caller checks).
+
+    Counted, not bisected: on a nondecreasing column the failing entries are a prefix, so
+    their count is the answer.  One vector load per SEARCH_CHUNK blocks replaces a chain of
+    log2(nb) dependent loads (each an L2 round trip) before the key loop can start."""
+    cnt, c0, offs, val = em.new("bs_n"), em.new("bs_c"), em.new("bs_o"), em.new("bs_v")
+    em.emit(f"{cnt} = row_first * 0")
+    em.emit(f"for {c0} in range(0, {nb}, {SEARCH_CHUNK}):  # monotone data: the visible keys are one range")
+    em.emit(f"    {offs} = {c0} + tl.arange(0, {SEARCH_CHUNK})")
+    em.emit(f"    {val} = tl.load({spec.name}_ptr + {offs} * {spec.name}_s0 + {field_off}, "
+            f"mask={offs} < {nb}, other=0)")
+    em.emit(f"    {cnt} += tl.sum((({offs} < {nb}) & ~({val} {cmp} {target})).to(tl.int32), axis=0)")
+    return cnt
 
 
 def _fold_code(fn: str, xs: list[str]) -> str:
