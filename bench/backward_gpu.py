@@ -216,7 +216,7 @@ def main():
     src = res / "backward_kernels"
     src.mkdir(exist_ok=True)
     for n, st in enumerate(flex.STRUCTURES.values()):
-        for (wrt, _), (_, kern, *_) in st.backward.items():
+        for (wrt, *_), (_, kern, *_) in st.backward.items():
             (src / f"structure{n}_{'_'.join(wrt)}.py.txt").write_text(kern.explain() + "\n\n" +
                                                                       kern.source)
     print(markdown(out))

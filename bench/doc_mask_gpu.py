@@ -114,6 +114,20 @@ def prepass_ms(q, k, v, mask) -> float | None:
         return None
 
 
+def config_sweep(q, k, v, mask) -> dict:
+    """The tile config ours runs with here, and every candidate config timed on THIS
+    case's data (the chooser timed them once, on the first data of the structure)."""
+    from neptune_eq.runtime.launcher import candidate_configs, time_configs
+    kern, la, bound = launcher_of(q, k, v, mask)
+    sizes = sizes_of(kern.input_program, bound)
+    timed = time_configs(la.program, la.ks, DEV, bound, candidate_configs(la.ks, DEV), sizes)
+    ok = sorted((ms, str(c)) for c, ms, _ in timed if ms is not None)
+    return {"config": str(la.config),
+            "best_config": ok[0][1] if ok else None,
+            "ms_best_config": ok[0][0] if ok else None,
+            "configs_timed": [[str(c), ms, why] for c, ms, why in timed]}
+
+
 def smoke_one(name: str, S: int, dtype: torch.dtype) -> dict:
     """CPU: one case at a tiny size through the Triton interpreter, against torch's eager
     flex_attention with the same mask (no timing; checks the bench's own code paths)."""
@@ -130,7 +144,7 @@ def smoke_one(name: str, S: int, dtype: torch.dtype) -> dict:
             "max_abs_diff_vs_flex": (ours.float() - ref).abs().max().item()}
 
 
-def run_one(name: str, S: int, dtype: torch.dtype, flex) -> dict:
+def run_one(name: str, S: int, dtype: torch.dtype, flex, sweep: bool = False) -> dict:
     mask, B, pairs = case(name, S)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
     t0 = time.perf_counter()
@@ -157,6 +171,8 @@ def run_one(name: str, S: int, dtype: torch.dtype, flex) -> dict:
     row["speedup_vs_percall"] = row["ms_flex_percall"] / row["ms_ours"]
     if row["ms_prepass"] is not None:
         row["prepass_share"] = row["ms_prepass"] / row["ms_ours"]
+    if sweep:
+        row.update(config_sweep(q, k, v, mask))
     return row
 
 
@@ -191,6 +207,9 @@ def main():
                     default=["doc1", "doc4", "doc13", "doc64", "jagged", "prefix_lm"])
     ap.add_argument("--out", default="doc_mask",
                     help="results file name under bench/results/ (without .md / .json)")
+    ap.add_argument("--sweep-configs", action="store_true",
+                    help="also time every candidate tile config on each case's own data "
+                         "(json: config, best_config, ms_best_config, configs_timed)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the bench itself: S=64, H=2, D=16 in the Triton "
                          "interpreter against eager flex_attention; writes <out>_smoke.json")
@@ -208,7 +227,7 @@ def main():
     for dt in args.dtype:
         for S in args.S:
             for name in args.cases:
-                row = run_one(name, S, getattr(torch, dt), flex)
+                row = run_one(name, S, getattr(torch, dt), flex, args.sweep_configs)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 write(rows, args.out)

@@ -76,11 +76,12 @@ def test_decode_gradients():
 def test_backward_kernels_are_derived_once_per_structure_and_input():
     check(1, 2, 2, 3, 4, 2)
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 2)
-    assert set(st.backward) == {(("q",), True), (("k", "v"), True)}
-    bw, kern, _, _, stats = st.backward[(("k", "v"), True)]
+    # (gradients, dQ's kernel shares its row statistics, the loss reads the lse)
+    assert set(st.backward) == {(("q",), True, True), (("k", "v"), True, True)}
+    bw, kern, _, _, stats = st.backward[(("k", "v"), True, True)]
     # Σ_e dO·O is computed once, by dQ's kernel, and read by dK/dV's as an input
     assert stats and all(any(ph.name == n for ph in bw.program.inputs) for n in stats)
-    assert stats[0] in st.backward[(("q",), True)][0].program.outputs
+    assert stats[0] in st.backward[(("q",), True, True)][0].program.outputs
     text = kern.explain()
     # FlashAttention-2's dK/dV: one program per block of keys j, one loop over the query
     # rows i updating both (P recomputed once), the row-wise dot Σ_e dO·O read in it
@@ -90,6 +91,31 @@ def test_backward_kernels_are_derived_once_per_structure_and_input():
     assert "den[" not in kern.source  # the denominator is the constant 1: folded away
     # four products per block: S = Q·Kᵀ, dV += Pᵀ·dO, dP = dO·Vᵀ, dK += dSᵀ·Q
     assert all(lp.count("tl.dot(") == 4 for lp in loops), loops
+
+
+def test_a_loss_without_the_lse_folds_its_gradient_away():
+    """The usual loss reads only the output: autograd hands the backward None for the lse
+    (grads are not materialised), and the kernels are built with d_lse = 0 folded away --
+    no d_lse input, no term -- and give the same gradients as fp64 autograd."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 9, 4, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 2, 9, 4)
+
+    def causal(b, h, i, j):
+        return j <= i
+    out = ne.flex_attention(q, k, v, mask_mod=causal)
+    got = torch.autograd.grad((out * g).sum(), [q, k, v])
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = grads(lambda *t: reference(*t, mask=lambda i, j: j <= i), ins, g.double(),
+                torch.zeros(1, 2, 9, dtype=torch.float64))
+    for a, r in zip(got, ref):
+        assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
+    st = next(s for s in flex.STRUCTURES.values()
+              if any(key[2] is False for key in s.backward) and s.shapes["q"][-1] == 4)
+    for key, (bw, kern, *_) in st.backward.items():
+        if key[2] is False:
+            assert "d_lse" not in {ph.name for ph in bw.program.inputs}
+            assert "d_lse" not in kern.source
 
 
 def test_learnable_captured_slopes_get_gradients():
@@ -167,4 +193,4 @@ def test_value_head_dim_differs_dk_dv_still_share_one_loop():
     for a, r in zip(got, ref):
         assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
     st = [s for s in flex.STRUCTURES.values() if s.backward and s.shapes["v"][-1] == 16][-1]
-    assert "blocked: j" in st.backward[(("k", "v"), True)][1].explain()
+    assert "blocked: j" in st.backward[(("k", "v"), True, False)][1].explain()

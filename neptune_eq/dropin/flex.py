@@ -126,7 +126,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         out, lse, mx = torch_op.EagerFlexAttention.apply(query, key, value, skey, want_max,
                                                          *captured)
     else:  # eager, no autograd: the op's dispatch layers would only add host time
-        out, lse, mx = run(skey, query, key, value, captured, want_max)
+        out, lse, mx = run(skey, query, key, value, captured, want_max, want_lse)
     if return_aux is not None:
         from torch.nn.attention.flex_attention import AuxOutput
         return out, AuxOutput(lse=lse if want_lse else None, max_scores=mx if want_max else None)
@@ -375,9 +375,11 @@ def _find(out: dsl.Tensor, name: str) -> dsl.Tensor:
                        "(neptune_eq.flex needs its row max 'mx' and row sum 'den').")
 
 
-def run(skey: str, q, k, v, captured: list, want_max: bool):
+def run(skey: str, q, k, v, captured: list, want_max: bool, want_lse: bool = True):
     """The kernel of structure ``skey`` on q, k, v and the captured tensors:
-    (out, lse, max_scores or an empty tensor)."""
+    (out, lse, max_scores or an empty tensor).  ``want_lse=False``: the lse is not
+    returned, so its masked rows are left as the kernel wrote them (two torch ops fewer,
+    each a launch on a GPU)."""
     st = STRUCTURES.get(skey)
     if st is None:
         raise ProgramError(f"Expected a structure traced in this process, got key {skey!r} "
@@ -386,7 +388,8 @@ def run(skey: str, q, k, v, captured: list, want_max: bool):
     sizes = {SIZES[0]: q.shape[0], SIZES[1]: q.shape[2], SIZES[2]: k.shape[2]}
     res = st.kernel_at(sizes)(q, k, v, *captured)
     out, lse = res[0], res[1]
-    finish(lse)
+    if want_lse:
+        finish(lse)
     mx = finish(res[2]) if want_max else lse.new_empty((0,))
     return out, lse, mx
 

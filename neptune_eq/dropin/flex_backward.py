@@ -13,18 +13,21 @@ depend on it), so any per-row shift gives the same gradients, and with the shift
 ``m := lse = m + log l`` the denominator becomes ``l = Σ exp(s − lse) = 1``:
 ``exp(s − m)/l = exp(s − (m + log l))``, P recomputed from the log-sum-exp alone.  The
 denominator is then the constant 1 and is folded into the program
-(``autodiff.with_constant_input``): ``dO/max(l, ε)`` is ``dO`` again, an fp16 operand of the
+(``backward_forms.with_constant_input``): ``dO/max(l, ε)`` is ``dO`` again, an fp16 operand of the
 tensor-core products.  A row with no visible key has lse = −inf: it gets the shift
 ``UNSEEN_ROW_SHIFT``, under which every ``exp(s − m)`` of the row underflows to exactly 0, so
 its gradients are zero (never NaN).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import flex
-from ..frontend.autodiff import (backward_program, with_constant_input,
-                                 with_definition_as_input, with_outputs)
+from ..frontend.autodiff import backward_program
+from ..frontend.backward_forms import (with_constant_input, with_definition_as_input,
+                                       with_outputs)
 from ..ir import MASKED, ProgramError
 
 SAVED = ("mx", "den", "o")
@@ -32,27 +35,31 @@ UNSEEN_ROW_SHIFT = -MASKED  # s − m <= −1e30 on a row with no visible key: P
 
 
 def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str, int],
-                    shared: bool = False):
+                    shared: bool = False, lse_grad: bool = True):
     """The superoptimized backward kernel of structure ``st`` for the inputs ``wrt`` (one
     kernel computes all of them: ``("k", "v")`` share the recomputed P in one loop).
 
     ``shared``: dQ's and dK/dV's kernels both run, and the row statistics both read
     (``row_statistics``: Σ_e dO·O) are computed once -- dQ's kernel returns them after dQ,
-    dK/dV's reads them as inputs.  Returns (backward, kernel, rows, expanded, stats)."""
-    key = (wrt, shared)
+    dK/dV's reads them as inputs.  ``lse_grad=False``: the loss does not use the lse
+    (the usual case), its cotangent is 0 and is folded away -- no input, no term.
+    Returns (backward, kernel, rows, expanded, stats)."""
+    key = (wrt, shared, lse_grad)
     if key not in st.backward:
         with st.lock:
             if key not in st.backward:
-                st.backward[key] = _build_backward(st, wrt, sizes, shared)
+                st.backward[key] = _build_backward(st, wrt, sizes, shared, lse_grad)
     return st.backward[key]
 
 
-def _build_backward(st, wrt, sizes, shared):
+def _build_backward(st, wrt, sizes, shared, lse_grad):
     from ..api import superoptimize
     program, expanded = _grouped_reads_expanded(st.program, wrt)
     bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
     if "den" in bw.saved:  # (a gradient that never reads the denominator keeps none)
         bw = with_constant_input(bw, "den", 1.0)
+    if not lse_grad and "d_lse" in bw.cotangents:
+        bw = with_constant_input(bw, "d_lse", 0.0)
     stats = row_statistics(bw) if shared else []
     if stats and wrt == ("q",):
         bw = with_outputs(bw, stats)
@@ -173,14 +180,14 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     names = [ph.name for ph in st.program.inputs]
     tensors = [q, k, v, *captured]
     sizes = {flex.SIZES[0]: q.shape[0], flex.SIZES[1]: q.shape[2], flex.SIZES[2]: k.shape[2]}
-    visible = torch.isfinite(lse)
     env = dict(zip(names, tensors))
-    env["mx"] = torch.where(visible, lse,
-                            torch.full_like(lse, UNSEEN_ROW_SHIFT)).float().contiguous()
+    # one op: lse = -inf on a row with no visible key -> the shift under which its P is 0
+    env["mx"] = lse.float().nan_to_num(nan=math.nan, posinf=math.inf,
+                                       neginf=UNSEEN_ROW_SHIFT).contiguous()
     env["o"] = out.contiguous()
     env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
-    env["d_lse"] = (torch.zeros_like(lse) if d_lse is None else
-                    torch.where(visible, d_lse.float(), 0.0)).contiguous()
+    if d_lse is not None:  # (None: the loss does not use the lse, see backward_kernel)
+        env["d_lse"] = d_lse.float().masked_fill(lse == -math.inf, 0.0).contiguous()
     for name, t, need in zip(names, tensors, needs):
         if need and not t.is_floating_point():
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
@@ -190,7 +197,7 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
     for group in groups:
         bw, kern, rows, expanded, stats = backward_kernel(
-            st, group, sizes, shared and group[0] in ("q", "k", "v"))
+            st, group, sizes, shared and group[0] in ("q", "k", "v"), d_lse is not None)
         feed = {ph.name: env[ph.name] for ph in bw.program.inputs}
         for name, g in expanded.items():
             feed[name] = feed[name].repeat_interleave(g, dim=1)
@@ -212,6 +219,9 @@ def setup_context(ctx, inputs, output):
     q, k, v, captured, structure, _max_scores = inputs
     out, lse, _mx = output
     ctx.structure = structure
+    # an output the loss does not use gets None, not a zero tensor: the lse's gradient
+    # is then folded out of the backward kernels (no allocation, no load, no term)
+    ctx.set_materialize_grads(False)
     # per captured tensor (a list input has one needs_input_grad flag): float tensors that
     # require grad get one; integer tables (document ids) never do
     ctx.captured_needs = [c.requires_grad and c.is_floating_point() for c in captured]

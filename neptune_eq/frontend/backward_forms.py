@@ -1,0 +1,150 @@
+"""Forms of a backward program that use what the caller knows about its inputs.
+
+``frontend.autodiff`` writes the plain adjoint of a program; these rewrite it where the
+caller knows more than the program says: a saved input or cotangent that is a constant
+(attention's denominator is 1 once the row shift is the lse; the lse's cotangent is 0
+when the loss does not use it), a definition another kernel returns anyway (Σ_e dO·O,
+computed by dQ's kernel, read by dK/dV's), a definition to return as an extra output.
+Each returns a new ``Backward``; the gradients stay those of the plain program (tested
+against autograd in ``tests/test_autodiff.py``).
+"""
+from __future__ import annotations
+
+import math
+
+from .. import ir
+from ..ir import Definition, Placeholder, Program, ProgramError, Term, const
+from .autodiff import Backward
+
+_FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+         "maximum": max, "minimum": min, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
+         "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b,
+         "ne": lambda a, b: a != b, "div": lambda a, b: a / b if b else math.nan}  # x/0: kept
+
+
+def with_constant_input(bw: Backward, name: str, value: float) -> Backward:
+    """``bw`` where the saved input or cotangent ``name`` is known to equal ``value``
+    everywhere it is read; the placeholder is dropped and the arithmetic it fed is folded
+    away (with definitions that fold to a constant, and those no output reads any more).
+
+    Attention's backward reads the row denominator ``l`` through ``o = acc / max(l, ε)``
+    and ``where(l > 0, …)``.  Fed ``m := lse`` the denominator is 1 on every row that sees
+    a key (see ``dropin.flex_backward``): knowing it turns ``dO / max(l, ε)`` back into
+    ``dO`` -- an fp16 load the P·dO and dO·Vᵀ products take straight to the tensor cores,
+    where a computed fp32 tile would force an fp32 product.
+
+    A cotangent set to 0 (an output the loss does not use, such as the lse) also absorbs
+    what it multiplies: autograd's convention -- a zero cotangent contributes nothing, the
+    term is not evaluated -- so the kernel loads and adds nothing for it."""
+    if name not in bw.saved and name not in bw.cotangents:
+        raise ProgramError(f"Expected a saved input {list(bw.saved)} or a cotangent "
+                           f"{list(bw.cotangents)} of the backward, got {name!r}.")
+    p = bw.program
+    c = const(float(value))
+    absorb = name in bw.cotangents and value == 0
+    known: dict[str, Term] = {}  # definitions that folded to a constant
+
+    def fold(t: Term) -> Term:
+        if t.op == "load" and t.val == name:
+            return c
+        if t.op == "ref" and t.val in known:
+            return known[t.val]
+        return _fold_constants(t.map_args(fold), absorb)
+
+    defs = []
+    for d in p.defs:
+        body = fold(d.body)
+        if body.op in ("int", "flt") and d.name not in p.outputs:
+            known[d.name] = body
+        else:
+            defs.append(Definition(d.name, d.axes, body, d.dtype))
+    defs = _reachable(defs, p.outputs)
+    reads = {n.val for d in defs for n in d.body.walk() if n.op == "load"}
+    inputs = [ph for ph in p.inputs if ph.name != name and (ph.name in reads or ph.name in
+                                                            bw.cotangents)]
+    prog = Program(inputs, defs, dict(p.extents), list(p.outputs),
+                   dict(p.meta, saved=[s for s in p.meta.get("saved", []) if s != name],
+                        constant_inputs={**p.meta.get("constant_inputs", {}), name: value}))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, tuple(s for s in bw.saved if s != name),
+                    tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))
+
+
+def _fold_constants(t: Term, absorb_zero: bool) -> Term:
+    """One node of ``with_constant_input``'s folding, its arguments already folded."""
+    a = t.args
+
+    def lit(x, v=None):
+        return x.op in ("int", "flt") and (v is None or x.val == v)
+    if a and all(lit(x) for x in a) and t.op in _FOLD:
+        v = _FOLD[t.op](*(x.val for x in a))
+        if isinstance(v, bool) or math.isfinite(v):
+            return const(v)
+    if t.op == "where" and lit(a[0]):
+        return a[1] if a[0].val else a[2]
+    if t.op in ("mul", "div") and lit(a[1], 1):
+        return a[0]
+    if t.op == "mul" and lit(a[0], 1):
+        return a[1]
+    if t.op in ("add", "sub") and lit(a[1], 0):
+        return a[0]
+    if t.op == "add" and lit(a[0], 0):
+        return a[1]
+    if absorb_zero:
+        if (t.op == "mul" and (lit(a[0], 0) or lit(a[1], 0))) or (
+                t.op == "div" and lit(a[0], 0)) or (
+                t.op in ("neg", "cast", "sum") and lit(a[0], 0)) or (
+                t.op == "where" and lit(a[1], 0) and lit(a[2], 0)):
+            return const(0.0)
+        if t.op == "sub" and lit(a[0], 0):
+            return Term("neg", (a[1],))
+    return t
+
+
+def _reachable(defs: list[Definition], outputs) -> list[Definition]:
+    """The definitions some output reads, directly or through others (in order)."""
+    by_name = {d.name: d for d in defs}
+    need, stack = set(), list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in need or n not in by_name:
+            continue
+        need.add(n)
+        stack.extend(ir.accessed(by_name[n].body))
+    return [d for d in defs if d.name in need]
+
+
+def with_outputs(bw: Backward, names: list[str]) -> Backward:
+    """``bw`` that also returns its definitions ``names`` (after its gradients)."""
+    p = bw.program
+    for n in names:
+        p.definition(n)  # a clear error for a name that is not a definition
+    prog = Program(list(p.inputs), list(p.defs), dict(p.extents),
+                   list(p.outputs) + [n for n in names if n not in p.outputs], dict(p.meta))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, bw.saved, bw.cotangents)
+
+
+def with_definition_as_input(bw: Backward, name: str) -> Backward:
+    """``bw`` reading its definition ``name`` as an input computed elsewhere -- by the
+    kernel of another gradient that computes it anyway, as dQ's kernel computes the row
+    dot ``Σ_e dO·O`` before its loop: the dK/dV kernel then reads one number per query
+    row instead of recomputing it from an O tile in every key block's program."""
+    p = bw.program
+    d = p.definition(name)
+    if name in p.outputs:
+        raise ProgramError(f"Expected an intermediate definition, got the output {name!r}.")
+
+    def swap(t: Term) -> Term:
+        t = t.map_args(swap)
+        return Term("load", t.args, name) if t.op == "ref" and t.val == name else t
+    defs = [Definition(x.name, x.axes, swap(x.body), x.dtype) for x in p.defs if x.name != name]
+    reads = {n.val for x in defs for n in x.body.walk() if n.op == "load"}
+    inputs = [ph for ph in p.inputs if ph.name in reads]
+    inputs.append(Placeholder(name, p.shape_of(name), d.dtype))
+    prog = Program(inputs, defs, dict(p.extents), list(p.outputs),
+                   dict(p.meta, precomputed=[*p.meta.get("precomputed", []), name],
+                        saved=[s for s in p.meta.get("saved", []) if s in reads]))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, tuple(s for s in bw.saved if s in reads),
+                    tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))
