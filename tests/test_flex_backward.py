@@ -67,6 +67,14 @@ def test_causal_softcap_gqa_and_a_fully_masked_row():
     dq, _, _ = check(1, 4, 2, 5, 5, 4, softcap, mask,
                      lambda s, i, j: 8.0 * torch.tanh(s / 8.0), lambda i, j: (j <= i) & (i != 2))
     assert torch.equal(dq[:, :, 2], torch.zeros_like(dq[:, :, 2]))  # zero, never NaN
+    # GQA: dK/dV are per query head (summed per group after the kernel), but K and V are
+    # read from the [B, Hkv, ...] tensors at head y // G: no per-call copy of them
+    st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["k"][1] == 2
+              and s.shapes["q"][1] == 4)
+    bw = next(b[0] for key, b in st.backward.items() if key[0] == ("k", "v"))
+    assert {ph.name: ph.shape[1] for ph in bw.program.inputs}["k"] == 2
+    assert {ph.name: ph.shape[1] for ph in bw.program.inputs}["v"] == 2
+    assert bw.program.shape_of("d_k")[1] == 4
 
 
 def test_decode_gradients():

@@ -56,6 +56,7 @@ def _build_backward(st, wrt, sizes, shared, lse_grad):
     from ..api import superoptimize
     program, expanded = _grouped_reads_expanded(st.program, wrt)
     bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
+    bw = _grouped_inputs_shared(bw, st.program, expanded)
     if "den" in bw.saved:  # (a gradient that never reads the denominator keeps none)
         bw = with_constant_input(bw, "den", 1.0)
     if not lse_grad and "d_lse" in bw.cotangents:
@@ -97,7 +98,9 @@ def row_statistics(bw) -> list[str]:
 
 def _grouped_reads_expanded(program, wrt: tuple[str, ...]):
     """(program, {name: G}): the program where each input in ``wrt`` read only at head
-    ``y // G`` (GQA's K and V) is read at ``y`` from a copy with the query heads' count.
+    ``y // G`` (GQA's K and V) is read at ``y``, as if from a copy with the query heads'
+    count -- the form autodiff differentiates (``_grouped_inputs_shared`` then points the
+    reads back at the original tensor; no copy is made).
 
     The adjoint of a read at ``y // G`` sums over the G query heads of a group; written
     as is, that is ``Σ_y where(y // G = t, …)``, a loop over every head for each KV head.
@@ -130,6 +133,32 @@ def _grouped_reads_expanded(program, wrt: tuple[str, ...]):
     defs = [type(d)(d.name, d.axes, swap(d.body), d.dtype) for d in program.defs]
     return Program(inputs, defs, dict(program.extents), list(program.outputs),
                    dict(program.meta)), groups
+
+
+def _grouped_inputs_shared(bw, forward, groups: dict[str, int]):
+    """``bw`` (derived from ``_grouped_reads_expanded``'s program) reading each grouped
+    input from the original ``[B, Hkv, …]`` tensor at head ``y // G`` again.  Only the
+    gradients need the per-query-head layout; the reads do not, so no copy of K and V
+    is made per backward call, and the G heads of a group read one K/V tile (an L2 hit
+    for all but the first) as the forward does."""
+    from ..ir import Program, Term, const, validate
+    if not groups:
+        return bw
+    p = bw.program
+
+    def shared(t: Term) -> Term:
+        t = t.map_args(shared)
+        if t.op == "load" and t.val in groups:
+            head = Term("floordiv", (t.args[1], const(groups[t.val])))
+            return Term("load", (t.args[0], head, *t.args[2:]), t.val)
+        return t
+    original = {ph.name: ph for ph in forward.inputs}
+    inputs = [original[ph.name] if ph.name in groups else ph for ph in p.inputs]
+    defs = [type(d)(d.name, d.axes, shared(d.body), d.dtype) for d in p.defs]
+    # (the forward that computes the saved values from these inputs: the original one)
+    meta = dict(p.meta, forward=forward) if "forward" in p.meta else dict(p.meta)
+    prog = validate(Program(inputs, defs, dict(p.extents), list(p.outputs), meta))
+    return type(bw)(prog, bw.wrt, bw.saved, bw.cotangents)
 
 
 def gradient_groups(names: list[str], needs: list[bool]) -> list[tuple[str, ...]]:
@@ -198,10 +227,7 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     for group in groups:
         bw, kern, rows, expanded, stats = backward_kernel(
             st, group, sizes, shared and group[0] in ("q", "k", "v"), d_lse is not None)
-        feed = {ph.name: env[ph.name] for ph in bw.program.inputs}
-        for name, g in expanded.items():
-            feed[name] = feed[name].repeat_interleave(g, dim=1)
-        out = kern(**feed)
+        out = kern(**{ph.name: env[ph.name] for ph in bw.program.inputs})
         out = out if isinstance(out, tuple) else (out,)
         if stats and group == ("q",):  # dQ's kernel returned the row statistics too
             env.update(zip(stats, out[len(group):]))
