@@ -8,7 +8,8 @@ tensor descriptors, warp-specialised loops -- is checked for structure on CPU.  
 run without ``TRITON_INTERPRET`` (which turns ``@triton.jit`` into the interpreter), hence
 a subprocess.  JSON_SPEC: {"dtypes": {param: "*fp16" | "i32"}, "constexprs": {...},
 "num_warps": 4, "num_stages": 3}.  Prints one JSON line: ok, error, and what the PTX
-uses.  This is the newest Triton's compiler, not the GPU machine's 3.6: the GPU run of
+uses; with ``"resources": true`` in the spec also registers per thread and spill bytes,
+from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).  This is the newest Triton's compiler, not the GPU machine's 3.6: the GPU run of
 bench/gpu_validate_tma.py validates there.
 """
 import importlib.util
@@ -39,8 +40,35 @@ def main():
         print(json.dumps({"ok": False, "error": msg[-1] if msg else type(e).__name__}))
         return
     ptx = ck.asm["ptx"]
-    print(json.dumps({"ok": True, "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,
-                      "setmaxnreg": "setmaxnreg" in ptx, "shared": ck.metadata.shared}))
+    out = {"ok": True, "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,
+           "setmaxnreg": "setmaxnreg" in ptx, "shared": ck.metadata.shared}
+    if spec.get("resources"):
+        out.update(ptxas_resources(ptx, ck.metadata.name))
+    print(json.dumps(out))
+
+
+def ptxas_resources(ptx: str, name: str) -> dict:
+    """Registers per thread and spill bytes of kernel ``name``, as ptxas reports them."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path  # the ptxas Triton itself compiles sm_90 with
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.o")],
+                           capture_output=True, text=True)
+    text = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    stack = re.search(r"(\d+) bytes stack frame", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spill.group(1)) if spill else None,
+            "spill_loads": int(spill.group(2)) if spill else None,
+            "stack_frame": int(stack.group(1)) if stack else None}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,120 @@
+"""What ptxas makes of the generated kernels for sm_90, per tile config, without a GPU.
+
+Registers per thread, spill bytes, shared memory and whether the products are Hopper
+``wgmma`` -- the first things to rule out when a kernel trails its peers (issues 16, 18).
+The kernels are derived on CPU exactly as on the GPU (the interpreter only runs the small
+checks), their GPU form is regenerated (bf16 products stay bf16), and each candidate
+config is compiled for sm_90 by this machine's Triton (``tests/sm90_compile.py``: the
+newest Triton's compiler and its bundled ptxas, not the GPU machine's 3.6, so the counts
+are indicative: run ``bench/diagnose.py compiled`` there for the real ones).
+
+    python bench/static_sm90.py [--dtype bfloat16] [--head-dim 128] [--out FILE.json]
+
+Kernels: the causal forward, and its backward's dQ and dK/dV kernels (a loss on the
+output only, as in training).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import neptune_eq as ne  # noqa: E402
+import torch  # noqa: E402
+
+from neptune_eq.api import make_plan  # noqa: E402
+from neptune_eq.dropin import flex  # noqa: E402
+from neptune_eq.lowering.kernelgen import generate  # noqa: E402
+from neptune_eq.runtime.launcher import candidate_configs  # noqa: E402
+from neptune_eq.sizes import Guards, specialise  # noqa: E402
+
+PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32",
+       "int64": "*i64", "bool": "*i1"}
+
+
+def kernels(dtype: torch.dtype, d: int) -> dict:
+    """name -> Kernel: the causal forward and the backward's dQ and dK/dV kernels."""
+    def causal(b, h, i, j):
+        return j <= i
+    q, k, v = (torch.randn(1, 2, 32, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = ne.flex_attention(q, k, v, mask_mod=causal)
+    out.backward(torch.randn_like(out))
+    st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == d)
+    found = {"forward": st.kernel_at({"B": 1, "L": 32, "S": 32})}
+    for (wrt, *_), (_, kern, *_) in st.backward.items():
+        found["backward d" + "/d".join(wrt)] = kern
+    return found
+
+
+def gpu_source(kern):
+    """The kernel's GPU form (the interpreter's upcasts of bf16 products left out)."""
+    prog = specialise(kern.program, kern.sizes, Guards()) if kern.sizes else kern.program
+    return prog, generate(make_plan(prog), bf16_dot_in_fp32=False)
+
+
+def compile_one(prog, ks, cfg, work: Path) -> dict:
+    consts = {**ks.tunables, **cfg.blocks, **{f: False for f in ks.even_flags},
+              "TMA": cfg.tma, "WS": cfg.tma and cfg.warp_specialize,
+              "LOOP_STAGES": cfg.loop_stages or cfg.num_stages}
+    # Contiguous inputs: the last dim's stride is 1, which Triton specialises into a
+    # constant at launch (its address arithmetic then folds); the same here.
+    for t, k in ks.stride_params:
+        if k == len(prog.shape_of(t)) - 1:
+            consts[f"{t}_s{k}"] = 1
+    dtypes = {f"{n}_ptr": PTR[prog.dtype_of(n)] for n in (p[:-4] for p in ks.params)}
+    path = work / f"k{abs(hash(ks.source))}.py"
+    path.write_text(ks.source)
+    spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages, "resources": True}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "sm90_compile.py"), str(path),
+                        ks.name, json.dumps(spec)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    line = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    return json.loads(line[-1]) if line else {"ok": False, "error": r.stderr.strip()[-300:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "static_sm90.json"))
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, kern in kernels(getattr(torch, args.dtype), args.head_dim).items():
+            prog, ks = gpu_source(kern)
+            for cfg in candidate_configs(ks, "cuda"):
+                res = compile_one(prog, ks, cfg, Path(tmp))
+                row = {"kernel": name, "config": str(cfg), **res}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    import triton
+    Path(args.out).write_text(json.dumps({
+        "triton": triton.__version__, "target": "sm_90a (cross-compiled, no GPU)",
+        "dtype": args.dtype, "head_dim": args.head_dim, "rows": rows}, indent=1) + "\n")
+    md = [f"# sm_90 resources per config (Triton {triton.__version__} cross-compile, "
+          f"{args.dtype}, D={args.head_dim})", "",
+          "Command: `python bench/static_sm90.py`. Registers per thread (255 = the cap), spill "
+          "bytes (stores/loads) and shared memory as ptxas reports them; indicative only (the "
+          "GPU machine runs Triton 3.6).", "",
+          "| kernel | config | ok | regs | spill st/ld | shared KiB | wgmma | tma |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if not r.get("ok"):
+            md.append(f"| {r['kernel']} | {r['config']} | no: {r.get('error', '')[:60]} | | | | | |")
+            continue
+        md.append(f"| {r['kernel']} | {r['config']} | yes | {r.get('registers')} | "
+                  f"{r.get('spill_stores')}/{r.get('spill_loads')} | {r['shared'] / 1024:.0f} | "
+                  f"{'yes' if r['wgmma'] else 'no'} | {'yes' if r['tma'] else 'no'} |")
+    Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
