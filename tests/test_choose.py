@@ -147,3 +147,42 @@ def test_only_boundary_blocks_evaluate_the_mask():
     interior = src.split("# interior: no mask")[1].split("for l0 in range")[0]
     assert "<=" not in interior and "offs_L" in interior  # the causal compare is gone there
     assert "only boundary blocks" in kern.plan.describe()
+
+
+def test_cost_model_sees_register_spills_and_wgmma_shapes():
+    """config_seconds knows what ptxas makes of a tile shape (calibrated on the sm_90
+    cross-compile, bench/results/static_sm90.md): two [rows x 128] fp32 accumulators in
+    one loop (dK and dV) overflow 255 registers at 128 rows on 4 warps, fit at 64 rows
+    with tensor descriptors; fewer than 64 rows per warpgroup cannot be wgmma."""
+    from neptune_eq.api import make_plan
+    from neptune_eq.choosing.choose import prune_configs
+    from neptune_eq.choosing.costmodel import (DEVICES, config_seconds, registers_per_thread,
+                                               wgmma_shape)
+    from neptune_eq.runtime.launcher import TileConfig
+    h, n, e = 32, 4096, 128   # heads give the grid its fill, as batch x heads does
+    p = ne.placeholder((h, n, n), "float32", "p")
+    do = ne.placeholder((h, n, e), "bfloat16", "do")
+    q = ne.placeholder((h, n, e), "bfloat16", "q")
+    v = ne.placeholder((h, n, e), "bfloat16", "v")
+    i, i2, f = ne.reduce_axis(n, "i"), ne.reduce_axis(n, "i2"), ne.reduce_axis(e, "f")
+    dv = ne.compute((h, n, e), lambda y, j, c: ne.sum(p[y, i, j] * do[y, i, c], axis=i), "dv")
+    # dK's shape: dP = dO·Vᵀ inside the loop, V's [rows x e] tile loop-invariant
+    dk = ne.compute((h, n, e), lambda y, j, c: ne.sum(
+        ne.sum(do[y, i2, f] * v[y, j, f], axis=f) * q[y, i2, c], axis=i2), "dk")
+    plan = make_plan(ne.build_program([dv, dk]))
+    assert plan.whole_axes and len(plan.passes) == 1 and len(plan.passes[0].folds) == 2
+    assert registers_per_thread(plan, 128, 32, 4, tma=True) > 255     # 256 for the states
+    assert registers_per_thread(plan, 64, 64, 4, tma=True) <= 255
+    assert registers_per_thread(plan, 64, 64, 4, tma=False) > \
+        registers_per_thread(plan, 64, 64, 4, tma=True)              # no resident operands
+    assert [wgmma_shape(r, w) for r, w in ((32, 4), (64, 4), (64, 8), (128, 8))] == \
+        [False, True, False, True]
+    dev = DEVICES["H200"]
+    blk = f"B_{plan.block_axis}"
+
+    def cfg(r, k, w, tma=True):
+        return TileConfig({blk: r, "B_L": k}, w, 3, 0, tma=tma)
+    assert config_seconds(plan, dev, cfg(128, 32, 4)) > config_seconds(plan, dev, cfg(64, 64, 4))
+    kept = prune_configs(plan, [cfg(128, 32, 4), cfg(64, 64, 4), cfg(128, 64, 8),
+                                cfg(32, 128, 4)], dev)
+    assert {str(c) for c in kept} == {str(cfg(64, 64, 4)), str(cfg(128, 64, 8))}  # no spills

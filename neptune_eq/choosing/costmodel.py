@@ -11,7 +11,11 @@ factor,
   block of 16 rows for one query pays 16x),
 * SFU ops (exp, exp2, log, tanh, sqrt, sin, cos, erf) and other elementwise ops per tile element,
 * grid fill: programs vs SMs, with wave quantisation; a grid smaller than the GPU gets
-  only its share of bandwidth and compute -- which is why decode wants split-k.
+  only its share of bandwidth and compute -- which is why decode wants split-k;
+* per tile config (``config_seconds``): registers per thread (fold states, score tiles,
+  resident operands of the pointer form) against the 255 of sm_90 -- a spilling shape pays
+  in proportion -- and whether the row block lets Triton issue ``wgmma`` (>= 64 rows per
+  warpgroup), calibrated on ptxas's own counts (``bench/static_sm90.py``).
 
 time = max(bytes / BW_eff, compute / fill, program waves * loop steps * step latency)
        + waves * passes * pass latency
@@ -196,9 +200,62 @@ LOWERING_FACTOR = {"pointer": 1.0, "tma": 0.92, "warp_specialized": 0.88}
 
 
 def config_seconds(plan: TilePlan, device: Device, cfg) -> float:
-    """Predicted time of ``plan`` under tile config ``cfg`` (a ``runtime.launcher.TileConfig``)."""
+    """Predicted time of ``plan`` under tile config ``cfg`` (a ``runtime.launcher.TileConfig``):
+    the count-based ``estimate``, times the lowering factor, times what the compiler makes
+    of the tile shape -- register spills and whether the products can be Hopper ``wgmma``."""
     rows = cfg.blocks.get(f"B_{plan.block_axis}", 16)
     keys = cfg.blocks.get("B_L", 16)
     est = estimate(plan, device, rows, keys, cfg.splits if plan.split else 0)
     kind = "warp_specialized" if cfg.warp_specialize else "tma" if cfg.tma else "pointer"
-    return est.seconds * LOWERING_FACTOR[kind]
+    seconds = est.seconds
+    if est.dot_flops and not wgmma_shape(rows, cfg.num_warps):
+        # mma.sync instead of wgmma: about half the tensor-core rate on sm_90
+        seconds += est.dot_flops / device.dot_flops / max(est.fill, 1e-9)
+    excess = registers_per_thread(plan, rows, keys, cfg.num_warps, cfg.tma) - REGISTERS
+    if excess > 0:  # spilled: local-memory traffic in the loop, growing with the excess
+        seconds *= 1.0 + excess / 128.0
+    return seconds * LOWERING_FACTOR[kind]
+
+
+# What ptxas does with a tile shape, calibrated on the sm_90 cross-compile of the causal
+# forward and its dQ and dK/dV kernels at D = 128 (bench/results/static_sm90.md: the
+# estimate below separates the spilling configs from the others in 33 of the 36 rows;
+# the misses are within 15 registers of the cap).
+REGISTERS = 255          # per thread on sm_90
+REGISTER_BASE = 50       # indices, masks, row statistics, pipeline bookkeeping
+LIVE_STEP_TILES = 2      # [rows x keys] fp32 tiles live in a loop step (S and P; dP and dS)
+MMA_SYNC_EXTRA = 100     # mma.sync (no wgmma) takes both operands from registers
+
+
+def wgmma_shape(rows: int, warps: int) -> bool:
+    """Triton issues wgmma when each warpgroup (4 warps) gets at least 64 rows."""
+    return rows // max(1, warps // 4) >= 64
+
+
+def registers_per_thread(plan: TilePlan, rows: int, keys: int, warps: int, tma: bool) -> float:
+    """Estimated 32-bit registers per thread: the folds' fp32 states (accumulators stay in
+    registers across the loop), the score tiles of one loop step, and -- in the pointer
+    form -- loop-invariant operand tiles (Q in the forward; K and V in dK/dV), which tensor
+    descriptors leave in shared memory."""
+    threads = 32 * warps
+    whole = plan.whole_axes
+    words = 0.0
+    for ps in plan.passes:
+        for f in ps.folds:
+            cols = math.prod(whole.get(a, 1) for a in f.state_axes if a not in plan.row_axes)
+            words += (rows if plan.block_axis in f.state_axes else 1) * cols
+    words += LIVE_STEP_TILES * rows * keys
+    if not tma:
+        resident = {}
+        for ps in plan.passes:
+            for f in ps.folds:
+                for n in f.term.args[0].walk():
+                    axes = free_axes(n)
+                    if (n.op == "load" and f.axis not in axes and plan.block_axis in axes
+                            and axes & set(whole)):
+                        size = rows * math.prod(whole[a] for a in axes if a in whole)
+                        half = plan.program.dtype_of(n.val) in ("float16", "bfloat16")
+                        resident[n.val] = size / 2 if half else size
+        words += sum(resident.values())
+    extra = 0 if wgmma_shape(rows, warps) else MMA_SYNC_EXTRA
+    return REGISTER_BASE + extra + words / threads
