@@ -64,10 +64,14 @@ def compile_one(prog, ks, cfg, work: Path) -> dict:
               "LOOP_STAGES": cfg.loop_stages or cfg.num_stages}
     # Contiguous inputs: the last dim's stride is 1, which Triton specialises into a
     # constant at launch (its address arithmetic then folds); the same here.
+    inputs = {ph.name: ph for ph in prog.inputs}
     for t, k in ks.stride_params:
-        if k == len(prog.shape_of(t)) - 1:
+        if t in inputs and k == len(inputs[t].shape) - 1:
             consts[f"{t}_s{k}"] = 1
-    dtypes = {f"{n}_ptr": PTR[prog.dtype_of(n)] for n in (p[:-4] for p in ks.params)}
+    # a block summary has its tensor's dtype (booleans are summarised as int32)
+    of = {sp.name: sp.tensor for sp in ks.summaries}
+    dtypes = {f"{n}_ptr": PTR[prog.dtype_of(of.get(n, n)).replace("bool", "int32")]
+              for n in (p[:-4] for p in ks.params)}
     path = work / f"k{abs(hash(ks.source))}.py"
     path.write_text(ks.source)
     spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": cfg.num_warps,

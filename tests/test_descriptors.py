@@ -182,8 +182,10 @@ def _compile_sm90(kern, **flags):
     consts = {**ks.tunables, "B_i": 128, "B_L": 64}
     consts.update({f: False for f in ks.even_flags})
     consts.update(TMA=flags.get("tma", False), WS=flags.get("ws", False), LOOP_STAGES=3)
-    dtypes = {f"{n}_ptr": {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[
-        kern.program.dtype_of(n)] for n in [p[:-4] for p in ks.params]}
+    of = {sp.name: sp.tensor for sp in ks.summaries}  # a block summary: its tensor's dtype
+    dtypes = {f"{n}_ptr": {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32",
+                           "int32": "*i32"}[kern.program.dtype_of(of.get(n, n))]
+              for n in [p[:-4] for p in ks.params]}
     path = Path(os.environ["NEPTUNE_EQ_CACHE"]) / f"sm90_{abs(hash(ks.source))}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(ks.source)
@@ -210,6 +212,20 @@ def test_gpu_form_compiles_for_sm90_with_tma_and_warp_specialization():
     assert tma["ok"] and tma["tma"] and tma["wgmma"]
     ws = _compile_sm90(kern, tma=True, ws=True, warps=4)
     assert ws["ok"] and ws["tma"] and ws["setmaxnreg"], ws
+
+
+def test_data_mask_key_ranges_compile_for_sm90():
+    """Sorted document ids: the key ranges counted from the block summaries (vector loads
+    and sums before the key loop, ``block_skip._search``) and the three range loops
+    compile for sm_90 in both load forms."""
+    doc = ne.placeholder((256,), "int32", "doc")
+    kern = ne.superoptimize(ne.attention(1, 2, 256, 256, 64, "float16",
+                                         mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i)),
+                            target="interpreter", cache=False)
+    assert "bs_n" in kern.kernel_source.source and "if mono0_" in kern.kernel_source.source
+    for flags in ({}, {"tma": True}):
+        res = _compile_sm90(kern, **flags)
+        assert res["ok"] and res["wgmma"], res
 
 
 def test_a_config_that_fails_to_compile_is_recorded_and_skipped(monkeypatch):
