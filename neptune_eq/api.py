@@ -106,8 +106,12 @@ class Kernel:
     def explain(self) -> str:
         """How the chosen program was derived from the input, step by step."""
         fired = self.trace.fired()
-        lines = ["input program:", _indent(str(self.input_program)), "",
-                 "derivation (smallest changed subterm per step):"]
+        lines = ["input program:", _indent(str(self.input_program)), ""]
+        prepared = self.input_program.meta.get("prepared")
+        if prepared:  # forms of a backward program applied before saturation (backward_forms)
+            lines += ["prepared before saturation (what the caller knows):",
+                      *[f"  - {p}" for p in prepared], ""]
+        lines += ["derivation (smallest changed subterm per step):"]
         lines += [_indent(str(s)) for s in self.derivation] or ["  (no change)"]
         lines += ["", "chosen program:", _indent(str(self.program)), "",
                   f"plan ({self.plan.n_passes} pass(es) over memory):", _indent(self.plan.describe()),

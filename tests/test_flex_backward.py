@@ -94,6 +94,8 @@ def test_backward_kernels_are_derived_once_per_structure_and_input():
     # FlashAttention-2's dK/dV: one program per block of keys j, one loop over the query
     # rows i updating both (P recomputed once), the row-wise dot Σ_e dO·O read in it
     assert "blocked: j" in text and "d_v:sum" in text and "d_k:sum" in text, text
+    # what was known before saturation is part of the derivation shown
+    assert "m := lse" in text and "computed once by dQ's kernel" in text, text
     loops = re.split(r"for l0 in (?:tl\.)?range\(", kern.source)[1:]
     assert loops and not any(re.search(r"\bo_ptr", lp) for lp in loops)  # no O tile in them
     assert "den[" not in kern.source  # the denominator is the constant 1: folded away

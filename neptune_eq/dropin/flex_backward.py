@@ -58,15 +58,18 @@ def _build_backward(st, wrt, sizes, shared, lse_grad):
     bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
     bw = _grouped_inputs_shared(bw, st.program, expanded)
     if "den" in bw.saved:  # (a gradient that never reads the denominator keeps none)
-        bw = with_constant_input(bw, "den", 1.0)
+        bw = with_constant_input(bw, "den", 1.0, "fed the row shift m := lse, "
+                                 "exp(s − m)/l = exp(s − (m + log l)) makes every row's l = 1")
     if not lse_grad and "d_lse" in bw.cotangents:
-        bw = with_constant_input(bw, "d_lse", 0.0)
+        bw = with_constant_input(bw, "d_lse", 0.0, "the loss does not read the lse")
     stats = row_statistics(bw) if shared else []
     if stats and wrt == ("q",):
-        bw = with_outputs(bw, stats)
+        bw = with_outputs(bw, stats, "the row dots Σ_e dO·O (the softmax-gradient term "
+                          "Σ_j P·dP, as the adjoint of O = acc/l reads it) for dK/dV's kernel")
     else:
         for name in stats:
-            bw = with_definition_as_input(bw, name)
+            bw = with_definition_as_input(bw, name, "computed once by dQ's kernel, not "
+                                          "from an O tile in every key block's program")
     bw, rows = _partial_only(bw, wrt)
     try:
         kern = superoptimize(bw.program, target=st.target, sizes={
@@ -157,6 +160,9 @@ def _grouped_inputs_shared(bw, forward, groups: dict[str, int]):
     defs = [type(d)(d.name, d.axes, shared(d.body), d.dtype) for d in p.defs]
     # (the forward that computes the saved values from these inputs: the original one)
     meta = dict(p.meta, forward=forward) if "forward" in p.meta else dict(p.meta)
+    meta["prepared"] = [*meta.get("prepared", []), ", ".join(
+        f"{n} read at head y // {g}" for n, g in groups.items()) + ": GQA -- differentiated "
+        "per query head, summed over each group after the kernel; the reads need no copy"]
     prog = validate(Program(inputs, defs, dict(p.extents), list(p.outputs), meta))
     return type(bw)(prog, bw.wrt, bw.saved, bw.cotangents)
 

@@ -22,7 +22,7 @@ _FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, 
          "ne": lambda a, b: a != b, "div": lambda a, b: a / b if b else math.nan}  # x/0: kept
 
 
-def with_constant_input(bw: Backward, name: str, value: float) -> Backward:
+def with_constant_input(bw: Backward, name: str, value: float, why: str = "") -> Backward:
     """``bw`` where the saved input or cotangent ``name`` is known to equal ``value``
     everywhere it is read; the placeholder is dropped and the arithmetic it fed is folded
     away (with definitions that fold to a constant, and those no output reads any more).
@@ -35,7 +35,10 @@ def with_constant_input(bw: Backward, name: str, value: float) -> Backward:
 
     A cotangent set to 0 (an output the loss does not use, such as the lse) also absorbs
     what it multiplies: autograd's convention -- a zero cotangent contributes nothing, the
-    term is not evaluated -- so the kernel loads and adds nothing for it."""
+    term is not evaluated -- so the kernel loads and adds nothing for it.
+
+    ``why`` (each form takes one): the reason the caller knows it, shown by the kernel's
+    ``explain()`` before the rules' derivation."""
     if name not in bw.saved and name not in bw.cotangents:
         raise ProgramError(f"Expected a saved input {list(bw.saved)} or a cotangent "
                            f"{list(bw.cotangents)} of the backward, got {name!r}.")
@@ -63,8 +66,9 @@ def with_constant_input(bw: Backward, name: str, value: float) -> Backward:
     inputs = [ph for ph in p.inputs if ph.name != name and (ph.name in reads or ph.name in
                                                             bw.cotangents)]
     prog = Program(inputs, defs, dict(p.extents), list(p.outputs),
-                   dict(p.meta, saved=[s for s in p.meta.get("saved", []) if s != name],
-                        constant_inputs={**p.meta.get("constant_inputs", {}), name: value}))
+                   _noted(dict(p.meta, saved=[s for s in p.meta.get("saved", []) if s != name],
+                               constant_inputs={**p.meta.get("constant_inputs", {}), name: value}),
+                          f"{name} := {value:g} everywhere, folded away", why))
     ir.validate(prog)
     return Backward(prog, bw.wrt, tuple(s for s in bw.saved if s != name),
                     tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))
@@ -114,18 +118,19 @@ def _reachable(defs: list[Definition], outputs) -> list[Definition]:
     return [d for d in defs if d.name in need]
 
 
-def with_outputs(bw: Backward, names: list[str]) -> Backward:
+def with_outputs(bw: Backward, names: list[str], why: str = "") -> Backward:
     """``bw`` that also returns its definitions ``names`` (after its gradients)."""
     p = bw.program
     for n in names:
         p.definition(n)  # a clear error for a name that is not a definition
     prog = Program(list(p.inputs), list(p.defs), dict(p.extents),
-                   list(p.outputs) + [n for n in names if n not in p.outputs], dict(p.meta))
+                   list(p.outputs) + [n for n in names if n not in p.outputs],
+                   _noted(dict(p.meta), f"{', '.join(names)} also returned", why))
     ir.validate(prog)
     return Backward(prog, bw.wrt, bw.saved, bw.cotangents)
 
 
-def with_definition_as_input(bw: Backward, name: str) -> Backward:
+def with_definition_as_input(bw: Backward, name: str, why: str = "") -> Backward:
     """``bw`` reading its definition ``name`` as an input computed elsewhere -- by the
     kernel of another gradient that computes it anyway, as dQ's kernel computes the row
     dot ``Σ_e dO·O`` before its loop: the dK/dV kernel then reads one number per query
@@ -143,8 +148,15 @@ def with_definition_as_input(bw: Backward, name: str) -> Backward:
     inputs = [ph for ph in p.inputs if ph.name in reads]
     inputs.append(Placeholder(name, p.shape_of(name), d.dtype))
     prog = Program(inputs, defs, dict(p.extents), list(p.outputs),
-                   dict(p.meta, precomputed=[*p.meta.get("precomputed", []), name],
-                        saved=[s for s in p.meta.get("saved", []) if s in reads]))
+                   _noted(dict(p.meta, precomputed=[*p.meta.get("precomputed", []), name],
+                               saved=[s for s in p.meta.get("saved", []) if s in reads]),
+                          f"{name} read as an input", why))
     ir.validate(prog)
     return Backward(prog, bw.wrt, tuple(s for s in bw.saved if s in reads),
                     tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))
+
+
+def _noted(meta: dict, step: str, why: str) -> dict:
+    """``meta`` with ``step`` (and its reason) appended to ``meta["prepared"]``: the forms
+    applied before saturation, which ``Kernel.explain`` lists above the derivation."""
+    return dict(meta, prepared=[*meta.get("prepared", []), f"{step}: {why}" if why else step])
