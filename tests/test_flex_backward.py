@@ -204,3 +204,28 @@ def test_value_head_dim_differs_dk_dv_still_share_one_loop():
         assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
     st = [s for s in flex.STRUCTURES.values() if s.backward and s.shapes["v"][-1] == 16][-1]
     assert "blocked: j" in st.backward[(("k", "v"), True, False)][1].explain()
+
+
+def test_training_under_torch_compile():
+    """``torch.compile(fullgraph=True)`` traces the backward with fake tensors: the
+    gradients are one opaque ``neptune_eq::flex_attention_backward`` op (its kernels built
+    and run at run time), so a compiled step gives eager's gradients -- q, k, v, a
+    learnable captured bias and the lse included."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+
+    def alibi(s, b, h, i, j):
+        return s - slopes[h] * (i - j)
+
+    def causal(b, h, i, j):
+        return j <= i
+
+    def loss(q, k, v):
+        o, lse = ne.flex_attention(q, k, v, score_mod=alibi, mask_mod=causal, return_lse=True)
+        return (o * o).sum() + lse.sum()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v, slopes))
+    ref = torch.autograd.grad(loss(q, k, v), (q, k, v, slopes))
+    for a, r in zip(got, ref):
+        assert torch.allclose(a, r, atol=1e-5), (a - r).abs().max()

@@ -260,11 +260,21 @@ def setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, *captured)
 
 
-def backward(ctx, d_out, d_lse, d_max):
+def check_no_max_grad(d_max) -> None:
     if d_max is not None and d_max.numel() and bool((d_max != 0).any()):
         raise ProgramError("max_scores of ne.flex_attention has no gradient (as in "
                            "FlexAttention); detach it before using it in a loss.")
-    q, k, v, out, lse, *captured = ctx.saved_tensors
-    needs = list(ctx.needs_input_grad[:3]) + list(ctx.captured_needs)
+
+
+def saved(ctx) -> tuple[list, list[bool]]:
+    """(q, k, v, out, lse, *captured) as ``setup_context`` saved them, and which inputs
+    need a gradient (q, k, v, then each captured tensor)."""
+    return list(ctx.saved_tensors), list(ctx.needs_input_grad[:3]) + list(ctx.captured_needs)
+
+
+def backward(ctx, d_out, d_lse, d_max):
+    """Eager autograd formula (``torch_op.EagerFlexAttention``): the kernels run here."""
+    check_no_max_grad(d_max)
+    (q, k, v, out, lse, *captured), needs = saved(ctx)
     grads = run_backward(ctx.structure, q, k, v, captured, out, lse, d_out, d_lse, needs)
     return grads[0], grads[1], grads[2], list(grads[3:]), None, None

@@ -3,7 +3,9 @@
 
 The op takes q, k, v, the tensors the mods captured and the name of a traced structure
 (``flex.STRUCTURES``); its fake implementation gives the output shapes, so
-``torch.compile(fullgraph=True)`` records one opaque call and never looks inside.
+``torch.compile(fullgraph=True)`` records one opaque call and never looks inside.  Its
+autograd formula is one call of ``neptune_eq::flex_attention_backward``, an op of the same
+kind, so AOT autograd traces the backward without running a kernel on fake tensors.
 
 What makes the *call site* compile without a graph break is ``compiled_structure``.
 Tracing the mods (DSL expressions standing in for scores) cannot run under Dynamo, so
@@ -63,11 +65,42 @@ def _(q, k, v, captured, structure, max_scores):
     return out, lse, mx
 
 
+@torch.library.custom_op("neptune_eq::flex_attention_backward", mutates_args=())
+def flex_attention_backward_op(q: Tensor, k: Tensor, v: Tensor, captured: list[Tensor],
+                               out: Tensor, lse: Tensor, d_out: Tensor | None,
+                               d_lse: Tensor | None, d_max: Tensor | None, structure: str,
+                               needs: list[bool]) -> list[Tensor]:
+    """Gradients of the op (dq, dk, dv, then one per captured tensor); an empty tensor
+    where ``needs`` is False.  An op of its own so that ``torch.compile`` records the
+    backward as one opaque call: its kernels are built and run at run time, never on the
+    fake tensors AOT autograd traces with."""
+    from . import flex_backward
+    flex_backward.check_no_max_grad(d_max)
+    grads = flex_backward.run_backward(structure, q, k, v, list(captured), out, lse, d_out,
+                                       d_lse, needs)
+    return [g if g is not None else q.new_empty((0,)) for g in grads]
+
+
+@flex_attention_backward_op.register_fake
+def _(q, k, v, captured, out, lse, d_out, d_lse, d_max, structure, needs):
+    return [torch.empty_like(t) if need else q.new_empty((0,))
+            for t, need in zip([q, k, v, *captured], needs)]
+
+
+def _op_backward(ctx, d_out, d_lse, d_max):
+    """The op's autograd formula: one call of the backward op."""
+    from . import flex_backward
+    (q, k, v, out, lse, *captured), needs = flex_backward.saved(ctx)
+    grads = flex_attention_backward_op(q, k, v, captured, out, lse, d_out, d_lse, d_max,
+                                       ctx.structure, needs)
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    return grads[0], grads[1], grads[2], list(grads[3:]), None, None
+
+
 def _register_autograd() -> None:
     """Gradients for q, k, v and captured float tensors (``flex_backward``)."""
     from . import flex_backward
-    flex_attention_op.register_autograd(flex_backward.backward,
-                                        setup_context=flex_backward.setup_context)
+    flex_attention_op.register_autograd(_op_backward, setup_context=flex_backward.setup_context)
 
 
 _register_autograd()
