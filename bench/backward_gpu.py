@@ -217,8 +217,9 @@ def main():
     src.mkdir(exist_ok=True)
     for n, st in enumerate(flex.STRUCTURES.values()):
         for (wrt, *_), (_, kern, *_) in st.backward.items():
-            (src / f"structure{n}_{'_'.join(wrt)}.py.txt").write_text(kern.explain() + "\n\n" +
-                                                                      kern.source)
+            chosen = "\n".join(["tile configs chosen per size bucket:", *kern.buckets])
+            (src / f"structure{n}_{'_'.join(wrt)}.py.txt").write_text(
+                kern.explain() + "\n\n" + chosen + "\n\n" + kern.source)
     print(markdown(out))
 
 

@@ -143,7 +143,8 @@ class Kernel:
         the guards that bound it, and the candidate chosen."""
         if self._dispatch is None:
             return []
-        return [f"{c.sizes}: {c.row.description}; {c.row.structure}; valid where {c.guards}"
+        return [f"{c.sizes}: {c.row.description}; {c.row.structure}; tiles {c.config}; "
+                f"valid where {c.guards}"
                 for cs in self._dispatch.buckets.values() for c in cs]
 
     def __call__(self, *args, **kwargs):
