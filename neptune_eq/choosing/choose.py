@@ -14,7 +14,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from .costmodel import DEVICES, DEFAULT_DEVICE, Device, Estimate, best_estimate, config_seconds
+from .costmodel import (DEVICES, DEFAULT_DEVICE, REGISTERS, Device, Estimate, best_estimate,
+                        config_seconds, registers_per_thread)
 from ..egraph.extract import Candidate
 from ..ir import Program
 from ..lowering.kernelgen import KernelSource, generate
@@ -99,19 +100,31 @@ def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) ->
 
 PRUNE_RATIO = 1.3  # candidates predicted slower than this times the best are not timed
 TMA_KEEP, WS_KEEP = 2, 2  # lowering variants timed per candidate (each one a compile)
+SPILL_DROP = 48   # pointer configs predicted this many registers over the cap are not timed
+POINTER_MIN = 3   # ... unless fewer pointer configs than this would be left
 
 
 def prune_configs(plan: TilePlan, configs: list[TileConfig], device: Device) -> list[TileConfig]:
-    """The configs worth a compile: every pointer config (the measured baseline), the
-    tensor-descriptor form of the ``TMA_KEEP`` tile shapes the cost model predicts fastest,
-    and the ``WS_KEEP`` best-predicted warp-specialised ones.  A cold choice compiles
-    each config once (~1 s of a compile thread), so the variants are a handful, not a
-    product with every shape."""
-    pointer = [c for c in configs if not c.tma]
+    """The configs worth a compile: the pointer configs (the measured baseline) but those
+    predicted to spill heavily (``costmodel.registers_per_thread``; at least
+    ``POINTER_MIN`` kept, the best predicted), the tensor-descriptor form of the
+    ``TMA_KEEP`` tile shapes the cost model predicts fastest, and the ``WS_KEEP``
+    best-predicted warp-specialised ones.  A cold choice compiles and times each config
+    once (~1 s of a compile thread, a fraction of a second of timing), so the variants
+    are a handful, not a product with every shape."""
     order = {id(c): n for n, c in enumerate(configs)}  # ties keep the hand-ordered list
 
     def best(cs, n):
         return sorted(cs, key=lambda c: (config_seconds(plan, device, c), order[id(c)]))[:n]
+
+    def excess(c):
+        return registers_per_thread(plan, c.blocks.get(f"B_{plan.block_axis}", 16),
+                                    c.blocks.get("B_L", 16), c.num_warps, False) - REGISTERS
+    pointer = [c for c in configs if not c.tma]
+    fits = [c for c in pointer if excess(c) <= SPILL_DROP]
+    if len(fits) < min(POINTER_MIN, len(pointer)):
+        fits = best(pointer, POINTER_MIN)
+    pointer = [c for c in pointer if any(c is f for f in fits)]  # in the hand order
     tma = best([c for c in configs if c.tma and not c.warp_specialize], TMA_KEEP)
     ws = best([c for c in configs if c.warp_specialize], WS_KEEP)
     return pointer + tma + ws
