@@ -170,11 +170,13 @@ def test_gpu_configs_include_variants_and_the_cost_model_prunes_them(monkeypatch
     assert any(c.warp_specialize and c.num_warps == 4 for c in allc)
     kept = prune_configs(kern.plan, allc, DEVICES["H200"])
     pointer = [c for c in allc if not c.tma]
-    # the pointer baseline, in its order, but the shapes predicted to spill heavily
-    # (128 rows x 32 keys on 4 warps: 192 bytes of spills in bench/results/static_sm90.md)
+    # the pointer baseline, in its order, but shapes predicted to spill heavily: only
+    # shapes that do spill at D = 128 (bench/results/static_sm90.md) may be dropped
     kept_pointer = [c for c in kept if not c.tma]
     assert kept_pointer == [c for c in pointer if c in kept_pointer] and len(kept_pointer) >= 3
-    assert [str(c) for c in pointer if c not in kept_pointer] == ["B_i=128 B_L=32 warps=4 stages=3"]
+    dropped = {str(c) for c in pointer if c not in kept_pointer}
+    assert dropped and dropped <= {"B_i=128 B_L=32 warps=4 stages=3", "B_i=64 B_L=128 warps=4 stages=2",
+                                   "B_i=128 B_L=128 warps=8 stages=2", "B_i=32 B_L=128 warps=4 stages=3"}
     assert sum(c.tma and not c.warp_specialize for c in kept) == TMA_KEEP
     assert sum(c.warp_specialize for c in kept) == WS_KEEP
     with pytest.raises(ValueError, match="needs tma"):

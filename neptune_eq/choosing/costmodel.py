@@ -218,9 +218,9 @@ def config_seconds(plan: TilePlan, device: Device, cfg) -> float:
 
 
 # What ptxas does with a tile shape, calibrated on the sm_90 cross-compile of the causal
-# forward and its dQ and dK/dV kernels at D = 128 (bench/results/static_sm90.md: the
-# estimate below separates the spilling configs from the others in 33 of the 36 rows;
-# the misses are within 15 registers of the cap).
+# forward and its dQ and dK/dV kernels at D = 64 and 128 (bench/results/static_sm90*.md: the
+# estimate below separates the spilling configs from the others in 63 of the 72 rows;
+# the misses are near the cap: at most 72 bytes spilled, or predicted 258 unspilled).
 REGISTERS = 255          # per thread on sm_90
 REGISTER_BASE = 50       # indices, masks, row statistics, pipeline bookkeeping
 LIVE_STEP_TILES = 2      # [rows x keys] fp32 tiles live in a loop step (S and P; dP and dS)
@@ -246,7 +246,7 @@ def registers_per_thread(plan: TilePlan, rows: int, keys: int, warps: int, tma: 
             words += (rows if plan.block_axis in f.state_axes else 1) * cols
     words += LIVE_STEP_TILES * rows * keys
     if not tma:
-        resident = {}
+        resident, moving = {}, {}
         for ps in plan.passes:
             for f in ps.folds:
                 for n in f.term.args[0].walk():
@@ -256,6 +256,12 @@ def registers_per_thread(plan: TilePlan, rows: int, keys: int, warps: int, tma: 
                         size = rows * math.prod(whole[a] for a in axes if a in whole)
                         half = plan.program.dtype_of(n.val) in ("float16", "bfloat16")
                         resident[n.val] = size / 2 if half else size
-        words += sum(resident.values())
+                    elif n.op == "load" and f.axis in axes and axes & set(whole):
+                        # a loop-moving tile passes through registers on its way to
+                        # shared memory (one of them at a time: half their sum)
+                        size = keys * math.prod(whole[a] for a in axes if a in whole)
+                        half = plan.program.dtype_of(n.val) in ("float16", "bfloat16")
+                        moving[n.val] = (size / 2 if half else size) / 2
+        words += sum(resident.values()) + sum(moving.values())
     extra = 0 if wgmma_shape(rows, warps) else MMA_SYNC_EXTRA
     return REGISTER_BASE + extra + words / threads
