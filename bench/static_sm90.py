@@ -105,7 +105,8 @@ def main() -> None:
         "dtype": args.dtype, "head_dim": args.head_dim, "rows": rows}, indent=1) + "\n")
     md = [f"# sm_90 resources per config (Triton {triton.__version__} cross-compile, "
           f"{args.dtype}, D={args.head_dim})", "",
-          "Command: `python bench/static_sm90.py`. Registers per thread (255 = the cap), spill "
+          f"Command: `python bench/static_sm90.py --dtype {args.dtype} --head-dim {args.head_dim}`. "
+          "Registers per thread (255 = the cap), spill "
           "bytes (stores/loads) and shared memory as ptxas reports them; indicative only (the "
           "GPU machine runs Triton 3.6).", "",
           "| kernel | config | ok | regs | spill st/ld | shared KiB | wgmma | tma |",
