@@ -111,15 +111,17 @@ def test_a_loss_without_the_lse_folds_its_gradient_away():
     q, k, v = (torch.randn(1, 2, 9, 4, requires_grad=True) for _ in range(3))
     g = torch.randn(1, 2, 9, 4)
 
-    def causal(b, h, i, j):
-        return j <= i
+    def causal(b, h, i, j):  # row 4 sees no key: the lse is never returned, so the
+        return (j <= i) & (i != 4)  # backward reads the kernel's raw masked-row value
     out = ne.flex_attention(q, k, v, mask_mod=causal)
     got = torch.autograd.grad((out * g).sum(), [q, k, v])
     ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = grads(lambda *t: reference(*t, mask=lambda i, j: j <= i), ins, g.double(),
-                torch.zeros(1, 2, 9, dtype=torch.float64))
+    ref = grads(lambda *t: reference(*t, mask=lambda i, j: (j <= i) & (i != 4)), ins,
+                g.double(), torch.zeros(1, 2, 9, dtype=torch.float64))
     for a, r in zip(got, ref):
+        assert torch.isfinite(a).all()
         assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
+    assert torch.equal(got[0][:, :, 4], torch.zeros_like(got[0][:, :, 4]))
     st = next(s for s in flex.STRUCTURES.values()
               if any(key[2] is False for key in s.backward) and s.shapes["q"][-1] == 4)
     for key, (bw, kern, *_) in st.backward.items():

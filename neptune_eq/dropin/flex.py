@@ -124,7 +124,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         out, lse, mx = torch_op.flex_attention_op(query, key, value, captured, skey, want_max)
     elif torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, *captured)):
         out, lse, mx = torch_op.EagerFlexAttention.apply(query, key, value, skey, want_max,
-                                                         *captured)
+                                                         want_lse, *captured)
     else:  # eager, no autograd: the op's dispatch layers would only add host time
         out, lse, mx = run(skey, query, key, value, captured, want_max, want_lse)
     if return_aux is not None:

@@ -216,9 +216,9 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     tensors = [q, k, v, *captured]
     sizes = {flex.SIZES[0]: q.shape[0], flex.SIZES[1]: q.shape[2], flex.SIZES[2]: k.shape[2]}
     env = dict(zip(names, tensors))
-    # one op: lse = -inf on a row with no visible key -> the shift under which its P is 0
-    env["mx"] = lse.float().nan_to_num(nan=math.nan, posinf=math.inf,
-                                       neginf=UNSEEN_ROW_SHIFT).contiguous()
+    # a row with no visible key (lse -inf, or the kernel's ~-1e30 when the forward did not
+    # return it) -> the shift under which its P is 0; NaN stays NaN
+    env["mx"] = torch.where(lse <= MASKED * 0.5, UNSEEN_ROW_SHIFT, lse.float()).contiguous()
     env["o"] = out.contiguous()
     env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
     if d_lse is not None:  # (None: the loss does not use the lse, see backward_kernel)

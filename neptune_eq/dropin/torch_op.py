@@ -113,9 +113,11 @@ class EagerFlexAttention(torch.autograd.Function):
     (S = 2048: 0.6 ms of GPU time) cannot hide.  ``torch.compile`` keeps using the op."""
 
     @staticmethod
-    def forward(ctx, q, k, v, structure: str, max_scores: bool, *captured):
+    def forward(ctx, q, k, v, structure: str, max_scores: bool, want_lse: bool, *captured):
         from . import flex_backward
-        out, lse, mx = flex.run(structure, q, k, v, list(captured), max_scores)
+        # the lse is finished (-inf on rows with no visible key) only if it is returned;
+        # the backward's row shift reads either form
+        out, lse, mx = flex.run(structure, q, k, v, list(captured), max_scores, want_lse)
         flex_backward.setup_context(ctx, (q, k, v, captured, structure, max_scores),
                                     (out, lse, mx))
         return out, lse, mx
@@ -124,7 +126,7 @@ class EagerFlexAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse, d_mx):
         from . import flex_backward
         dq, dk, dv, d_captured, _, _ = flex_backward.backward(ctx, d_out, d_lse, d_mx)
-        return (dq, dk, dv, None, None, *d_captured)
+        return (dq, dk, dv, None, None, None, *d_captured)
 
 
 # ----------------------------------------------------------------------------------
