@@ -218,7 +218,8 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     env = dict(zip(names, tensors))
     # a row with no visible key (lse -inf, or the kernel's ~-1e30 when the forward did not
     # return it) -> the shift under which its P is 0; NaN stays NaN
-    env["mx"] = torch.where(lse <= MASKED * 0.5, UNSEEN_ROW_SHIFT, lse.float()).contiguous()
+    lse = lse.float()
+    env["mx"] = lse.masked_fill(lse <= MASKED * 0.5, UNSEEN_ROW_SHIFT).contiguous()
     env["o"] = out.contiguous()
     env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
     if d_lse is not None:  # (None: the loss does not use the lse, see backward_kernel)
