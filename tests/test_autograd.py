@@ -114,3 +114,21 @@ def test_learnable_alibi_slopes_through_kernels():
     ref = torch.autograd.grad(torch.softmax(s, -1) @ vd, (qd, kd, vd, sd), g.double())
     for a, b in zip(got, ref):
         _close(a, b)
+
+
+def test_kernels_inside_torch_compile_run_eagerly_between_graphs():
+    """A ``Kernel`` or differentiable kernel called inside ``torch.compile`` is a graph
+    break (Dynamo cannot trace the launcher): it runs eagerly and the compiled code around
+    it -- values and gradients -- matches eager.  (``ne.flex_attention`` compiles whole.)"""
+    out = ne.attention(1, 2, 8, 8, 4, "float32")
+    kern = ne.superoptimize(out, target="interpreter")
+    fn = differentiable(out, ["q", "k", "v"], constant=("mx",), target="interpreter")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: kern(q, k, v) * 2, backend="aot_eager")
+    assert torch.allclose(compiled(q, k, v), kern(q, k, v) * 2)
+    ref = torch.autograd.grad((fn(q, k, v) ** 2).sum(), (q, k, v))
+    step = torch.compile(lambda q, k, v: (fn(q, k, v) ** 2).sum(), backend="aot_eager")
+    got = torch.autograd.grad(step(q, k, v), (q, k, v))
+    for a, r in zip(got, ref):
+        assert torch.allclose(a, r, atol=1e-6)

@@ -37,6 +37,8 @@ class DifferentiableKernel:
     _input_names: list[str] = field(default_factory=list)
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # a graph break: run eagerly, as Kernel does
+            return torch.compiler.disable(self.__call__)(*args, **kwargs)
         names = self._input_names
         if len(args) > len(names):
             raise TypeError(f"Expected at most {len(names)} inputs {names}, got {len(args)}.")
