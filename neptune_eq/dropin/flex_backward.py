@@ -20,8 +20,6 @@ its gradients are zero (never NaN).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import flex
@@ -219,11 +217,12 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     # a row with no visible key (lse -inf, or the kernel's ~-1e30 when the forward did not
     # return it) -> the shift under which its P is 0; NaN stays NaN
     lse = lse.float()
-    env["mx"] = lse.masked_fill(lse <= MASKED * 0.5, UNSEEN_ROW_SHIFT).contiguous()
+    unseen = lse <= MASKED * 0.5
+    env["mx"] = lse.masked_fill(unseen, UNSEEN_ROW_SHIFT).contiguous()
     env["o"] = out.contiguous()
     env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
     if d_lse is not None:  # (None: the loss does not use the lse, see backward_kernel)
-        env["d_lse"] = d_lse.float().masked_fill(lse == -math.inf, 0.0).contiguous()
+        env["d_lse"] = d_lse.float().masked_fill(unseen, 0.0).contiguous()
     for name, t, need in zip(names, tensors, needs):
         if need and not t.is_floating_point():
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
