@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # sm90_compile: the cross-compile the tests use
 import neptune_eq as ne  # noqa: E402
 import torch  # noqa: E402
 
@@ -33,6 +32,7 @@ from neptune_eq.dropin import flex  # noqa: E402
 from neptune_eq.lowering.kernelgen import generate  # noqa: E402
 from neptune_eq.runtime.launcher import candidate_configs  # noqa: E402
 from neptune_eq.sizes import Guards, specialise  # noqa: E402
+from sm90_compile import compile_for_sm90  # noqa: E402
 
 PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32",
        "int64": "*i64", "bool": "*i1"}
@@ -76,12 +76,7 @@ def compile_one(prog, ks, cfg, work: Path) -> dict:
     path.write_text(ks.source)
     spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages, "resources": True}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "sm90_compile.py"), str(path),
-                        ks.name, json.dumps(spec)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    line = [x for x in r.stdout.splitlines() if x.startswith("{")]
-    return json.loads(line[-1]) if line else {"ok": False, "error": r.stderr.strip()[-300:]}
+    return compile_for_sm90(path, ks.name, spec)
 
 
 def main() -> None:

@@ -153,7 +153,7 @@ class Kernel:
             # Inside torch.compile: a graph break, the kernel runs eagerly between the
             # compiled pieces (Dynamo cannot trace the launcher; ne.flex_attention is a
             # custom op instead, compiled whole).
-            return _call_outside_compile(self, args, kwargs)
+            return torch.compiler.disable(self.__call__)(*args, **kwargs)
         if self._dispatch is not None:
             return self._call_symbolic(args, kwargs)
         if self._launcher is None:
@@ -205,15 +205,6 @@ class Kernel:
         launcher(bound)
         res = [bound[n] for n in prog.outputs]
         return res[0] if len(res) == 1 else tuple(res)
-
-
-def _call_outside_compile(kern: "Kernel", args: tuple, kwargs: dict):
-    import torch
-
-    @torch.compiler.disable
-    def run():
-        return kern(*args, **kwargs)
-    return run()
 
 
 def _bind_fast(expect: list, args: tuple, kwargs: dict) -> dict | None:

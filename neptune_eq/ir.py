@@ -136,6 +136,17 @@ def accessed(t: Term, ops=("ref", "run", "prev")) -> set[str]:
     return {n.val for n in t.walk() if n.op in ops}
 
 
+def reachable(bodies: dict[str, Term], outputs) -> set[str]:
+    """The definitions (name -> body) the outputs read, directly or through others."""
+    need, stack = set(), list(outputs)
+    while stack:
+        n = stack.pop()
+        if n not in need and n in bodies:
+            need.add(n)
+            stack.extend(accessed(bodies[n]))
+    return need
+
+
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=",
           "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "and": "&", "or": "|",
           "floordiv": "//", "mod": "%"}

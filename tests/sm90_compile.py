@@ -9,15 +9,27 @@ run without ``TRITON_INTERPRET`` (which turns ``@triton.jit`` into the interpret
 a subprocess.  JSON_SPEC: {"dtypes": {param: "*fp16" | "i32"}, "constexprs": {...},
 "num_warps": 4, "num_stages": 3}.  Prints one JSON line: ok, error, and what the PTX
 uses; with ``"resources": true`` in the spec also registers per thread and spill bytes,
-from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).  This is the newest Triton's compiler, not the GPU machine's 3.6: the GPU run of
-bench/gpu_validate_tma.py validates there.
+from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).
+This is the newest Triton's compiler, not the GPU machine's 3.6: the GPU run of
+bench/gpu_validate_tma.py validates there.  Tests and benches call ``compile_for_sm90``,
+which runs this file so.
 """
 import importlib.util
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
+
+def compile_for_sm90(path, kernel: str, spec: dict, timeout: int = 600) -> dict:
+    """Run this file on kernel ``kernel`` of module ``path``: its JSON line, or
+    ``{"ok": False, "error": <the end of stderr>}`` when it printed none."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(Path(__file__)), str(path), kernel, json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    line = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    return json.loads(line[-1]) if line else {"ok": False, "error": r.stderr.strip()[-2000:]}
 
 
 def main():
@@ -50,9 +62,7 @@ def main():
 def ptxas_resources(ptx: str, name: str) -> dict:
     """Registers per thread and spill bytes of kernel ``name``, as ptxas reports them."""
     import re
-    import subprocess
     import tempfile
-    from pathlib import Path
 
     from triton.backends.nvidia.compiler import get_ptxas
     ptxas = get_ptxas(90).path  # the ptxas Triton itself compiles sm_90 with
@@ -72,4 +82,5 @@ def ptxas_resources(ptx: str, name: str) -> dict:
 
 
 if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)  # (the caller's env has none either)
     main()

@@ -6,10 +6,7 @@ the fp64 reference like the pointer form; the warp-specialised form is the same 
 a loop attribute the interpreter ignores, so its GPU form is compiled for sm_90 on CPU
 (``sm90_compile.py``) and checked for structure; the GPU run (bench/gpu_validate_tma.py)
 validates its numbers."""
-import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import torch
 
 import neptune_eq as ne
 from helpers import random_inputs
+from sm90_compile import compile_for_sm90
 from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
 from neptune_eq.runtime.launcher import Launcher, TileConfig, candidate_configs
@@ -197,13 +195,7 @@ def _compile_sm90(kern, **flags):
     path.write_text(ks.source)
     spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": flags.get("warps", 4),
             "num_stages": 3}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "sm90_compile.py"), str(path),
-                        ks.name, json.dumps(spec)], capture_output=True, text=True, env=env,
-                       timeout=300)
-    line = [x for x in r.stdout.splitlines() if x.startswith("{")]
-    assert line, r.stderr[-2000:]
-    return json.loads(line[-1])
+    return compile_for_sm90(path, ks.name, spec, timeout=300)
 
 
 def test_gpu_form_compiles_for_sm90_with_tma_and_warp_specialization():

@@ -143,10 +143,7 @@ def test_prepass_with_several_summaries_compiles_for_sm90(tmp_path):
     locals differ in type (a tile of blocks vs a scalar), which Triton's compiler refuses
     in a shared name ("Mismatched type for first between then block and else block", met
     on an H100 with Triton 3.6).  Compiled here for sm_90 without a GPU."""
-    import json
-    import os
-    import subprocess
-    from pathlib import Path
+    from sm90_compile import compile_for_sm90
     specs = [SummarySpec("bs_doc_i", "doc", 0, "B_i"), SummarySpec("bs_doc_L", "doc", 0, "B_L"),
              SummarySpec("bs_doc_all", "doc", None, None)]
     text, _ = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__)
@@ -157,9 +154,5 @@ def test_prepass_with_several_summaries_compiles_for_sm90(tmp_path):
     spec = {"dtypes": {n: "*i32" for n in names if n.endswith("_ptr")},
             "constexprs": {n: 32 for n in names if "constexpr" in params.split(n, 1)[1].split(",")[0]},
             "num_warps": 4, "num_stages": 1}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "sm90_compile.py"), str(path),
-                        "t_summaries", json.dumps(spec)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    line = [x for x in r.stdout.splitlines() if x.startswith("{")]
-    assert line and json.loads(line[-1])["ok"], (line, r.stderr[-2000:])
+    res = compile_for_sm90(path, "t_summaries", spec, timeout=300)
+    assert res["ok"], res

@@ -246,22 +246,23 @@ def registers_per_thread(plan: TilePlan, rows: int, keys: int, warps: int, tma: 
             words += (rows if plan.block_axis in f.state_axes else 1) * cols
     words += LIVE_STEP_TILES * rows * keys
     if not tma:
-        resident, moving = {}, {}
+        tiles = {}  # (role, input) -> 32-bit words of its tile held in registers
+
+        def tile_words(n: Term, lead: int) -> float:
+            size = lead * math.prod(whole[a] for a in free_axes(n) if a in whole)
+            return size / 2 if plan.program.dtype_of(n.val) in ("float16", "bfloat16") else size
         for ps in plan.passes:
             for f in ps.folds:
                 for n in f.term.args[0].walk():
                     axes = free_axes(n)
-                    if (n.op == "load" and f.axis not in axes and plan.block_axis in axes
-                            and axes & set(whole)):
-                        size = rows * math.prod(whole[a] for a in axes if a in whole)
-                        half = plan.program.dtype_of(n.val) in ("float16", "bfloat16")
-                        resident[n.val] = size / 2 if half else size
-                    elif n.op == "load" and f.axis in axes and axes & set(whole):
+                    if n.op != "load" or not axes & set(whole):
+                        continue
+                    if f.axis not in axes and plan.block_axis in axes:
+                        tiles["resident", n.val] = tile_words(n, rows)  # the whole loop
+                    elif f.axis in axes:
                         # a loop-moving tile passes through registers on its way to
                         # shared memory (one of them at a time: half their sum)
-                        size = keys * math.prod(whole[a] for a in axes if a in whole)
-                        half = plan.program.dtype_of(n.val) in ("float16", "bfloat16")
-                        moving[n.val] = (size / 2 if half else size) / 2
-        words += sum(resident.values()) + sum(moving.values())
+                        tiles["moving", n.val] = tile_words(n, keys) / 2
+        words += sum(tiles.values())
     extra = 0 if wgmma_shape(rows, warps) else MMA_SYNC_EXTRA
     return REGISTER_BASE + extra + words / threads

@@ -24,8 +24,8 @@ import torch
 
 from . import flex
 from ..frontend.autodiff import backward_program
-from ..frontend.backward_forms import (with_constant_input, with_definition_as_input,
-                                       with_outputs)
+from ..frontend.backward_forms import (note_prepared, with_constant_input,
+                                       with_definition_as_input, with_outputs)
 from ..ir import MASKED, ProgramError
 
 SAVED = ("mx", "den", "o")
@@ -158,9 +158,9 @@ def _grouped_inputs_shared(bw, forward, groups: dict[str, int]):
     defs = [type(d)(d.name, d.axes, shared(d.body), d.dtype) for d in p.defs]
     # (the forward that computes the saved values from these inputs: the original one)
     meta = dict(p.meta, forward=forward) if "forward" in p.meta else dict(p.meta)
-    meta["prepared"] = [*meta.get("prepared", []), ", ".join(
-        f"{n} read at head y // {g}" for n, g in groups.items()) + ": GQA -- differentiated "
-        "per query head, summed over each group after the kernel; the reads need no copy"]
+    meta = note_prepared(meta, ", ".join(f"{n} read at head y // {g}" for n, g in groups.items()),
+                         "GQA -- differentiated per query head, summed over each group after "
+                         "the kernel; the reads need no copy")
     prog = validate(Program(inputs, defs, dict(p.extents), list(p.outputs), meta))
     return type(bw)(prog, bw.wrt, bw.saved, bw.cotangents)
 

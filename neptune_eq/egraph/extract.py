@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from .table import CONSTRUCTORS
-from ..ir import Definition, Program, Term, accessed
+from ..ir import Definition, Program, Term, accessed, reachable
 
 INF = math.inf
 
@@ -248,7 +248,7 @@ def extract_program(view: EGraphView, program: Program, model: CostModel | None 
     ex = Extraction.run(view, model)
     memo: dict = {}
     bodies = {d.name: ex.term(view.roots[f"def_{d.name}"], memo) for d in program.defs}
-    needed = _needed(bodies, program.outputs)
+    needed = reachable(bodies, program.outputs)
     for name in _running_targets(bodies, needed):
         if bodies[name].kind not in ("reduce", "fold"):
             bodies[name] = ex.term_rooted_at_reduction(view.roots[f"def_{name}"], memo)
@@ -359,7 +359,7 @@ def top_programs(view: EGraphView, program: Program, model: CostModel, k: int = 
     out: dict[str, Candidate] = {}
     for _, choice in beams:
         bodies = {n: kb.term(view.roots[f"def_{n}"], r) for n, r in choice.items()}
-        needed = _needed(bodies, program.outputs)
+        needed = reachable(bodies, program.outputs)
         if any(bodies[n].kind not in ("reduce", "fold")
                for n in _running_targets(bodies, needed)):
             continue  # run:/prev: of a non-reduction form has no meaning (see above)
@@ -371,17 +371,6 @@ def top_programs(view: EGraphView, program: Program, model: CostModel, k: int = 
         if key not in out or out[key].cost > cost:
             out[key] = cand
     return sorted(out.values(), key=lambda c: c.cost)[:k]
-
-
-def _needed(bodies: dict[str, Term], outputs) -> set[str]:
-    """The definitions the outputs read, directly or through others."""
-    needed, stack = set(), list(outputs)
-    while stack:
-        n = stack.pop()
-        if n not in needed:
-            needed.add(n)
-            stack.extend(accessed(bodies[n]))
-    return needed
 
 
 def _running_targets(bodies: dict[str, Term], names) -> set[str]:

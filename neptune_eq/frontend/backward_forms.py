@@ -61,12 +61,13 @@ def with_constant_input(bw: Backward, name: str, value: float, why: str = "") ->
             known[d.name] = body
         else:
             defs.append(Definition(d.name, d.axes, body, d.dtype))
-    defs = _reachable(defs, p.outputs)
+    need = ir.reachable({d.name: d.body for d in defs}, p.outputs)
+    defs = [d for d in defs if d.name in need]
     reads = {n.val for d in defs for n in d.body.walk() if n.op == "load"}
     inputs = [ph for ph in p.inputs if ph.name != name and (ph.name in reads or ph.name in
                                                             bw.cotangents)]
     prog = Program(inputs, defs, dict(p.extents), list(p.outputs),
-                   _noted(dict(p.meta, saved=[s for s in p.meta.get("saved", []) if s != name],
+                   note_prepared(dict(p.meta, saved=[s for s in p.meta.get("saved", []) if s != name],
                                constant_inputs={**p.meta.get("constant_inputs", {}), name: value}),
                           f"{name} := {value:g} everywhere, folded away", why))
     ir.validate(prog)
@@ -105,19 +106,6 @@ def _fold_constants(t: Term, absorb_zero: bool) -> Term:
     return t
 
 
-def _reachable(defs: list[Definition], outputs) -> list[Definition]:
-    """The definitions some output reads, directly or through others (in order)."""
-    by_name = {d.name: d for d in defs}
-    need, stack = set(), list(outputs)
-    while stack:
-        n = stack.pop()
-        if n in need or n not in by_name:
-            continue
-        need.add(n)
-        stack.extend(ir.accessed(by_name[n].body))
-    return [d for d in defs if d.name in need]
-
-
 def with_outputs(bw: Backward, names: list[str], why: str = "") -> Backward:
     """``bw`` that also returns its definitions ``names`` (after its gradients)."""
     p = bw.program
@@ -125,7 +113,7 @@ def with_outputs(bw: Backward, names: list[str], why: str = "") -> Backward:
         p.definition(n)  # a clear error for a name that is not a definition
     prog = Program(list(p.inputs), list(p.defs), dict(p.extents),
                    list(p.outputs) + [n for n in names if n not in p.outputs],
-                   _noted(dict(p.meta), f"{', '.join(names)} also returned", why))
+                   note_prepared(dict(p.meta), f"{', '.join(names)} also returned", why))
     ir.validate(prog)
     return Backward(prog, bw.wrt, bw.saved, bw.cotangents)
 
@@ -148,7 +136,7 @@ def with_definition_as_input(bw: Backward, name: str, why: str = "") -> Backward
     inputs = [ph for ph in p.inputs if ph.name in reads]
     inputs.append(Placeholder(name, p.shape_of(name), d.dtype))
     prog = Program(inputs, defs, dict(p.extents), list(p.outputs),
-                   _noted(dict(p.meta, precomputed=[*p.meta.get("precomputed", []), name],
+                   note_prepared(dict(p.meta, precomputed=[*p.meta.get("precomputed", []), name],
                                saved=[s for s in p.meta.get("saved", []) if s in reads]),
                           f"{name} read as an input", why))
     ir.validate(prog)
@@ -156,7 +144,7 @@ def with_definition_as_input(bw: Backward, name: str, why: str = "") -> Backward
                     tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))
 
 
-def _noted(meta: dict, step: str, why: str) -> dict:
+def note_prepared(meta: dict, step: str, why: str) -> dict:
     """``meta`` with ``step`` (and its reason) appended to ``meta["prepared"]``: the forms
     applied before saturation, which ``Kernel.explain`` lists above the derivation."""
     return dict(meta, prepared=[*meta.get("prepared", []), f"{step}: {why}" if why else step])
