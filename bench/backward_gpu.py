@@ -194,6 +194,16 @@ def main():
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda")
     names = [n for n in variants(16, slopes) if not args.variants or n in args.variants.split(",")]
     rows = []
+    res = Path(args.out)
+    res.mkdir(parents=True, exist_ok=True)
+
+    def write():  # after every row: a run cut off by a time limit keeps what it measured
+        out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "dtype": str(dtype), "check_len": check_len, "rows": rows,
+               "command": "python bench/backward_gpu.py " + " ".join(sys.argv[1:])}
+        (res / "backward.json").write_text(json.dumps(out, indent=1))
+        (res / "backward.md").write_text(markdown(out) + "\n")
+        return out
     for S in lengths:
         # A compiled flex_attention met at a second length can fall back to an unfused
         # path (measured: 194 ms at S=8192 after S=2048): compile afresh per length.
@@ -202,14 +212,9 @@ def main():
         # the later ones to an unfused fallback (measured: alibi at 235 ms)
         torch._dynamo.config.recompile_limit = 64
         flex_c = torch.compile(flex_attention)
-        rows += [bench_one(n, S, dtype, slopes, flex_c, check_len) for n in names]
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": str(dtype),
-           "check_len": check_len, "rows": rows,
-           "command": "python bench/backward_gpu.py " + " ".join(sys.argv[1:])}
-    res = Path(args.out)
-    res.mkdir(parents=True, exist_ok=True)
-    (res / "backward.json").write_text(json.dumps(out, indent=1))
-    (res / "backward.md").write_text(markdown(out) + "\n")
+        for n in names:
+            rows.append(bench_one(n, S, dtype, slopes, flex_c, check_len))
+            out = write()
     if args.profile:
         (res / "backward_profile.txt").write_text(profile(lengths[0], dtype))
     from neptune_eq.dropin import flex
