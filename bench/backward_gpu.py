@@ -32,6 +32,7 @@ import neptune_eq as ne  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 B, H, D = 2, 16, 128
+WINDOW, DOCS = 256, 13
 
 
 def causal(b, h, q, kv):
@@ -48,6 +49,18 @@ def variants(S: int, slopes: torch.Tensor):
         return score + slopes[h] * (kv - q)
 
     bm = create_block_mask(causal, None, None, S, S, device="cuda")
+
+    def window(b, h, q, kv):  # causal sliding window of WINDOW keys
+        return (q >= kv) & (q - kv < WINDOW)
+    # DOCS documents of random lengths (fixed seed), causal within each: the data mask
+    # that issue 17 skips blocks of, now in the backward too
+    cuts = torch.sort(torch.randperm(S - 1, generator=torch.Generator().manual_seed(0))[:DOCS - 1] + 1).values
+    doc = torch.bucketize(torch.arange(S), cuts, right=True).to("cuda")
+
+    def document(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+    wm = create_block_mask(window, None, None, S, S, device="cuda")
+    dm = create_block_mask(document, None, None, S, S, device="cuda")
     return {
         "plain": ({}, H, S, {}, dict()),
         "causal": ({"block_mask": bm}, H, S, {"is_causal": True}, dict(causal=True)),
@@ -56,11 +69,15 @@ def variants(S: int, slopes: torch.Tensor):
         "causal+gqa(4)": ({"block_mask": bm, "enable_gqa": True}, 4, S,
                           {"is_causal": True, "enable_gqa": True}, dict(causal=True)),
         "alibi": ({"score_mod": alibi}, H, S, None, dict(slopes=slopes)),
+        f"window({WINDOW})": ({"block_mask": wm}, H, S, None,
+                              dict(mask=window)),
+        f"doc({DOCS})": ({"block_mask": dm}, H, S, None,
+                         dict(mask=document)),
         "decode(L=1)": ({}, H, 1, {}, dict()),
     }
 
 
-def reference(q, k, v, causal=False, cap=None, slopes=None):
+def reference(q, k, v, causal=False, cap=None, slopes=None, mask=None):
     """fp64 attention with torch ops (its autograd is the reference)."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -73,6 +90,8 @@ def reference(q, k, v, causal=False, cap=None, slopes=None):
         s = s + slopes.double()[None, :, None, None] * (j - i)
     if causal:
         s = s.masked_fill(j > i, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask(0, 0, i, j), float("-inf"))
     return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 
@@ -103,7 +122,13 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
     v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
     row = {"variant": name, "S": S, "L": L, "Hkv": Hkv}
-    fwd_flops = 4 * B * H * L * S * D * (0.5 if ref_kw.get("causal") else 1.0)
+    if "mask" in ref_kw:  # FLOPs on the visible pairs only
+        i, j = torch.arange(L, device="cuda")[:, None], torch.arange(S, device="cuda")[None]
+        pairs = ref_kw["mask"](0, 0, i, j).sum().item()
+    else:
+        pairs = L * S * (0.5 if ref_kw.get("causal") else 1.0)
+    fwd_flops = 4 * B * H * pairs * D
+    row["density"] = pairs / (L * S)
     impls = {"ours": lambda q, k, v: ne.flex_attention(q, k, v, **kw),
              "flex": lambda q, k, v: flex_c(q, k, v, **kw)}
     if sdpa_kw is not None:
