@@ -182,6 +182,45 @@ def profile(S: int, dtype) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
+def host_profile(S: int, dtype, variant: str = "causal") -> str:
+    """Where the host's time per fwd+bwd goes (cProfile, 200 warm steps) next to the
+    device's (kernel time per step from the profiler): is the step host-bound here?"""
+    import cProfile
+    import io
+    import pstats
+    kw, Hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[variant]
+    torch.manual_seed(0)
+    q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+    fn = lambda q, k, v: ne.flex_attention(q, k, v, **kw)  # noqa: E731
+    for _ in range(20):
+        step(fn, q, k, v, g)
+    torch.cuda.synchronize()
+    n = 200
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            step(fn, q, k, v, g)
+        torch.cuda.synchronize()
+    dev_us = sum(e.self_device_time_total for e in prof.key_averages()) / 20
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step(fn, q, k, v, g)
+    host_us = (time.perf_counter() - t0) / n * 1e6  # launches are async: this is the host
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        step(fn, q, k, v, g)
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
+    return (f"{variant} S={S}: host {host_us:.0f} us per step (loop without sync), "
+            f"device kernels {dev_us:.0f} us per step\n\n" + buf.getvalue())
+
+
 def markdown(out: dict) -> str:
     lines = [f"# fwd+bwd, {out['device']}, {out['dtype']}, B={B} H={H} D={D}", "",
              f"`{out.get('command', 'python bench/backward_gpu.py')}` (torch {out['torch']})", "",
@@ -212,8 +251,18 @@ def main():
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--profile", action="store_true",
                     help="also write a torch.profiler table of our fwd+bwd (plain, first length)")
+    ap.add_argument("--host-profile", default="",
+                    help="only profile the host per fwd+bwd of these variants at the first "
+                         "length (cProfile and device time); writes backward_host_profile.txt")
     args = ap.parse_args()
     dtype = torch.bfloat16
+    if args.host_profile:
+        S = int(args.lengths.split(",")[0])
+        text = "\n\n".join(host_profile(S, dtype, v) for v in args.host_profile.split(","))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "backward_host_profile.txt").write_text(text)
+        print(text[:6000])
+        return
     lengths = (1024,) if args.quick else tuple(int(x) for x in args.lengths.split(","))
     check_len = lengths[0]
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda")

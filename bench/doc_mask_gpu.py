@@ -90,7 +90,11 @@ def launcher_of(q, k, v, mask):
     kern = st.kernel_at(sizes)
     prog = kern.input_program
     bound = check_inputs(prog, (q, k, v, *captured.values()), {}, DEV, symbolic=True)
-    la = kern._dispatch.launcher(sizes_of(prog, bound)) if kern._dispatch else kern._launcher
+    values = sizes_of(prog, bound)
+    la = kern._dispatch.launcher(values) if kern._dispatch else kern._launcher
+    for name in prog.outputs:  # as a call binds them (a sweep times whole launches)
+        dims = [values[n.name] if hasattr(n, "name") else n for n in prog.shape_of(name)]
+        bound[name] = torch.empty(dims, dtype=getattr(torch, prog.dtype_of(name)), device=DEV)
     return kern, la, bound
 
 
