@@ -98,6 +98,10 @@ def test_gqa_rejects_bad_head_counts():
     (causal, None, 1),
     (window(6), -5, 1),
     (lambda b, h, i, j: j > i + 5, 6, None),
+    # the same bounds however the affine comparison is spelt
+    (lambda b, h, i, j: (j <= i) & (j >= i - 5), -5, 1),
+    (lambda b, h, i, j: (i - j >= 0) & (6 > i - j), -5, 1),
+    (lambda b, h, i, j: j == i, 0, 1),
 ])
 def test_affine_masks_become_loop_bounds(mask, lo, hi):
     kern = check_kernel(ne.attention(B, H, 40, 40, D, "float32", mask_mod=mask))

@@ -191,6 +191,23 @@ def test_document_mask_backward_skips_blocks_like_the_forward():
         assert kern.launches == ["neptune_kernel_summaries", "neptune_kernel"]
 
 
+def test_sliding_window_bounds_both_backward_loops():
+    """A causal window ``q - kv < W`` bounds dQ's loop over keys to [i-W+1, i] and, read
+    from the key side (``i - j < W`` with i the loop), dK/dV's loop over queries to
+    [j, j+W): both ends, so a key block visits O(W) query blocks, not all later ones."""
+    torch.manual_seed(0)
+    n, w = 41, 9
+
+    def mask(b, h, i, j):
+        return (i >= j) & (i - j < w)
+    check(1, 2, 2, n, n, 8, None, mask, None, lambda i, j: (i >= j) & (i - j < w))
+    st = [s for s in flex.STRUCTURES.values() if s.backward][-1]
+    loops = {wrt: [ln for ln in kern.explain().splitlines() if "loop bounds" in ln]
+             for (wrt, *_), (_, kern, *_) in st.backward.items()}
+    assert any(f"[i-{w - 1}, i+1)" in ln for ln in loops[("q",)]), loops
+    assert any(f"[i+0, i+{w})" in ln for ln in loops[("k", "v")]), loops
+
+
 def test_value_head_dim_differs_dk_dv_still_share_one_loop():
     """Ev != E: dK[j, k3] and dV[j, e] keep the same key rows (autodiff names them alike
     where the extents agree), so they still share one loop over query blocks."""

@@ -390,37 +390,60 @@ def _gates(t: Term, ident: float) -> set[Term]:
     return set()
 
 
-def _offset(t: Term, i: str) -> int | None:
-    """``t`` as ``i + c`` (c an int constant), else None."""
-    if t.op == "var" and t.val == i:
-        return 0
-    if t.op in ("add", "sub") and t.args[1].op in ("int", "flt") and float(t.args[1].val).is_integer():
-        base = _offset(t.args[0], i)
-        c = int(t.args[1].val)
-        return None if base is None else base + (c if t.op == "add" else -c)
+def _linear(t: Term) -> tuple[dict[str, int], int] | None:
+    """``t`` as Σ coef·var + c with integer coefficients and constant, else None."""
+    if t.op == "var":
+        return {t.val: 1}, 0
+    if t.op in ("int", "flt"):
+        return ({}, int(t.val)) if float(t.val).is_integer() else None
+    if t.op == "neg":
+        a = _linear(t.args[0])
+        return None if a is None else ({v: -c for v, c in a[0].items()}, -a[1])
+    if t.op in ("add", "sub"):
+        a, b = _linear(t.args[0]), _linear(t.args[1])
+        if a is None or b is None:
+            return None
+        sign = 1 if t.op == "add" else -1
+        coef = dict(a[0])
+        for v, c in b[0].items():
+            coef[v] = coef.get(v, 0) + sign * c
+        return {v: c for v, c in coef.items() if c}, a[1] + sign * b[1]
+    if t.op == "mul":
+        a, b = _linear(t.args[0]), _linear(t.args[1])
+        if a is None or b is None:
+            return None
+        if not a[0]:
+            a, b = b, a
+        if b[0]:  # a product of two index expressions: not affine
+            return None
+        return {v: c * b[1] for v, c in a[0].items() if c * b[1]}, a[1] * b[1]
     return None
 
 
 def _bound(atom: Term, i: str, j: str) -> tuple[int | None, int | None]:
-    """(lo, hi) offsets with ``i + lo <= j < i + hi`` implied by one atom."""
-    op, (a, b) = atom.op, atom.args if len(atom.args) == 2 else (None, None)
-    if a is None:
+    """(lo, hi) offsets with ``i + lo <= j < i + hi`` implied by one atom.
+
+    Any affine comparison of the row index ``i`` and the loop index ``j`` with unit
+    coefficients counts, written either way round: ``i >= j`` (causal), ``i - j < W`` and
+    ``j >= i - W`` (a window seen from the query side), ``j - i < W`` (the same window seen
+    from the key side, as the dK/dV loop over query blocks meets it), ``i == j``."""
+    if atom.op not in ("lt", "le", "gt", "ge", "eq") or len(atom.args) != 2:
         return None, None
-    flip = {"ge": "le", "le": "ge", "gt": "lt", "lt": "gt"}
-    if op in flip and b.op == "var" and b.val == j:   # i+c ? j  ->  j flip(?) i+c
-        op, a, b = flip[op], b, a
-    if op in ("le", "lt") and a.op == "var" and a.val == j:        # j <= i+c / j < i+c
-        c = _offset(b, i)
-        return (None, None) if c is None else (None, c + (1 if op == "le" else 0))
-    if op in ("ge", "gt") and a.op == "var" and a.val == j:        # j >= i+c / j > i+c
-        c = _offset(b, i)
-        return (None, None) if c is None else (c + (0 if op == "ge" else 1), None)
-    # i - j < W  /  i - j <= W  ->  j > i - W  /  j >= i - W
-    if op in ("lt", "le") and a.op == "sub" and a.args[1].op == "var" and a.args[1].val == j \
-            and b.op in ("int", "flt") and _offset(a.args[0], i) is not None:
-        w = int(b.val) - _offset(a.args[0], i)
-        return (-w + (1 if op == "lt" else 0), None)
-    return None, None
+    a, b = _linear(atom.args[0]), _linear(atom.args[1])
+    if a is None or b is None:
+        return None, None
+    coef = dict(a[0])  # a - b  REL  0
+    for v, c in b[0].items():
+        coef[v] = coef.get(v, 0) - c
+    coef = {v: c for v, c in coef.items() if c}
+    const, op = a[1] - b[1], atom.op
+    if set(coef) != {i, j} or coef[j] not in (1, -1) or coef[i] != -coef[j]:
+        return None, None
+    if coef[j] == -1:  # -(j - i) + c REL 0  ->  j - i - c flip(REL) 0
+        const, op = -const, {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}[op]
+    # j - i + const REL 0, i.e. j REL i - const
+    return {"lt": (None, -const), "le": (None, -const + 1), "gt": (-const + 1, None),
+            "ge": (-const, None), "eq": (-const, -const + 1)}[op]
 
 
 def common_gates(folds: list[Fold]) -> frozenset:
