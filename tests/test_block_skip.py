@@ -292,6 +292,8 @@ def test_block_range_count_spans_several_chunks(monkeypatch):
                        mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i))
     kern = ne.superoptimize(out, target="interpreter", cache=False)
     assert "tl.arange(0, 2)" in kern.source
+    # the atom's four counts (may/must x first/last) share one pass over the summary
+    assert kern.source.count("for bs_c") == 1, kern.source
     ids = torch.repeat_interleave(torch.arange(5, dtype=torch.int32),
                                   torch.tensor([7, 30, 21, 2, 40]))
     q, k, v = qkv(1, 1, 100, 100, 3)

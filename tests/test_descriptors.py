@@ -214,7 +214,7 @@ def test_gpu_form_compiles_for_sm90_with_tma_and_warp_specialization():
 
 def test_data_mask_key_ranges_compile_for_sm90():
     """Sorted document ids: the key ranges counted from the block summaries (vector loads
-    and sums before the key loop, ``block_skip._search``) and the three range loops
+    and sums before the key loop, ``block_skip._count_failing``) and the three range loops
     compile for sm_90 in both load forms."""
     doc = ne.placeholder((256,), "int32", "doc")
     kern = ne.superoptimize(ne.attention(1, 2, 256, 256, 64, "float16",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..ir import Term
 from .block_predicate import Analysis, _maybe_float, summary_dim
-from .block_skip import _key_side, _roles, _row_bounds, _search, _spec, data_atoms
+from .block_skip import _count_failing, _key_side, _roles, _row_bounds, _spec, data_atoms
 from .codegen import LOOP, Emitter
 from .lower import Pass
 
@@ -186,7 +186,7 @@ class _Ctx:
         return (f"tl.maximum({elo}, 0)", f"({ehi}) + 1"), (up(ehi), down(f"({elo}) + 1"))
 
     def _search(self, key: Term, cmp: str, elo, ehi):
-        """``X[j] cmp E`` with X nondecreasing: first blocks by binary search over X's
+        """``X[j] cmp E`` with X nondecreasing: first blocks by counting over X's
         key-block summary ([min, max] per block, both nondecreasing then)."""
         em, plan = self.em, self.em.plan
         spec = _spec(plan, key.val, (0, "loop"))
@@ -194,20 +194,23 @@ class _Ctx:
         self.flags.append(f"tl.load({flag.name}_ptr + 2 * {flag.name}_s0) != 0")
         nb = f"(({self.ext} + B_{LOOP} - 1) // B_{LOOP})"
         mx, mn = f"{spec.name}_s1", "0"
-
-        def first(field, op, target):  # first key block whose entry op target, as a key
-            return f"{_search(em, spec, nb, field, op, target)} * B_{LOOP}"
         ext = self.ext
+        # (may, must) as [lo, hi) with search queries (field, op, target) in their places;
+        # the queries of the atom run in one counting pass over the summary
         if cmp == "ge":
-            return (first(mx, ">=", elo), ext), (first(mn, ">=", ehi), ext)
-        if cmp == "gt":
-            return (first(mx, ">", elo), ext), (first(mn, ">", ehi), ext)
-        if cmp == "le":
-            return ("0", first(mn, ">", ehi)), ("0", first(mx, ">", elo))
-        if cmp == "lt":
-            return ("0", first(mn, ">=", ehi)), ("0", first(mx, ">=", elo))
-        return ((first(mx, ">=", elo), first(mn, ">", ehi)),
-                (first(mn, ">=", ehi), first(mx, ">", elo)))
+            form = (((mx, ">=", elo), ext), ((mn, ">=", ehi), ext))
+        elif cmp == "gt":
+            form = (((mx, ">", elo), ext), ((mn, ">", ehi), ext))
+        elif cmp == "le":
+            form = (("0", (mn, ">", ehi)), ("0", (mx, ">", elo)))
+        elif cmp == "lt":
+            form = (("0", (mn, ">=", ehi)), ("0", (mx, ">=", elo)))
+        else:
+            form = (((mx, ">=", elo), (mn, ">", ehi)), ((mn, ">=", ehi), (mx, ">", elo)))
+        queries = [x for rng in form for x in rng if isinstance(x, tuple)]
+        found = iter(_count_failing(em, spec, nb, queries))
+        return tuple(tuple(f"{next(found)} * B_{LOOP}" if isinstance(x, tuple) else x
+                           for x in rng) for rng in form)
 
 
 def _fold(fn: str, a: str, b: str) -> str:

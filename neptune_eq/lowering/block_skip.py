@@ -247,12 +247,16 @@ def data_loop_bounds(em: Emitter, ps: Pass, k: int) -> tuple[str | None, str | N
         nb = f"(({ps.extent} + B_{LOOP} - 1) // B_{LOOP})"
         mono = em.new("mono")
         em.emit(f"{mono} = tl.load({flag.name}_ptr + 2 * {flag.name}_s0) != 0")
+        queries = []
         if need_lo is not None:  # first key block whose max reaches lo_e
-            blk = _search(em, spec, nb, f"{spec.name}_s1", ">=", need_lo)
-            los.append(f"tl.where({mono}, {blk}, 0) * B_{LOOP}")
+            queries.append((f"{spec.name}_s1", ">=", need_lo))
         if need_hi is not None:  # one past the last key block whose min is <= hi_e
-            blk = _search(em, spec, nb, "0", ">", need_hi)
-            his.append(f"tl.where({mono}, {blk} * B_{LOOP}, {ps.extent})")
+            queries.append(("0", ">", need_hi))
+        blks = _count_failing(em, spec, nb, queries)
+        if need_lo is not None:
+            los.append(f"tl.where({mono}, {blks.pop(0)}, 0) * B_{LOOP}")
+        if need_hi is not None:
+            his.append(f"tl.where({mono}, {blks.pop(0)} * B_{LOOP}, {ps.extent})")
     lo = hi = None
     if los:
         lo = f"j_dlo{k}"
@@ -304,21 +308,31 @@ def _row_bounds(em: Emitter, t: Term, const_ok: bool = False):
 SEARCH_CHUNK = 512  # summary entries counted per vector load (S = 65536 at B_L = 128: one)
 
 
-def _search(em: Emitter, spec: SummarySpec, nb: str, field_off: str, cmp: str, target) -> str:
-    """The first block whose [min, max] entry at ``field_off`` satisfies ``entry cmp
-    target`` (nb if none), valid when the summary is nondecreasing (the caller checks).
+def _count_failing(em: Emitter, spec: SummarySpec, nb: str, queries: list) -> list[str]:
+    """For each ``(field_off, cmp, target)``: the first block whose entry satisfies
+    ``entry cmp target``, all from ONE pass over the summary.
 
     Counted, not bisected: on a nondecreasing column the failing entries are a prefix, so
     their count is the answer.  One vector load per SEARCH_CHUNK blocks replaces a chain of
-    log2(nb) dependent loads (each an L2 round trip) before the key loop can start."""
-    cnt, c0, offs, val = em.new("bs_n"), em.new("bs_c"), em.new("bs_o"), em.new("bs_v")
-    em.emit(f"{cnt} = row_first * 0")
+    log2(nb) dependent loads (each an L2 round trip) before the key loop can start; and
+    the searches of one atom (a document mask asks four: may/must x first/last) share
+    the loop, one load per column, so their round trips overlap instead of queueing."""
+    cnts = [em.new("bs_n") for _ in queries]
+    c0, offs = em.new("bs_c"), em.new("bs_o")
+    for cnt in cnts:
+        em.emit(f"{cnt} = row_first * 0")
     em.emit(f"for {c0} in range(0, {nb}, {SEARCH_CHUNK}):  # monotone data: the visible keys are one range")
     em.emit(f"    {offs} = {c0} + tl.arange(0, {SEARCH_CHUNK})")
-    em.emit(f"    {val} = tl.load({spec.name}_ptr + {offs} * {spec.name}_s0 + {field_off}, "
-            f"mask={offs} < {nb}, other=0)")
-    em.emit(f"    {cnt} += tl.sum((({offs} < {nb}) & ~({val} {cmp} {target})).to(tl.int32), axis=0)")
-    return cnt
+    vals: dict[str, str] = {}
+    for field_off, _, _ in queries:
+        if field_off not in vals:
+            vals[field_off] = val = em.new("bs_v")
+            em.emit(f"    {val} = tl.load({spec.name}_ptr + {offs} * {spec.name}_s0 + {field_off}, "
+                    f"mask={offs} < {nb}, other=0)")
+    for cnt, (field_off, cmp, target) in zip(cnts, queries):
+        em.emit(f"    {cnt} += tl.sum((({offs} < {nb}) & ~({vals[field_off]} {cmp} {target}))"
+                f".to(tl.int32), axis=0)")
+    return cnts
 
 
 def _fold_code(fn: str, xs: list[str]) -> str:
