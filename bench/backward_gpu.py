@@ -204,6 +204,9 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
             step(fn, q, k, v, g)
         torch.cuda.synchronize()
     dev_us = sum(e.self_device_time_total for e in prof.key_averages()) / 20
+    kernels = "\n".join(f"  {e.self_device_time_total / 20:8.1f} us  x{e.count // 20}  {e.key[:90]}"
+                         for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+                         if e.self_device_time_total > 0)
     t0 = time.perf_counter()
     for _ in range(n):
         step(fn, q, k, v, g)
@@ -218,7 +221,7 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
     return (f"{variant} S={S}: host {host_us:.0f} us per step (loop without sync), "
-            f"device kernels {dev_us:.0f} us per step\n\n" + buf.getvalue())
+            f"device kernels {dev_us:.0f} us per step:\n{kernels}\n\n" + buf.getvalue())
 
 
 def markdown(out: dict) -> str:
