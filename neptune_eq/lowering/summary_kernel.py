@@ -31,7 +31,11 @@ from .block_predicate import SummarySpec
 from .codegen import _TL_DTYPE
 
 TILE = 2048    # elements one per-block program reads (G_k blocks of B)
-CHUNK = 1024   # elements per step of a global summary's walk
+# Elements per step of a global summary's walk.  That walk is one program, so it is the
+# pre-pass's critical path: its device time grew with S (6.6 us at S=8192, 24 us at 32768
+# on an H100 with 1024); at 4096 a step is 32 elements a thread, 128 registers, no spill
+# (ptxas for sm_90), and S=8192 takes 2 steps instead of 8.
+CHUNK = 4096
 
 
 @dataclass(frozen=True)
@@ -191,11 +195,13 @@ def _global_body(s: SummarySpec, rank: int, dtype: str) -> list[str]:
              f"bad = pid * 0{'' if rank == 1 else ' + 1'}",
              f"for start in range(0, total, {CHUNK}):",
              f"    f = start + tl.arange(0, {CHUNK})",
-             "    ok = f < total",
-             "    rem = f",
-             "    off = f * 0"]
-    for q in reversed(range(rank)):
-        lines += [f"    off += (rem % x_{t}_n{q}) * x_{t}_s{q}", f"    rem = rem // x_{t}_n{q}"]
+             "    ok = f < total"]
+    if rank == 1:  # the common case (ids, offsets): no index arithmetic
+        lines += [f"    off = f * x_{t}_s0"]
+    else:
+        lines += ["    rem = f", "    off = f * 0"]
+        for q in reversed(range(rank)):
+            lines += [f"    off += (rem % x_{t}_n{q}) * x_{t}_s{q}", f"    rem = rem // x_{t}_n{q}"]
     lines += [f"    v = {_value(f'tl.where(ok, tl.load(x_{t}_ptr + off, mask=ok), first)', dtype)}"]
     if _is_int(dtype):
         lines += ["    lo = tl.minimum(lo, tl.min(v, axis=0))",
