@@ -172,6 +172,33 @@ def smoke_one(name: str, S: int, dtype: torch.dtype) -> dict:
             "max_abs_diff_vs_flex": (ours.float() - ref).abs().max().item()}
 
 
+def host_profile(name: str, S: int, dtype: torch.dtype, calls: int = 500) -> str:
+    """Host time per call (a loop without sync) and its cProfile: where a call whose
+    device time is below its host time spends the host's."""
+    import cProfile
+    import io
+    import pstats
+    mask, B, _ = case(name, S)
+    q, k, v = (torch.randn(B, H, S, D, device=DEV, dtype=dtype) for _ in range(3))
+    for _ in range(20):
+        ne.flex_attention(q, k, v, mask_mod=mask)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        ne.flex_attention(q, k, v, mask_mod=mask)
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        ne.flex_attention(q, k, v, mask_mod=mask)
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+    return f"{name} S={S} {dtype}: host {host:.0f} us per call\n" + buf.getvalue()
+
+
 def run_one(name: str, S: int, dtype: torch.dtype, flex, sweep: bool = False) -> dict:
     mask, B, pairs = case(name, S)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
@@ -243,7 +270,17 @@ def main():
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the bench itself: S=64, H=2, D=16 in the Triton "
                          "interpreter against eager flex_attention; writes <out>_smoke.json")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="only profile the host side of our call for each case (first S and "
+                         "dtype); writes <out>_host_profile.txt")
     args = ap.parse_args()
+    if args.host_profile:
+        text = "\n\n".join(host_profile(c, args.S[0], getattr(torch, args.dtype[0]))
+                             for c in args.cases)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{args.out}_host_profile.txt").write_text(text)
+        print(text[:8000])
+        return
     for dt in args.dtype:
         if not isinstance(getattr(torch, dt, None), torch.dtype):
             raise SystemExit(f"unknown dtype {dt!r}; expected float16 / bfloat16 / float32")
