@@ -1,5 +1,6 @@
 """Generated Triton kernels (interpreter on CPU) equal the fp64 reference interpreter."""
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 import neptune_eq as ne
@@ -114,6 +115,26 @@ def test_fast_launch_is_used_only_after_it_reproduces_tritons_launch(monkeypatch
         assert calls == ["slow", "fast", "fast", "fast"] and len(la._checked) == 1
 
 
+_EDGES = st.one_of(st.integers(-2 ** 40, 2 ** 40), st.integers(0, 64),
+                   st.integers(2 ** 31 - 40, 2 ** 31 + 40), st.integers(-2 ** 31 - 40, -2 ** 31 + 40),
+                   st.integers(2 ** 63 - 40, 2 ** 64 - 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_EDGES, min_size=1, max_size=40))
+def test_int_classes_are_at_least_as_fine_as_tritons(ints):
+    """Integers in one class of ``launch.int_classes`` are specialised alike by Triton
+    itself: a direct launch keyed on the classes never reuses a kernel that Triton would
+    have compiled differently."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from neptune_eq.runtime.launch import int_classes
+    seen = {}
+    for v, c in zip(ints, int_classes(ints)):
+        native = native_specialize_impl(BaseBackend, v, False, True, True)
+        assert seen.setdefault(c, native) == native, (v, c, native, seen)
+
+
 def test_runtime_size_launchers_share_checked_launches_by_tritons_class(monkeypatch):
     """A kernel with runtime sizes gets a launcher per size; one checked direct launch
     serves every size that Triton specialises the same way (a growing KV cache does not
@@ -127,7 +148,7 @@ def test_runtime_size_launchers_share_checked_launches_by_tritons_class(monkeypa
     kern = ne.superoptimize(y, target="interpreter", cache=False, sizes={"N": 5})
     calls = _fake_gpu_launches(monkeypatch)
     monkeypatch.setattr(runtime, "class_launch_key", lambda ts, ints, spec: (
-        0, tuple(t.data_ptr() & 15 == 0 for t in ts), tuple(spec(i) for i in ints)))
+        0, tuple(t.data_ptr() & 15 == 0 for t in ts), spec(ints)))
     runtime._CHECKS_BY_VARIANT.clear()
     # one bucket (33..64); 48 and 64 are another Triton class (% 16) and variant (even rows)
     for n, expect in ((33, ["slow", "fast"]), (35, ["fast"]), (37, ["fast"]),

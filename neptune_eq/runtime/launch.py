@@ -37,29 +37,43 @@ def launch_key(tensors: list, ints: list) -> tuple:
     alignment and every integer argument's value (scratch buffers are ours and always
     aligned; chunk sizes are fixed per launcher)."""
     import torch
-    return (torch.cuda.current_device(), tuple(t.data_ptr() & 15 == 0 for t in tensors),
+    return (torch.cuda.current_device(), tuple([t.data_ptr() & 15 == 0 for t in tensors]),
             tuple(ints))
 
 
+_I32 = 2 ** 31
+
+
+def int_classes(ints: list) -> tuple:
+    """Each integer's class under Triton's specialisation, computed here in Python: 1
+    (``== 1``, a constexpr), then by range (i32 / i64 / u64) and ``% 16``.  The classes
+    are at least as fine as Triton's (``native_specialize_impl``; tests/test_kernels.py
+    checks it), at a third of the host time of calling it once per integer."""
+    return tuple([(1 if v == 1 else 2 if not v & 15 else 3) if -_I32 <= v < _I32
+                  else 4 + 2 * (v >= 2 ** 63) + (not v & 15) for v in ints])
+
+
 def _triton_int_specialisation():
-    """Triton's own specialisation of an integer argument (``== 1`` becomes a constexpr,
-    ``% 16`` a divisibility hint, the range i32/i64), or None on a Triton without it."""
+    """``int_classes`` when this Triton specialises integers the way it mirrors (``== 1``
+    a constexpr, ``% 16`` a divisibility hint, the range i32/i64: Triton 3.5 on), else
+    None."""
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
     except ImportError:  # pragma: no cover - Triton before 3.5
         return None
     native_specialize_impl(BaseBackend, 37, False, True, True)  # fails here, not per launch
-    return lambda v: native_specialize_impl(BaseBackend, v, False, True, True)
+    return int_classes
 
 
 def class_launch_key(tensors: list, ints: list, spec) -> tuple:
     """``launch_key`` for kernels that take sizes at run time: integers by the class
-    Triton specialises them into (``spec``), not by value, so one checked launch serves
-    every size of that class -- a KV cache growing by one key per step does not re-check."""
+    Triton specialises them into (``spec``, over the whole list), not by value, so one
+    checked launch serves every size of that class -- a KV cache growing by one key per
+    step does not re-check."""
     import torch
-    return (torch.cuda.current_device(), tuple(t.data_ptr() & 15 == 0 for t in tensors),
-            tuple(spec(i) for i in ints))
+    return (torch.cuda.current_device(), tuple([t.data_ptr() & 15 == 0 for t in tensors]),
+            spec(ints))
 
 
 class FastLaunch:
