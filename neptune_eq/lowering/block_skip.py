@@ -217,7 +217,7 @@ def data_loop_bounds(em: Emitter, ps: Pass, k: int) -> tuple[str | None, str | N
     """Key-loop bounds from data atoms ``K cmp E`` (emitted in the pass's scope): E is
     bounded over the row block by ``block_predicate``; K = j gives the bound directly,
     K = X[j] with X nondecreasing (its summary's flag, checked per call) gives it by a
-    binary search over X's key-block summary -- sorted document ids make a row block's
+    count over X's key-block summary -- sorted document ids make a row block's
     visible keys one contiguous range.  Returns (lo, hi) code, block-aligned lo."""
     plan = em.plan
     atoms = data_atoms(plan, ps)
