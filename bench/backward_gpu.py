@@ -185,9 +185,7 @@ def profile(S: int, dtype) -> str:
 def host_profile(S: int, dtype, variant: str = "causal") -> str:
     """Where the host's time per fwd+bwd goes (cProfile, 200 warm steps) next to the
     device's (kernel time per step from the profiler): is the step host-bound here?"""
-    import cProfile
-    import io
-    import pstats
+    from host_profile import host_profile as profile_host
     kw, Hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[variant]
     torch.manual_seed(0)
     q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
@@ -198,7 +196,6 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
     for _ in range(20):
         step(fn, q, k, v, g)
     torch.cuda.synchronize()
-    n = 200
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             step(fn, q, k, v, g)
@@ -207,21 +204,9 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
     kernels = "\n".join(f"  {e.self_device_time_total / 20:8.1f} us  x{e.count // 20}  {e.key[:90]}"
                          for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
                          if e.self_device_time_total > 0)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step(fn, q, k, v, g)
-    host_us = (time.perf_counter() - t0) / n * 1e6  # launches are async: this is the host
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        step(fn, q, k, v, g)
-    pr.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
+    host_us, table = profile_host(lambda: step(fn, q, k, v, g), calls=200, top=40, warmup=0)
     return (f"{variant} S={S}: host {host_us:.0f} us per step (loop without sync), "
-            f"device kernels {dev_us:.0f} us per step:\n{kernels}\n\n" + buf.getvalue())
+            f"device kernels {dev_us:.0f} us per step:\n{kernels}\n\n" + table)
 
 
 def markdown(out: dict) -> str:

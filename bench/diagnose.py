@@ -152,20 +152,12 @@ def _compiled_kernels(fn):
 
 def hostprofile(op, S, n=2000):
     """cProfile of n calls (host side): where the per-call microseconds go."""
-    import cProfile
-    import pstats
+    from host_profile import host_profile
     kern, args, *_ = _setup(op, S)
-    for _ in range(20):
-        kern(*args)
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        kern(*args)
-    pr.disable()
-    torch.cuda.synchronize()
-    print(f"{op} S={S}: [{kern.config}] fast {kern._launcher.fast_ok} {kern._launcher.fast_reason}")
-    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+    host_us, table = host_profile(lambda: kern(*args), n, top=14)
+    print(f"{op} S={S}: [{kern.config}] fast {kern._launcher.fast_ok} {kern._launcher.fast_reason}"
+          f" host {host_us:.1f} us per call")
+    print(table)
 
 
 def loop(op, S, n=5):

@@ -175,28 +175,11 @@ def smoke_one(name: str, S: int, dtype: torch.dtype) -> dict:
 def host_profile(name: str, S: int, dtype: torch.dtype, calls: int = 500) -> str:
     """Host time per call (a loop without sync) and its cProfile: where a call whose
     device time is below its host time spends the host's."""
-    import cProfile
-    import io
-    import pstats
+    from host_profile import host_profile as profile_host
     mask, B, _ = case(name, S)
     q, k, v = (torch.randn(B, H, S, D, device=DEV, dtype=dtype) for _ in range(3))
-    for _ in range(20):
-        ne.flex_attention(q, k, v, mask_mod=mask)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        ne.flex_attention(q, k, v, mask_mod=mask)
-    host = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(calls):
-        ne.flex_attention(q, k, v, mask_mod=mask)
-    pr.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
-    return f"{name} S={S} {dtype}: host {host:.0f} us per call\n" + buf.getvalue()
+    host, table = profile_host(lambda: ne.flex_attention(q, k, v, mask_mod=mask), calls, top=30)
+    return f"{name} S={S} {dtype}: host {host:.0f} us per call\n" + table
 
 
 def run_one(name: str, S: int, dtype: torch.dtype, flex, sweep: bool = False) -> dict:

@@ -1,0 +1,35 @@
+"""Host side of a GPU call: time per call in a loop without sync, and its cProfile.
+
+Launches are asynchronous, so a warm loop that never synchronises runs at the host's
+pace while the GPU keeps up: that time is the host's.  Shared by ``diagnose.py
+hostprofile``, ``backward_gpu.py --host-profile`` and ``doc_mask_gpu.py --host-profile``.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+
+def host_profile(fn, calls: int, top: int, warmup: int = 20) -> tuple[float, str]:
+    """(host microseconds per ``fn()`` call, the cProfile table of ``calls`` more calls,
+    sorted by own time, ``top`` rows)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return host_us, buf.getvalue()
