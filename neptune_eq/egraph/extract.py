@@ -180,12 +180,13 @@ class Extraction:
         total but has no running value."""
         best = None
         for n in self.view.classes.get(cls, ()):
-            if n.op not in REDUCTION_OPS or self.model.node_cost(self.view, cls, n) == INF:
+            if n.op not in REDUCTION_OPS:
                 continue
+            own = self.model.node_cost(self.view, cls, n)
             kids = [k for k in n.children if k not in self.view.literal]
-            if any(k not in self.best for k in kids):
+            if own == INF or any(k not in self.best for k in kids):
                 continue
-            cost = self.model.node_cost(self.view, cls, n) + sum(self.best[k][0] for k in kids)
+            cost = own + sum(self.best[k][0] for k in kids)
             if best is None or cost < best[0]:
                 best = (cost, n)
         if best is None:
