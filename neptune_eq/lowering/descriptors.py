@@ -31,12 +31,36 @@ CUDA graphs are unchanged (Triton 3.6 needs ``triton.set_allocator`` for the des
 global scratch: ``runtime.launcher.ensure_allocator``).  TMA needs a 16-byte aligned base,
 16-byte multiples as strides and a contiguous last dimension; the launcher checks the
 tensors of every call (``tma_ok``) and runs the pointer form where they do not hold.
+
+Warp specialisation (``WS``) on Hopper is Triton's automatic pass (Triton 3.6: one TMA
+producer warpgroup, two consumer warpgroups that split the row block).  Measured on an
+H100 (bench/ws_probe, bench/results/ws_probe/README.md) it is right only in a narrow
+form, which ``WS_WARPS`` / ``WS_RING`` / ``WS_MIN_ROWS`` below and
+``runtime.launcher.lowering_variants`` keep to:
+
+* a K/V ring of 2 buffers (the loop's ``num_stages``): with 3 or 4 every specialised
+  kernel returned NaN / garbage, nondeterministically, at every size (multiples of the
+  block too), with or without the partial key block peeled out of the loop, in Triton's
+  tutorial formulation (``tl.dot(p, v, acc)``), and in a FlashAttention kernel written
+  from scratch -- a miscompile in Triton, not in what we emit (likely the consumer
+  releasing a K/V buffer right after issuing the asynchronous wgmma that reads it, as in
+  its IR; not proven);
+* 4 warps: with 8, Triton 3.6 leaves the loop unspecialised (a plain TMA kernel);
+* at least 128 rows per block: each consumer takes half; at 64 both consumers computed
+  and stored the same 64 rows (twice the work), and at 32 there is no wgmma to split;
+* one main loop holding a ``tl.dot`` (a second loop after it -- a peeled boundary block
+  -- made the pass abort in WSDataPartition).
 """
 from __future__ import annotations
 
 import re
 
 TMA_FLAG, WS_FLAG, STAGES_FLAG = "TMA", "WS", "LOOP_STAGES"  # constexprs of every kernel
+# The only warp-specialised form that was right on Triton 3.6 (module docstring).
+WS_WARPS = 4        # 8 warps: the loop is not specialised at all
+WS_RING = 2         # K/V buffers in flight; 3 or more miscompiled (NaN)
+WS_MIN_ROWS = 128   # two consumer warpgroups x 64 wgmma rows
+WS_MIN_KEYS = 64    # 32-key blocks were right but 25% slower than 64 (S=8192, D=128)
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_BOX = 256        # TMA box extent limit per dimension (elements)
 _SCALAR = re.compile(r"^(ax_[A-Za-z_0-9]+|[0-9]+)$")  # program-constant index codes
@@ -134,23 +158,30 @@ def store(em, tensor: str, idx, axes: tuple, value_code: str, pointer_line: str)
 def main_loop_header(lo: str, hi: str, step: str) -> str:
     """The key loop the config may pipeline deeper and warp-specialise (constexprs: the
     loop's stage count, ``WS``).  Only the main loop of a pass gets them: the causal
-    boundary loops stay plain (specialising them too failed to compile on Triton 3.6)."""
-    return (f"for l0 in tl.range({lo}, {hi}, {step}, num_stages={STAGES_FLAG}, "
-            f"warp_specialize={WS_FLAG}):")
+    boundary loops stay plain (specialising them too failed to compile on Triton 3.6).
+    Specialised, the loop's stage count is the depth of the producer's K/V ring, which is
+    held at ``WS_RING`` whatever the config asks: a deeper ring miscompiled (NaN)."""
+    return (f"for l0 in tl.range({lo}, {hi}, {step}, "
+            f"num_stages={WS_RING} if {WS_FLAG} else {STAGES_FLAG}, warp_specialize={WS_FLAG}):")
 
 
-def warp_specializable(state: DescriptorState, plan, has_data_masks: bool) -> tuple[int, ...]:
+def warp_specializable(state: DescriptorState, plan, has_data_masks: bool,
+                       has_dot: bool = True) -> tuple[int, ...]:
     """Warp counts at which warp-specialised configs are worth compiling (empty: none).
     Triton's warp specialisation of the loop needs every load of the kernel to be a TMA
     load (one pointer load, even outside the loop, failed for sm_90 with 'unsupported load
     type for producer commit'), and a body without data-dependent branches or nested
     chunk loops; split-k kernels are left out (partial stores and a semaphore after the
-    loop).  With mask-bounded loops (causal: boundary + interior loops) 4 warps failed to
-    compile on Triton 3.6 (H200), so those get 8 only."""
+    loop).  Only the form measured right on Triton 3.6 (module docstring) is offered: one
+    pass whose one loop holds a contraction, specialised at ``WS_WARPS`` warps.  Causal
+    (mask-bounded) kernels get none: their boundary loops beside the main loop failed to
+    compile with 4 warps, and with 8 Triton left the loop unspecialised."""
     if not (state.desc_loads > 0 and state.pointer_loads == 0 and not plan.split
             and not plan.chunked and not has_data_masks):
         return ()
-    return (8,) if any(ps.bound_atoms for ps in plan.passes) else (4, 8)
+    if not has_dot or len(plan.passes) != 1 or any(ps.bound_atoms for ps in plan.passes):
+        return ()
+    return (WS_WARPS,)
 
 
 def collect(states: list[DescriptorState]) -> dict[str, tuple[int, ...]]:

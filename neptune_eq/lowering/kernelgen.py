@@ -559,9 +559,12 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
             _pass_loop(em, k, split=False)
         _epilogue(em)
         text = header + _kernel_text(name, ptrs + stride_args + consts, em)
+        # warp specialisation was right on Triton 3.6 only around a contraction (descriptors)
+        has_dot = any("tl.dot(" in line for line in text)
         return KernelSource(name, "\n".join(text) + "\n" + pre_text, **common,
                             descriptors=descriptors.collect([em.desc]),
-                            warp_specializable=descriptors.warp_specializable(em.desc, plan, bool(summaries)))
+                            warp_specializable=descriptors.warp_specializable(
+                                em.desc, plan, bool(summaries), has_dot))
     # split-k: the partials kernel runs the pass on one chunk and stores fold states ...
     em = Emitter(plan, name, bf16_dot_in_fp32)
     _prologue(em, split_axis=True)

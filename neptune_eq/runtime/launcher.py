@@ -158,30 +158,41 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
     """The GPU-only lowering choices of each pointer config: its tiles through tensor
     descriptors (TMA), and -- where ``ks.warp_specializable`` says Triton can -- the main key
-    loop warp-specialised, at the base depth and one stage deeper.  All of them: the cost
-    model prunes what is timed (``choosing.choose.prune_configs``), so a cold choice stays
-    within its compile budget.  ``NEPTUNE_EQ_TMA=0`` turns descriptors off.
+    loop warp-specialised.  All of them: the cost model prunes what is timed
+    (``choosing.choose.prune_configs``), so a cold choice stays within its compile budget.
+    ``NEPTUNE_EQ_TMA=0`` turns descriptors off.
 
-    Warp specialisation is opt-in (``NEPTUNE_EQ_WARP_SPECIALIZE=1``): on an H100 with
-    Triton 3.6 (``bench/gpu_validate_tma.py``, bench/results/gpu_validate_tma.md) four
-    warp-specialised configs of the global-attention kernel returned NaN at odd sizes and
-    one aborted in Triton's NVGPUWarpSpecialization pass, while every TMA-only config was
-    right.  A config that is timed but wrong would be chosen by speed alone."""
+    Warp-specialised configs take only the form that was right on Triton 3.6 (H100,
+    bench/results/ws_probe/README.md; ``lowering.descriptors``): a row block of at least
+    ``WS_MIN_ROWS`` (the two consumer warpgroups take half each), ``WS_WARPS`` warps, and
+    a ``WS_RING``-deep K/V ring with ``num_stages`` = ``WS_RING`` (3 with a 2-deep ring was
+    right but 5-11% slower).  Deeper rings returned NaN -- the four wrong configs of
+    bench/results/gpu_validate_tma.md were 3- and 4-deep -- 8 warps left the loop
+    unspecialised, and 64-row blocks computed every row twice.  Key blocks under
+    ``WS_MIN_KEYS`` are left out (slow; they displaced the 128-key config in
+    ``prune_configs``).  In that form every warp-specialised config was right
+    (bench/gpu_validate_tma.py: 9 of 9 over the three global cases), but it is still
+    opt-in (``NEPTUNE_EQ_WARP_SPECIALIZE=1``): the best one gained 2-5% over the best
+    pointer config at S=8192, D=128 (H100), the others lost, and kernels with runtime
+    sizes were not checked on the GPU."""
+    from ..lowering.descriptors import WS_MIN_KEYS, WS_MIN_ROWS, WS_RING, WS_WARPS
     if not getattr(ks, "descriptors", None) or os.environ.get("NEPTUNE_EQ_TMA", "1") == "0":
         return []
     out = [replace(c, tma=True) for c in pointer_configs]
     warps = getattr(ks, "warp_specializable", ())
-    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "0") != "1":
-        warps = ()
+    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "0") != "1" or WS_WARPS not in warps:
+        return out
+    rows = f"B_{ks.block_axis}"
     seen = set()
     for c in pointer_configs:
-        for w in warps:
-            for depth in (c.num_stages, c.num_stages + 1):
-                ws = replace(c, num_warps=w, tma=True, warp_specialize=True,
-                             loop_stages=0 if depth == c.num_stages else depth)
-                if str(ws) not in seen:
-                    seen.add(str(ws))
-                    out.append(ws)
+        if (c.blocks.get(rows, ks.tunables.get(rows, 0)) < WS_MIN_ROWS
+                or c.blocks.get("B_L", WS_MIN_KEYS) < WS_MIN_KEYS):
+            continue
+        ws = replace(c, num_warps=WS_WARPS, num_stages=WS_RING, tma=True, warp_specialize=True,
+                     loop_stages=0)
+        if str(ws) not in seen:
+            seen.add(str(ws))
+            out.append(ws)
     return out
 
 
