@@ -18,6 +18,7 @@ from .ir import Program
 from .lowering.inline import isolate_reductions
 from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
+from .runtime.bound_call import BoundCall
 from .runtime.launcher import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
 from .choosing.dispatch import SizeDispatch, choose_bucket
 from .sizes import Guards, bind, sizes_of, specialise, symbols
@@ -50,16 +51,14 @@ class Kernel:
     sizes: dict = field(default_factory=dict)   # named sizes the first bucket was chosen at
     _dispatch: SizeDispatch | None = field(default=None, repr=False)  # symbolic sizes only
     _launcher: Launcher | None = field(default=None, repr=False)
-    _expect: list = field(default=None, repr=False)
-    _out_specs: list = field(default=None, repr=False)
-    # (shape, dtype, device) of every input -> (sizes, launcher): a call at shapes met
-    # before skips the binding checks and the size read-off (~0.1 ms of host time a call)
-    _seen_shapes: dict = field(default_factory=dict, repr=False)
+    # input signature (shape, strides, dtype, device of each) -> BoundCall: a call at a
+    # signature met before binds only the data (runtime.bound_call; None: not replayable)
+    _bound: dict = field(default_factory=dict, repr=False)
 
     def __getstate__(self):  # the compiled launcher is process-local: never cached
         state = dict(self.__dict__)
         state["_launcher"] = None
-        state["_seen_shapes"] = {}
+        state["_bound"] = {}
         return state
 
     @property
@@ -154,73 +153,63 @@ class Kernel:
             # compiled pieces (Dynamo cannot trace the launcher; ne.flex_attention is a
             # custom op instead, compiled whole).
             return torch.compiler.disable(self.__call__)(*args, **kwargs)
-        if self._dispatch is not None:
-            return self._call_symbolic(args, kwargs)
-        if self._launcher is None:
-            self._launcher = Launcher(self.program, self.kernel_source, self.target, self.config)
-            dev = "cuda" if self.target == "cuda" else "cpu"
-            self._expect = [(ph.name, torch.Size(ph.shape), getattr(torch, ph.dtype), dev)
-                            for ph in self.program.inputs]
-            self._out_specs = [(n, self.program.shape_of(n), getattr(torch, self.program.dtype_of(n)),
-                                dev) for n in self.program.outputs]
-        bound = _bind_fast(self._expect, args, kwargs)
-        if bound is None:  # anything unusual: the full check, with its clear errors
-            bound = check_inputs(self.program, args, kwargs, self.target)
-        for name, shape, dt, dev in self._out_specs:
-            bound[name] = torch.empty(shape, dtype=dt, device=dev)
-        self._launcher(bound)
+        sig = _signature(args) if not kwargs else None
+        if sig is not None:
+            replay = self._bound.get(sig)
+            if replay:  # a signature met before: only the data is bound (runtime.bound_call)
+                res = replay(list(args))
+                return res[0] if len(res) == 1 else tuple(res)
+        bound, launcher = (self._bind_symbolic(args, kwargs) if self._dispatch is not None
+                           else self._bind_static(args, kwargs))
+        launcher(bound)
+        if sig is not None and len(args) == len(self.input_program.inputs):
+            if len(self._bound) >= 256:  # a growing KV cache: keep it bounded
+                self._bound.clear()
+            try:
+                self._bound[sig] = BoundCall(launcher, [ph.name for ph in self.input_program.inputs],
+                                             bound, self.program.outputs)
+            except ValueError:  # a form the replay does not cover: the general call each time
+                self._bound[sig] = None
         res = [bound[n] for n in self.program.outputs]
         return res[0] if len(res) == 1 else tuple(res)
 
-    def _call_symbolic(self, args: tuple, kwargs: dict):
-        """Any size: read the named sizes off the inputs, launch the size's launcher (its
+    def _bind_static(self, args: tuple, kwargs: dict) -> tuple[dict, Launcher]:
+        """Inputs and freshly allocated outputs by name, checked, and the launcher."""
+        import torch
+        if self._launcher is None:
+            self._launcher = Launcher(self.program, self.kernel_source, self.target, self.config)
+        bound = check_inputs(self.program, args, kwargs, self.target)
+        dev = "cuda" if self.target == "cuda" else "cpu"
+        for name in self.program.outputs:
+            bound[name] = torch.empty(self.program.shape_of(name),
+                                      dtype=getattr(torch, self.program.dtype_of(name)), device=dev)
+        return bound, self._launcher
+
+    def _bind_symbolic(self, args: tuple, kwargs: dict) -> tuple[dict, Launcher]:
+        """Any size: read the named sizes off the inputs; the size's launcher (its
         bucket's kernel; a new bucket is chosen once, without saturating)."""
         import torch
         prog = self.input_program
-        names = [ph.name for ph in prog.inputs]
-        ts = list(args) + [kwargs.get(n) for n in names[len(args):]]
-        if len(ts) == len(names) and len(args) + len(kwargs) == len(names) and all(
-                isinstance(t, torch.Tensor) for t in ts):
-            key = tuple((t.shape, t.dtype, t.device) for t in ts)
-            hit = self._seen_shapes.get(key)
-        else:
-            key = hit = None
-        if hit is not None:
-            bound, (values, launcher) = dict(zip(names, ts)), hit
-        else:
-            bound = check_inputs(prog, args, kwargs, self.target, symbolic=True)
-            values = sizes_of(prog, bound)
-            launcher = self._dispatch.launcher(values)
-            if key is not None:
-                if len(self._seen_shapes) >= 256:  # a growing KV cache: keep it bounded
-                    self._seen_shapes.clear()
-                self._seen_shapes[key] = (values, launcher)
-        if self._out_specs is None:  # once: the per-call host time is what decode pays
-            dev = "cuda" if self.target == "cuda" else "cpu"
-            self._out_specs = [(name, tuple(n.name if hasattr(n, "name") else n for n in prog.shape_of(name)),
-                                getattr(torch, prog.dtype_of(name)), dev) for name in prog.outputs]
-        for name, dims, dt, dev in self._out_specs:
-            bound[name] = torch.empty([values[n] if isinstance(n, str) else n for n in dims],
-                                      dtype=dt, device=dev)
-        launcher(bound)
-        res = [bound[n] for n in prog.outputs]
-        return res[0] if len(res) == 1 else tuple(res)
+        bound = check_inputs(prog, args, kwargs, self.target, symbolic=True)
+        values = sizes_of(prog, bound)
+        launcher = self._dispatch.launcher(values)
+        dev = "cuda" if self.target == "cuda" else "cpu"
+        for name in prog.outputs:
+            dims = [values[n.name] if hasattr(n, "name") else n for n in prog.shape_of(name)]
+            bound[name] = torch.empty(dims, dtype=getattr(torch, prog.dtype_of(name)), device=dev)
+        return bound, launcher
 
 
-def _bind_fast(expect: list, args: tuple, kwargs: dict) -> dict | None:
-    """The common call (all tensors positional, right shape, dtype and device) in a few
-    µs: launch overhead is what short decode kernels are made of.  None: take the slow,
-    explaining check."""
+def _signature(args: tuple) -> tuple | None:
+    """What a replay depends on besides the data: each tensor's shape, strides, dtype and
+    device (None if an argument is not a tensor: the general call explains)."""
     import torch
-    if kwargs or len(args) != len(expect):
-        return None
-    out = {}
-    for t, (name, shape, dt, dev) in zip(args, expect):
-        if not (isinstance(t, torch.Tensor) and t.dtype is dt and t.shape == shape
-                and t.device.type == dev):
+    sig = []
+    for t in args:
+        if not isinstance(t, torch.Tensor):
             return None
-        out[name] = t
-    return out
+        sig.append((t.shape, t.stride(), t.dtype, t.device))
+    return tuple(sig)
 
 
 def _indent(s: str) -> str:
@@ -344,7 +333,8 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     clock.lap("saturate")
     egraph_json = stage.serialize()
     view = EGraphView.from_json(egraph_json)
-    trace.fold_checks = check_folds(view, model)
+    trace.fold_checks = check_folds(view, model, frozenset(
+        d.name for d in program.defs if d.body.op == "max"))
     best_term = extract_program(view, program, model)
     split_model = CostModel(concrete, allow_split_k=True)
     split_model.banned = model.banned

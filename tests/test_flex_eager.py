@@ -1,5 +1,5 @@
 """Eager ``ne.flex_attention`` traces the mods once per environment, not once per call
-(``torch_op.eager_structure``): a repeated call reuses the structure and fetches the
+(``eager_env.eager_structure``): a repeated call reuses the structure and fetches the
 captured tensors afresh; anything the structure depends on that changes traces again."""
 import pytest
 import torch
@@ -91,3 +91,52 @@ def test_a_reshaped_table_traces_again(traces):
     mod3 = make_bias(wide, 20.0)
     assert close(ne.flex_attention(q, k, v, score_mod=mod3), torch_flex(q, k, v, score_mod=mod3))
     assert traces[0] == n + 1
+
+
+BIAS = torch.tensor([0.5, -1.0])
+
+
+def global_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS[h]
+
+
+def test_flat_environments_are_rechecked_in_place(traces, monkeypatch):
+    """Mods whose environment is only leaves (cells, named globals, defaults holding
+    tensors, scalars, library objects) skip the walk (``eager_env._Flat``); every change
+    the walk would see still re-keys: a rebound global, a tensor resized in place, a
+    closure cell reassigned."""
+    global BIAS
+    from neptune_eq.dropin import eager_env
+    walks = [0]
+    real_walk = eager_env._Walk
+
+    def counted_walk(*a, **kw):
+        walks[0] += 1
+        return real_walk(*a, **kw)
+    monkeypatch.setattr(eager_env, "_Walk", counted_walk)
+    q, k, v = qkv()
+    ne.flex_attention(q, k, v, score_mod=global_bias)
+    assert (id(global_bias), id(None)) in eager_env._FLAT_HITS
+    n, w = traces[0], walks[0]
+    ne.flex_attention(q, k, v, score_mod=global_bias)
+    assert walks[0] == w                                # re-checked in place, not walked
+    BIAS = torch.tensor([3.0, 1.0])                     # rebound, same shape: fetched anew
+    assert close(ne.flex_attention(q, k, v, score_mod=global_bias),
+                 torch_flex(q, k, v, score_mod=global_bias))
+    assert traces[0] == n
+    BIAS.resize_(3).copy_(torch.tensor([1.0, 2.0, 7.0]))  # resized in place: traced again
+    assert close(ne.flex_attention(q, k, v, score_mod=global_bias),
+                 torch_flex(q, k, v, score_mod=global_bias))
+    assert traces[0] == n + 1
+    cap = 20.0
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+    ne.flex_attention(q, k, v, score_mod=capped)
+    m = traces[0]
+    ne.flex_attention(q, k, v, score_mod=capped)
+    assert traces[0] == m
+    cap = 5.0                                           # the cell itself changes: traced again
+    assert close(ne.flex_attention(q, k, v, score_mod=capped), torch_flex(q, k, v, score_mod=capped))
+    assert traces[0] == m + 1
+    BIAS = torch.tensor([0.5, -1.0])

@@ -102,7 +102,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     The first call of a structure superoptimizes it (seconds); later calls at any B, L, S
     reuse it.  Inputs on CUDA run the generated Triton kernel, CPU inputs the Triton
     interpreter.  Works inside ``torch.compile(fullgraph=True)`` (see ``torch_op``)."""
-    from . import torch_op
+    from . import eager_env, torch_op
     compiling = torch.compiler.is_compiling()
     if compiling:
         # Heads and head dims shape the tiles: keep them out of dynamic shapes (as
@@ -113,11 +113,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                 torch._dynamo.mark_static(x, 3)
     mask_mod = _mask_of(block_mask, mask_mod)
     want_lse, want_max = _aux_request(return_lse, return_aux)
-    spec = check(query, key, value, scale, enable_gqa, want_max)
+    spec = (check(query, key, value, scale, enable_gqa, want_max) if compiling
+            else _checked(query, key, value, scale, enable_gqa, want_max))
     if compiling:
         skey, captured = torch_op.compiled_structure(score_mod, mask_mod, spec)
     else:
-        skey, captured = torch_op.eager_structure(
+        skey, captured = eager_env.eager_structure(
             score_mod, mask_mod, spec, {SIZES[0]: query.shape[0], SIZES[1]: query.shape[2],
                                         SIZES[2]: key.shape[2]})
     if compiling:
@@ -230,6 +231,27 @@ def check(q, k, v, scale, enable_gqa, want_max) -> Spec:
     hq, hkv, e, ev = (_concrete(n) for n in (hq, hkv, e, ev))
     return Spec(_DTYPES[q.dtype], hq, hkv, e, ev, float(scale),
                 "cuda" if q.device.type == "cuda" else "interpreter", bool(want_max), same_len)
+
+
+_SPECS: dict[tuple, Spec] = {}  # eager argument signature -> its Spec (checks passed)
+
+
+def _checked(q, k, v, scale, enable_gqa, want_max) -> Spec:
+    """``check`` of an eager call, remembered per argument signature (types, shapes,
+    dtypes, devices and the options): checks that passed for a signature pass again, and
+    are ~7 us of a call that is host-bound at short lengths."""
+    try:
+        key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, type(scale), scale, enable_gqa, want_max)
+        spec = _SPECS.get(key)
+    except (AttributeError, TypeError):  # not tensors, an unhashable option: check() says
+        return check(q, k, v, scale, enable_gqa, want_max)
+    if spec is None:
+        spec = check(q, k, v, scale, enable_gqa, want_max)
+        if len(_SPECS) >= 1024:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec
 
 
 def _concrete(n) -> int:

@@ -233,7 +233,7 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     for group in groups:
         bw, kern, rows, expanded, stats = backward_kernel(
             st, group, sizes, shared and group[0] in ("q", "k", "v"), d_lse is not None)
-        out = kern(**{ph.name: env[ph.name] for ph in bw.program.inputs})
+        out = kern(*[env[ph.name] for ph in bw.program.inputs])  # positional: replayed
         out = out if isinstance(out, tuple) else (out,)
         if stats and group == ("q",):  # dQ's kernel returned the row statistics too
             env.update(zip(stats, out[len(group):]))

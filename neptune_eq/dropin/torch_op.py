@@ -37,7 +37,6 @@ S is refused at run time by name (eager calls build a concrete-size structure fo
 """
 from __future__ import annotations
 
-import collections
 import functools
 import types
 
@@ -147,48 +146,6 @@ def compiled_structure(score_mod, mask_mod, spec: "flex.Spec") -> tuple[str, lis
             raise ProgramError(f"Expected {_show(path)} of shape {shape} as when compiled.")
     tensors = [_fetch(roots[c[1]], c[2]) if c[0] == "path" else c[1] for c in captured]
     return key, tensors
-
-
-# ----------------------------------------------------------------------------------
-# Eager calls: trace once per mod environment, not once per call
-# ----------------------------------------------------------------------------------
-_EAGER_PLANS: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
-_EAGER_PLANS_MAX = 256   # mod environments remembered (least recently used goes first)
-
-
-def eager_structure(score_mod, mask_mod, spec: "flex.Spec", sizes: dict[str, int]
-                    ) -> tuple[str, list]:
-    """The structure key and captured tensors of an eager call.  Tracing the mods costs
-    milliseconds, as much as the attention itself at decode lengths, so the trace is
-    remembered per *environment*: the mods' code objects and, along every path
-    ``_Walk`` finds, each scalar's value and each tensor's shape, dtype and device.  A
-    call whose environment fingerprint matches reuses the structure and fetches its
-    captured tensors along the remembered paths (a new tensor in the same place is used);
-    anything else -- a changed closure constant, a swapped nested function, a reshaped
-    table, an object ``_Walk`` cannot see through -- traces again."""
-    roots = (score_mod, mask_mod)
-    walks = [_Walk(m, codes=True) for m in roots]
-    if any(w.opaque for w in walks):
-        st, tensors = flex.trace(spec, score_mod, mask_mod, sizes)
-        return st.key, list(tensors.values())
-    fp = (spec, tuple(type(m) for m in roots),
-          tuple((r, p, c) for r, w in enumerate(walks) for p, c in w.codes),
-          tuple((r, p, type(x), x) for r, w in enumerate(walks) for p, x in w.scalars),
-          tuple((r, p, tuple(x.shape), x.dtype, x.device) for r, w in enumerate(walks)
-                for p, x in w.tensors))
-    hit = _EAGER_PLANS.get(fp)
-    if hit is not None and (hit[2] is None or hit[2] == sizes):
-        _EAGER_PLANS.move_to_end(fp)
-        return hit[0], [_fetch(roots[c[1]], c[2]) if c[0] == "path" else c[1] for c in hit[1]]
-    st, tensors = flex.trace(spec, score_mod, mask_mod, sizes)
-    where = {id(x): (r, p) for r, w in enumerate(walks) for p, x in w.tensors}
-    plan = tuple(("path",) + where[id(x)] if id(x) in where else ("const", x)
-                 for x in tensors.values())
-    # A structure traced at this call's sizes (a table longer than S) holds only for them.
-    _EAGER_PLANS[fp] = (st.key, plan, None if st.symbols else dict(sizes))
-    if len(_EAGER_PLANS) > _EAGER_PLANS_MAX:
-        _EAGER_PLANS.popitem(last=False)
-    return st.key, list(tensors.values())
 
 
 def _split(mod) -> tuple:

@@ -1,0 +1,131 @@
+"""A kernel call at a signature met before, replayed with only the data left to bind.
+
+At decode lengths and in sparse or short training steps the GPU finishes a kernel before
+the host has issued the next call, so host time per call is the speed.  The general call
+(``Launcher.__call__``) binds ~30 arguments by name, reads every stride, looks up the
+pre-pass plan, allocates the summaries and works out Triton's specialisation key, on
+every call.  All of that is a function of the inputs' *signature* -- shape, stride,
+dtype and device of each tensor -- except the data pointers.  ``BoundCall`` does the
+work once per signature: a call then allocates its outputs (and summaries / split-k
+scratch), lists the arguments by position, checks each pointer's 16-byte alignment and
+launches the compiled kernels Triton chose under that key (``launch.FastLaunch``).
+
+Anything it was not made for -- a first call under a new launch key, a pointer that
+breaks a TMA config's alignment, the interpreter -- goes to the launcher's own path, so
+a replay never launches something the general call would not.  ``arg_lists`` is the
+replay's argument assembly, tested equal to ``Launcher._arg_lists`` on every kernel form
+(pre-pass, split-k in one and two launches).
+"""
+from __future__ import annotations
+
+import itertools
+
+from .descriptors import ensure_allocator, tma_ok
+from .launch import current_stream
+
+
+class BoundCall:
+    """The launches of one launcher at one input signature.
+
+    ``names``: the kernel's inputs in call order; ``tensors``: an example call (inputs
+    and outputs by name) of that signature, used for shapes and strides only."""
+
+    def __init__(self, launcher, names: list[str], tensors: dict, outputs: list[str]):
+        import torch
+        if launcher.tma and not tma_ok(launcher.ks.descriptors, tensors):
+            launcher = launcher._pointer_form(tensors)  # strides TMA cannot take: fixed here
+        la = self.launcher = launcher
+        ks = la.ks
+        self.names, self.outputs = list(names), list(outputs)
+        self.device = tensors[self.names[0]].device
+        self.interpret = la.target == "interpreter"
+        self.out_specs = [(tuple(tensors[n].shape), tensors[n].dtype) for n in self.outputs]
+        slot = {n: k for k, n in enumerate(self.names + self.outputs)}
+        # the pre-pass: its plan for these captured shapes, and where its inputs sit
+        self.pre = None
+        if la._pre is not None:
+            pre = la._pre
+            xs = [tensors[t] for t, _ in pre.pre.tensors]
+            key = tuple((x.shape, x.dtype) for x in xs)
+            plan = pre._plans.get(key)
+            if plan is None:
+                plan = pre._plans[key] = pre._plan(tuple(x.shape for x in xs),
+                                                   tuple(x.dtype for x in xs))
+            outs, tail, launch = plan
+            tensors = dict(tensors)
+            for name, shape, dtype in outs:  # their strides are read below
+                slot[name] = len(slot)
+                tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
+            self.pre = ([slot[t] for t, _ in pre.pre.tensors], outs, launch,
+                        [v for x in xs for v in (*x.shape, *x.stride())] + tail)
+        elif ks.summaries:
+            raise ValueError("a kernel whose summaries are built by torch is not replayed")
+        self.param_slots = [slot[n[:-4]] for n in ks.params]
+        st = {t: tensors[t].stride() for t in la.stride_of}
+        self.strides = [st[t][k] for t, k in ks.stride_params] + list(la.size_args)
+        ints = self.strides + self.pre[3] if self.pre else self.strides
+        self.int_key = None
+        if la.fast_ok:
+            self.int_key = la._int_class(ints) if la._int_class else tuple(ints)
+        # split-k: one scratch buffer per call, cut into the fold states (16-byte aligned)
+        self.scratch = None
+        if ks.split_extent:
+            chunk, nsplit = la._chunks
+            rows = nsplit * ks.grid_size * ks.row_extent
+            sizes = [rows * w for w in ks.scratch.values()]
+            pad = [-(-n // 4) * 4 for n in sizes]
+            self.scratch = (sum(pad), list(zip(sizes, itertools.accumulate([0] + pad))),
+                            chunk, nsplit)
+        self.steps = ([self.pre[2]] if self.pre else []) + la._launches
+        self.desc_slots = ([slot[n] for n in ks.descriptors] if la.tma else [])
+        self._fp32 = torch.float32
+
+    def arg_lists(self, vals: list, stream) -> list[list]:
+        """The arguments of every launch, in order, for the call whose tensors are
+        ``vals`` (inputs, outputs, then summaries, as ``slots`` number them)."""
+        import torch
+        args = [vals[k] for k in self.param_slots]
+        lists = []
+        if self.pre:
+            lists.append([vals[k] for k in self.pre[0]]
+                         + vals[len(vals) - len(self.pre[1]):] + self.pre[3])
+        if self.scratch is None:
+            lists.append(args + self.strides)
+            return lists
+        total, cuts, chunk, nsplit = self.scratch
+        buf = torch.empty(total, dtype=self._fp32, device=self.device)
+        ws = [buf[at:at + n] for n, at in cuts]
+        if self.launcher.config.fused:
+            sem = self.launcher._semaphores(self.device, stream)
+            lists.append(args + ws + [sem] + self.strides + [chunk, nsplit])
+        else:
+            lists += [args + ws + self.strides + [chunk], args + ws + self.strides + [nsplit]]
+        return lists
+
+    def __call__(self, inputs: list) -> list:
+        """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
+        import torch
+        dev = self.device
+        outs = [torch.empty(shape, dtype=dt, device=dev) for shape, dt in self.out_specs]
+        vals = inputs + outs
+        if self.pre:
+            vals += [torch.empty(shape, dtype=dt, device=dev) for _, shape, dt in self.pre[1]]
+        la = self.launcher
+        if self.interpret:
+            for fl, a in zip(self.steps, self.arg_lists(vals, None)):
+                fl.fn[fl.grid](*a, **fl.consts, **fl.options)
+            return outs
+        cks = None
+        if self.int_key is not None and la.fast_ok and not any(vals[k].data_ptr() & 15 for k in self.desc_slots):
+            cur = torch.cuda.current_device()
+            align = tuple([vals[k].data_ptr() & 15 == 0 for k in self.param_slots])
+            cks = la._checked.get((cur, align, self.int_key))
+        if cks is None:  # not checked under this key yet, or TMA cannot take these pointers
+            la({**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))})
+            return outs
+        if la.tma:
+            ensure_allocator()  # per call: Triton keeps the allocator per thread context
+        stream = current_stream(cur)
+        for fl, ck, a in zip(self.steps, cks, self.arg_lists(vals, stream)):
+            fl.fast(ck, a, stream)
+        return outs

@@ -1,0 +1,180 @@
+"""A call at a signature met before is replayed (``runtime.bound_call``): the replay's
+arguments and launch key equal the general launcher's for every kernel form (plain,
+symbolic sizes, the summary pre-pass, split-k in two launches and in one, the pointer
+twin of a TMA config), and a replay on new data, a new stride or a new size is right."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq import api
+from neptune_eq.dropin import flex
+from neptune_eq.frontend import examples
+from neptune_eq.interp import evaluate
+from neptune_eq.runtime import launcher as launcher_mod
+from neptune_eq.runtime.bound_call import BoundCall
+from neptune_eq.runtime.launch import int_classes
+from neptune_eq.runtime.launcher import Launcher, TileConfig
+
+from helpers import random_inputs
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without")
+
+
+@pytest.fixture
+def keyed(monkeypatch):
+    """Launch keys computed on CPU as on a GPU (device 0), so they can be compared."""
+    def fake_key(tensors, ints, spec=None):
+        return (0, tuple([t.data_ptr() & 15 == 0 for t in tensors]), spec(ints) if spec else tuple(ints))
+    monkeypatch.setattr(launcher_mod, "class_launch_key", fake_key)
+    monkeypatch.setattr(launcher_mod, "launch_key", fake_key)
+    monkeypatch.setattr(launcher_mod, "current_stream", lambda device: None)
+
+    def enable(la, classes=False):
+        la.fast_ok = True
+        la._int_class = int_classes if classes else None
+        return la
+    return enable
+
+
+def _norm(args: list, known: dict) -> list:
+    """An argument list with tensors the call owns by identity, fresh ones (summaries,
+    scratch) by layout, and integers by value."""
+    return [(known.get(id(a), "fresh"), tuple(a.shape), a.stride(), a.dtype)
+            if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _same_as_launcher(bc: BoundCall, names: list, tensors: dict) -> None:
+    la = bc.launcher
+    inputs = [tensors[n] for n in names]
+    outs = [tensors[n] for n in bc.outputs]
+    vals = inputs + outs
+    if bc.pre:
+        vals += [torch.empty(shape, dtype=dt) for _, shape, dt in bc.pre[1]]
+    known = {id(t): n for n, t in tensors.items()}
+    want, key, _, steps = la._arg_lists(tensors)
+    got = bc.arg_lists(vals, None)
+    known.update({id(t): "sem" for t in la._sems.values()})
+    assert [_norm(a, known) for a in got] == [_norm(a, known) for a in want]
+    assert bc.steps == steps
+    if key is not None:
+        align = tuple([vals[k].data_ptr() & 15 == 0 for k in bc.param_slots])
+        assert (0, align, bc.int_key) == key
+
+
+def _bound(kern) -> BoundCall:
+    (bc,) = [b for b in kern._bound.values() if b is not None]
+    return bc
+
+
+def test_plain_kernel_replays_same_arguments_and_key(keyed):
+    kern = ne.superoptimize(examples.attention(1, 2, 20, 37, 16, "float32"), target="interpreter",
+                            cache=False)
+    prog = kern.input_program
+    names = [ph.name for ph in prog.inputs]
+    ins = random_inputs(prog)
+    kern(*[ins[n] for n in names])
+    bc = _bound(kern)
+    keyed(bc.launcher)
+    out = torch.empty(prog.shape_of(prog.outputs[0]))
+    _same_as_launcher(BoundCall(bc.launcher, names, {**ins, prog.outputs[0]: out}, prog.outputs),
+                      names, {**ins, prog.outputs[0]: out})
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_k_replays_same_arguments_and_key(keyed, fused):
+    out = ne.attention(1, 4, 1, 300, 32, "float16", kv_heads=4)
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    row = next(r for r in kern.candidates if r.kernel is not None and r.kernel.split_extent)
+    prog = kern.input_program
+    ins = random_inputs(prog)
+    la = keyed(Launcher(row.program, row.kernel, "interpreter",
+                        TileConfig({"B_i": 16, "B_L": 16}, 4, 1, 3, fused=fused)))
+    tensors = {**ins, "o": torch.empty(1, 4, 1, 32, dtype=torch.float16)}
+    names = [ph.name for ph in prog.inputs]
+    bc = BoundCall(la, names, tensors, ["o"])
+    _same_as_launcher(bc, names, tensors)
+    got = bc([ins[n] for n in names])[0]          # and the replay itself is right
+    ref = evaluate(prog, ins)["o"]
+    assert (got.double() - ref).abs().max().item() <= 2e-3 * max(1, ref.abs().max().item())
+
+
+def test_tma_config_on_unaligned_strides_binds_the_pointer_twin(keyed):
+    kern = ne.superoptimize(examples.attention(1, 1, 16, 24, 16, "float16"), target="interpreter",
+                            cache=False)
+    prog = kern.input_program
+    ins = random_inputs(prog)
+    odd = torch.zeros(1, 1, 24, 20, dtype=torch.float16)[..., :16]  # 40-byte rows: no TMA
+    odd.copy_(ins["k"])
+    la = Launcher(kern.program, kern.kernel_source, "interpreter", replace(kern.config, tma=True))
+    names = [ph.name for ph in prog.inputs]
+    tensors = {**ins, "k": odd, "o": torch.empty(prog.shape_of("o"), dtype=torch.float16)}
+    bc = BoundCall(la, names, tensors, ["o"])
+    assert bc.launcher is la._pointer_twin and not bc.launcher.tma
+    _same_as_launcher(bc, names, tensors)
+    got = bc([tensors[n] for n in names])[0]
+    ref = evaluate(prog, {**ins, "k": odd})["o"]
+    assert (got.double() - ref).abs().max().item() <= 2e-3 * max(1, ref.abs().max().item())
+
+
+def test_document_mask_replays_pre_pass_and_main_kernel(keyed):
+    """The doc-mask kernel (pre-pass + main kernel, symbolic sizes): same arguments as the
+    launcher, and repeated calls with new documents, new data and a new length are right."""
+    s = 40
+    doc = torch.repeat_interleave(torch.arange(5, dtype=torch.int32), 8)
+
+    def documents(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = [torch.randn(1, 2, s, 16, generator=g) for _ in range(3)]
+    ne.flex_attention(q, k, v, mask_mod=documents)
+    kern = next(st.kernel for st in flex.STRUCTURES.values()
+                if st.kernel is not None and any(b is not None and b.pre for b in st.kernel._bound.values()))
+    bc = next(b for b in kern._bound.values() if b is not None and b.pre)
+    keyed(bc.launcher, classes=True)
+    names = [ph.name for ph in kern.input_program.inputs]
+    outs = {n: torch.empty(t) for n, t in zip(bc.outputs, [spec[0] for spec in bc.out_specs])}
+    tensors = {**dict(zip(names, [q, k, v, doc])), **outs}
+    _same_as_launcher(BoundCall(bc.launcher, names, tensors, bc.outputs), names, tensors)
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention as torch_flex
+    for step in range(3):   # new ids in the same tensor, new data, then a new length
+        doc.copy_(torch.sort(torch.randint(0, 3 + step, (doc.numel(),), generator=g)).values)
+        q, k, v = [torch.randn(1, 2, doc.numel(), 16, generator=g) for _ in range(3)]
+        got = ne.flex_attention(q, k, v, mask_mod=documents)
+        bm = create_block_mask(documents, 1, 1, doc.numel(), doc.numel(), device="cpu")
+        want = torch_flex(q, k, v, block_mask=bm)
+        assert (got - want).abs().max().item() < 1e-4, step
+        if step == 1:
+            doc = torch.repeat_interleave(torch.arange(7, dtype=torch.int32), 7)
+
+
+def test_replay_reads_new_data_and_each_stride_gets_its_own(monkeypatch):
+    kern = ne.superoptimize(examples.attention(1, 2, 20, 37, 16, "float32"), target="interpreter",
+                            cache=False)
+    prog = kern.input_program
+    names = [ph.name for ph in prog.inputs]
+    checks = [0]
+    real = api.check_inputs
+
+    def counted(*a, **kw):
+        checks[0] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(api, "check_inputs", counted)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        ins = random_inputs(prog)
+        ref = evaluate(prog, ins)[prog.outputs[0]]
+        got = kern(*[ins[n] for n in names])
+        assert (got.double() - ref).abs().max().item() < 1e-4, seed
+    assert checks[0] == 1          # the later calls were replays
+    # a transposed view (other strides): its own signature, still right
+    ins = random_inputs(prog)
+    q_t = ins["q"].transpose(2, 3).contiguous().transpose(2, 3)
+    got = kern(*[q_t if n == "q" else ins[n] for n in names])
+    ref = evaluate(prog, ins)[prog.outputs[0]]
+    assert (got.double() - ref).abs().max().item() < 1e-4
+    assert checks[0] == 2 and len(kern._bound) == 2
+    with pytest.raises(ne.ProgramError, match="shape"):   # a wrong shape still explains itself
+        kern(*[ins[n][..., :-1] if n == "q" else ins[n] for n in names])
