@@ -142,3 +142,35 @@ def test_without_back_off_the_explosive_rule_keeps_matching(tmp_path):
     trace = st.saturate(Limits(match_limit=None))
     assert not any(it.banned for it in trace.iterations)
     assert any(it.matches.get("mul-comm", 0) > 20 for it in trace.iterations)
+
+
+def test_folds_whose_exponent_reads_a_running_non_maximum_are_banned():
+    """exp(x - R) rolled over a running R stays bounded only when R is a running maximum
+    entering with a negative sign (FlashAttention); over a running sum the fold is exact
+    in real arithmetic but overflows fp32 mid-loop, so it is refused and the chain keeps
+    its two-pass program (which is right at scores where the fold gave NaN)."""
+    from neptune_eq.egraph.verify import check_fold
+    from neptune_eq.ir import Term, var
+    x = Term("load", (var("i"), var("j")), "x")
+    shifted = Term("exp", (Term("sub", (x, Term("run", (), "p"))),))
+    corr = Term("exp", (Term("sub", (Term("prev", (), "p"), Term("run", (), "p"))),))
+    fold = Term("rollsum", (shifted, corr), "j")
+    assert check_fold(fold).ok and check_fold(fold, frozenset({"p"})).ok
+    refused = check_fold(fold, frozenset())
+    assert not refused.ok and "not a maximum" in refused.detail
+    grows = Term("exp", (Term("add", (x, Term("run", (), "p"))),))
+    assert not check_fold(Term("rollsum", (grows, corr), "j"), frozenset({"p"})).ok
+
+    xs = ne.placeholder((1, 37), "float32", "x")
+    w = ne.placeholder((1, 37), "float32", "w")
+    j, k = ne.reduce_axis(37, "j"), ne.reduce_axis(37, "k")
+    p = ne.compute((1,), lambda i: ne.sum(xs[i, j], axis=j), "p")
+    out = ne.compute((1,), lambda i: ne.sum(ne.exp(xs[i, k] - p[i]) * w[i, k], axis=k), "out")
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    assert not any(n.kind == "fold" for d in kern.program.defs for n in d.body.walk())
+    g = torch.Generator().manual_seed(21266)
+    ins = {"x": torch.randn(1, 37, generator=g, dtype=torch.float64) * 30,
+           "w": torch.randn(1, 37, generator=g, dtype=torch.float64)}
+    ref = evaluate(kern.input_program, ins)["out"]
+    got = kern(ins["x"].float(), ins["w"].float()).double()
+    assert torch.isfinite(got).all() and ((got - ref).abs() <= 1e-4 * ref.abs().max()).all()

@@ -222,9 +222,11 @@ FOLD_OPS = ("RollSum", "RollMax", "SplitK")
 REDUCTION_OPS = ("Sum", "Max", "Min") + FOLD_OPS
 
 
-def check_folds(view: EGraphView, model: CostModel) -> list:
+def check_folds(view: EGraphView, model: CostModel,
+                max_producers: frozenset[str] | None = None) -> list:
     """Check Eq. 3 and Eq. 4 for every fold e-node the rules created (each at its
-    cheapest body and correction); failing nodes are banned from extraction."""
+    cheapest body and correction), and that its exponentials stay bounded given which
+    producers are maxima; failing nodes are banned from extraction."""
     from .verify import check_fold
     ex = Extraction.run(view, model)
     results, seen = [], {}
@@ -236,7 +238,7 @@ def check_folds(view: EGraphView, model: CostModel) -> list:
                      view.literal[n.children[0]])
             key = (t.op if t.op == "rollmax" else "sum", t.args, t.val)
             if key not in seen:
-                seen[key] = check_fold(t)
+                seen[key] = check_fold(t, max_producers)
                 results.append(seen[key])
             if not seen[key].ok:
                 model.banned.add((c, n.op, n.children))

@@ -96,15 +96,22 @@ class FoldCheck:
     eq4: bool
     method: str
     detail: str = ""
+    bounded: bool = True  # its exponentials cannot overflow mid-loop (``_bounded_exps``)
 
     @property
     def ok(self) -> bool:
-        return self.eq3 and self.eq4
+        return self.eq3 and self.eq4 and self.bounded
 
 
-def check_fold(t: Term) -> FoldCheck:
-    """Eq. 3 and Eq. 4 for a rollsum/rollmax/splitk term."""
+def check_fold(t: Term, max_producers: frozenset[str] | None = None) -> FoldCheck:
+    """Eq. 3 and Eq. 4 for a rollsum/rollmax/splitk term, and -- given the producers that
+    are maxima (``max_producers``; None skips it) -- that its exponentials stay bounded
+    in floating point (``_bounded_exps``)."""
     body, corr = t.args
+    if max_producers is not None:
+        why = _unbounded_exp(body, corr, max_producers)
+        if why:
+            return FoldCheck(str(t), True, True, "floating point", why, bounded=False)
     eq4 = t.val not in free_axes(corr) and not any(n.kind == "fold" for n in corr.walk())
     producers = {n.val for n in body.walk() if n.op == "run"} | {n.val for n in corr.walk()
                                                                   if n.op in ("run", "prev")}
@@ -131,6 +138,32 @@ def check_fold(t: Term) -> FoldCheck:
             return FoldCheck(str(t), False, eq4, "random", f"counter-example {point}: "
                              f"h·g(r,c) − g(r',c) = {val.real:.3g}")
     return FoldCheck(str(t), True, eq4, "random (20 points)")
+
+
+def _unbounded_exp(body: Term, corr: Term, max_producers: frozenset[str]) -> str:
+    """Why a fold's exponentials may overflow mid-loop ("" if they cannot).
+
+    The rolling identity is exact in real arithmetic for any producer, but a fold
+    evaluates exp(a - R) at every *running* value of R.  For a running maximum entering
+    with a negative sign (FlashAttention's exp(s - m), exp(m_prev - m)) the exponent only
+    shrinks as the loop goes.  A running sum does not: its partial values wander
+    (Σ x over scores of magnitude 30 passes -100 on its way to 28), exp(x - R) overflows
+    fp32 where exp(x - Σx) is finite, and the fold returns inf·0 = NaN (found by
+    tests/test_fuzz.py).  Such folds are banned; the two-pass program is kept."""
+    for n in [*body.walk(), *corr.walk()]:
+        if n.op not in ("exp", "exp2"):
+            continue
+        running = {m.val for m in n.args[0].walk() if m.op in ("run", "prev")}
+        for r in sorted(running - max_producers):
+            return f"exp reads the running value of {r}, which is not a maximum"
+        syms = {r: sympy.Symbol(f"{r}_run", real=True) for r in running}
+        expo = to_sympy(n.args[0], {**{f"run:{r}": s for r, s in syms.items()},
+                                    **{f"prev:{r}": s for r, s in syms.items()}})
+        for r, s in syms.items():
+            slope = sympy.diff(expo, s)
+            if not (slope.is_number and slope <= 0):
+                return f"exp grows with the running maximum {r} (slope {slope})"
+    return ""
 
 
 # ----------------------------------------------------------------------------------
