@@ -54,7 +54,8 @@ def launches(ops: Counter) -> dict:
     return {k: n for k, n in sorted(ops.items()) if not any(k.startswith(f) for f in FREE)}
 
 
-def cases(dev: str = "cpu") -> dict:
+def masks(dev: str) -> tuple:
+    """The two masks every case uses: causal, and causal within 8 equal documents."""
     doc = torch.repeat_interleave(torch.arange(8, dtype=torch.int32, device=dev),
                                   torch.full((8,), S // 8, device=dev))
 
@@ -63,6 +64,11 @@ def cases(dev: str = "cpu") -> dict:
 
     def documents(b, h, q, kv):
         return (doc[q] == doc[kv]) & (q >= kv)
+    return causal, documents
+
+
+def cases(dev: str = "cpu") -> dict:
+    causal, documents = masks(dev)
     g = torch.Generator().manual_seed(0)
 
     def qkv(hq, hkv, grad):
@@ -94,14 +100,7 @@ def flex_cases(dev: str) -> dict:
     """The peer on a GPU: torch's flex_attention compiled, BlockMask built once."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     flex = torch.compile(flex_attention)
-    doc = torch.repeat_interleave(torch.arange(8, dtype=torch.int32, device=dev),
-                                  torch.full((8,), S // 8, device=dev))
-
-    def causal(b, h, q, kv):
-        return q >= kv
-
-    def documents(b, h, q, kv):
-        return (doc[q] == doc[kv]) & (q >= kv)
+    causal, documents = masks(dev)
     g = torch.Generator().manual_seed(0)
     q, k, v = [torch.randn(1, 2, S, D, generator=g).to(dev, torch.bfloat16) for _ in range(3)]
     qg, kg, vg = [x.clone().requires_grad_(True) for x in (q, k, v)]

@@ -26,3 +26,15 @@ def check_kernel(out_tensor, scale: float = 1.0, **kw):
     assert torch.isfinite(got).all(), "kernel produced non-finite values"
     assert err <= bound, f"max error {err:.3e} > {bound:.3e}"
     return kern
+
+
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.name`` so each call is counted; the one-element list holds the count."""
+    count = [0]
+    real = getattr(owner, name)
+
+    def counted(*a, **kw):
+        count[0] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(owner, name, counted)
+    return count

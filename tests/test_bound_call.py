@@ -17,7 +17,7 @@ from neptune_eq.runtime.bound_call import BoundCall
 from neptune_eq.runtime.launch import int_classes
 from neptune_eq.runtime.launcher import Launcher, TileConfig
 
-from helpers import random_inputs
+from helpers import count_calls, random_inputs
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without")
 
@@ -155,13 +155,7 @@ def test_replay_reads_new_data_and_each_stride_gets_its_own(monkeypatch):
                             cache=False)
     prog = kern.input_program
     names = [ph.name for ph in prog.inputs]
-    checks = [0]
-    real = api.check_inputs
-
-    def counted(*a, **kw):
-        checks[0] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(api, "check_inputs", counted)
+    checks = count_calls(monkeypatch, api, "check_inputs")
     for seed in range(3):
         torch.manual_seed(seed)
         ins = random_inputs(prog)

@@ -8,19 +8,14 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex
 import neptune_eq as ne
 from neptune_eq.dropin import flex
 
+from helpers import count_calls
+
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without")
 
 
 @pytest.fixture
 def traces(monkeypatch):
-    count = [0]
-    real = flex.trace
-
-    def counted(*a, **kw):
-        count[0] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(flex, "trace", counted)
-    return count
+    return count_calls(monkeypatch, flex, "trace")
 
 
 def qkv(s=21, seed=0):
@@ -107,13 +102,7 @@ def test_flat_environments_are_rechecked_in_place(traces, monkeypatch):
     closure cell reassigned."""
     global BIAS
     from neptune_eq.dropin import eager_env
-    walks = [0]
-    real_walk = eager_env._Walk
-
-    def counted_walk(*a, **kw):
-        walks[0] += 1
-        return real_walk(*a, **kw)
-    monkeypatch.setattr(eager_env, "_Walk", counted_walk)
+    walks = count_calls(monkeypatch, eager_env, "_Walk")
     q, k, v = qkv()
     ne.flex_attention(q, k, v, score_mod=global_bias)
     assert (id(global_bias), id(None)) in eager_env._FLAT_HITS

@@ -97,16 +97,21 @@ class SummaryPrepass:
         grid = (at + counts[-1],)
         return outs, out_strides + starts, FastLaunch(self.fn, grid, self.consts, self.options)
 
-    def prepare(self, tensors: dict) -> tuple[dict, FastLaunch, list, list]:
-        """(summaries by name, the launch, its arguments, its integer arguments)."""
-        import torch
+    def plan_for(self, tensors: dict) -> tuple[list, tuple]:
+        """(the captured tensors the pre-pass reads, its plan for their shapes and dtypes:
+        summaries (name, shape, dtype), trailing integer arguments, the launch)."""
         xs = [tensors[t] for t, _ in self.pre.tensors]
         key = tuple((x.shape, x.dtype) for x in xs)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(tuple(x.shape for x in xs),
                                                  tuple(x.dtype for x in xs))
-        outs, tail, launch = plan
+        return xs, plan
+
+    def prepare(self, tensors: dict) -> tuple[dict, FastLaunch, list, list]:
+        """(summaries by name, the launch, its arguments, its integer arguments)."""
+        import torch
+        xs, (outs, tail, launch) = self.plan_for(tensors)
         dev = xs[0].device
         made = {name: torch.empty(shape, dtype=dtype, device=dev) for name, shape, dtype in outs}
         ints = [v for x in xs for v in (*x.shape, *x.stride())] + tail

@@ -45,13 +45,7 @@ class BoundCall:
         self.pre = None
         if la._pre is not None:
             pre = la._pre
-            xs = [tensors[t] for t, _ in pre.pre.tensors]
-            key = tuple((x.shape, x.dtype) for x in xs)
-            plan = pre._plans.get(key)
-            if plan is None:
-                plan = pre._plans[key] = pre._plan(tuple(x.shape for x in xs),
-                                                   tuple(x.dtype for x in xs))
-            outs, tail, launch = plan
+            xs, (outs, tail, launch) = pre.plan_for(tensors)
             tensors = dict(tensors)
             for name, shape, dtype in outs:  # their strides are read below
                 slot[name] = len(slot)
