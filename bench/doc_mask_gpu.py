@@ -182,7 +182,24 @@ def host_profile(name: str, S: int, dtype: torch.dtype, calls: int = 500) -> str
     return f"{name} S={S} {dtype}: host {host:.0f} us per call\n" + table
 
 
-def run_one(name: str, S: int, dtype: torch.dtype, flex, sweep: bool = False) -> dict:
+def fresh_start() -> None:
+    """Forget every structure and cached winner, as a new process with an empty cache:
+    each case then chooses its tiles on its own first call's data, as a user whose
+    batches look like that case would (doc1..doc64 share one structure, and the first
+    case's data would otherwise choose for all of them)."""
+    import os
+    import tempfile
+    from neptune_eq.dropin import eager_env
+    ne_flex.STRUCTURES.clear()
+    eager_env._EAGER_PLANS.clear()
+    eager_env._FLAT_HITS.clear()
+    os.environ["NEPTUNE_EQ_CACHE"] = tempfile.mkdtemp(prefix="neptune_eq_case_")
+
+
+def run_one(name: str, S: int, dtype: torch.dtype, flex, sweep: bool = False,
+            fresh: bool = True) -> dict:
+    if fresh:
+        fresh_start()
     mask, B, pairs = case(name, S)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
     t0 = time.perf_counter()
@@ -211,6 +228,8 @@ def run_one(name: str, S: int, dtype: torch.dtype, flex, sweep: bool = False) ->
     row["prepass_share"] = row["ms_prepass_device"] / (row["ms_prepass_device"] + row["ms_main_device"])
     if sweep:
         row.update(config_sweep(q, k, v, mask))
+    else:
+        row["config"] = str(launcher_of(q, k, v, mask)[1].config)
     return row
 
 
@@ -225,8 +244,8 @@ def write(rows: list[dict], out: str) -> None:
              "Goals (issue 17): x prebuilt >= 1.2, x per-call >= 10, pre-pass < 3 % of our call.",
              "", "| case | S | dtype | density | ours ms | ours TF/s | prebuilt TF/s | per-call TF/s "
              "| x prebuilt | x per-call | pre-pass ms (lone launch) | pre-pass ms (device, in calls) "
-             "| pre-pass % of device time | max diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pre-pass % of device time | max diff | tiles |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         share = f"{100 * r['prepass_share']:.2f}" if r.get("prepass_share") is not None else "n/a"
         pre = f"{r['ms_prepass']:.4f}" if r.get("ms_prepass") is not None else "n/a"
@@ -235,7 +254,7 @@ def write(rows: list[dict], out: str) -> None:
                      f"{r['ms_ours']:.3f} | {r['tflops_ours']:.0f} | {r['tflops_flex_prebuilt']:.0f} | "
                      f"{r['tflops_flex_percall']:.1f} | {r['speedup_vs_prebuilt']:.2f} | "
                      f"{r['speedup_vs_percall']:.1f} | {pre} | {share} | "
-                     f"{r['max_abs_diff_vs_flex']:.1e} |")
+                     f"{r['max_abs_diff_vs_flex']:.1e} | {r.get('config', 'n/a')} |")
     (RESULTS / f"{out}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -253,6 +272,9 @@ def main():
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the bench itself: S=64, H=2, D=16 in the Triton "
                          "interpreter against eager flex_attention; writes <out>_smoke.json")
+    ap.add_argument("--shared-structure", action="store_true",
+                    help="keep one structure (and its tiles, chosen on the first case's data) "
+                         "across cases instead of a fresh start per case")
     ap.add_argument("--host-profile", action="store_true",
                     help="only profile the host side of our call for each case (first S and "
                          "dtype); writes <out>_host_profile.txt")
@@ -283,7 +305,8 @@ def main():
             torch._dynamo.config.recompile_limit = 64
             flex = torch.compile(flex_attention, dynamic=False)
             for name in args.cases:
-                row = run_one(name, S, getattr(torch, dt), flex, args.sweep_configs)
+                row = run_one(name, S, getattr(torch, dt), flex, args.sweep_configs,
+                              fresh=not args.shared_structure)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 write(rows, args.out)

@@ -191,3 +191,18 @@ def test_cost_model_sees_register_spills_and_wgmma_shapes():
     shapes = ((128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4), (64, 128, 4))
     kept = prune_configs(plan, [cfg(r, k, w, tma=False) for r, k, w in shapes], dev)
     assert len(kept) == 3 and str(cfg(128, 32, 4, tma=False)) not in {str(c) for c in kept}
+
+
+def test_configs_are_timed_on_the_given_tensors_where_they_fit():
+    """A call's own tensors (document ids decide which blocks a data mask skips) are what
+    tile configs are timed on; a tensor of another shape or dtype is replaced, not used."""
+    from neptune_eq.api import _random_inputs
+    prog = ne.build_program(examples.attention(1, 2, 8, 12, 16, "float32"))
+    q = torch.randn(1, 2, 8, 16)
+    wrong = torch.randn(1, 2, 12, 8)          # k of the wrong shape
+    got = _random_inputs(prog, {"q": q, "k": wrong, "v": torch.randn(1, 2, 12, 16).double()},
+                         device="cpu")
+    assert got["q"] is q
+    assert got["k"] is not wrong and tuple(got["k"].shape) == (1, 2, 12, 16)
+    assert got["v"].dtype == torch.float32                      # float64 given: replaced
+    assert set(got) == {"q", "k", "v", *prog.outputs}

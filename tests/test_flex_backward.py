@@ -266,3 +266,28 @@ def test_half_precision_training_builds_and_matches_fp64():
     for name, a, r in zip("qkv", got, want):
         assert a.dtype == torch.float16 and torch.isfinite(a).all(), name
         assert (a.double() - r).abs().max().item() <= 1e-2 * max(1.0, r.abs().max().item()), name
+
+
+def test_first_builds_time_their_configs_on_the_calls_own_tensors(monkeypatch):
+    """The forward and backward kernels of a new structure are built with the call's
+    tensors as ``example_inputs`` (the document ids themselves, not zeros: one document
+    would pick the dense case's tiles for every document mask)."""
+    import neptune_eq.api as api
+    seen = []
+    real = api.superoptimize
+
+    def recording(*a, **kw):
+        seen.append(kw.get("example_inputs"))
+        return real(*a, **kw)
+    monkeypatch.setattr(api, "superoptimize", recording)
+    doc = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3], dtype=torch.int32)
+
+    def same_doc_window(b, h, q_idx, kv_idx):   # a structure no other test builds
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx - kv_idx < 3) & (q_idx >= kv_idx)
+    q, k, v = [torch.randn(1, 2, 11, 16, requires_grad=True) for _ in range(3)]
+    out = ne.flex_attention(q, k, v, mask_mod=same_doc_window)
+    out.backward(torch.randn_like(out))
+    assert len(seen) >= 2
+    for example in seen:                        # forward, then each backward kernel
+        assert example["q"] is q and any(t is doc for t in example.values())
+    assert any("d_o" in example for example in seen[1:])

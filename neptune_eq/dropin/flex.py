@@ -51,15 +51,17 @@ class Structure:
     backward: dict = field(default_factory=dict)  # input name -> backward Kernel (flex_backward)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def kernel_at(self, sizes: dict[str, int]):
+    def kernel_at(self, sizes: dict[str, int], example: dict | None = None):
         """The superoptimized kernel; built on first use, with its first size bucket
-        chosen at ``sizes`` (the sizes of the call that needed it)."""
+        chosen at ``sizes`` (the sizes of the call that needed it) and its tile configs
+        timed on ``example`` (that call's tensors by input name)."""
         if self.kernel is None:
             with self.lock:  # two threads meeting a new structure saturate it once
                 if self.kernel is None:
                     from ..api import superoptimize
                     self.kernel = superoptimize(self.outputs, target=self.target, sizes={
-                        n: sizes[n] for n in self.symbols} if self.symbols else None)
+                        n: sizes[n] for n in self.symbols} if self.symbols else None,
+                        example_inputs=example)
                     self.outputs = None
         return self.kernel
 
@@ -408,7 +410,11 @@ def run(skey: str, q, k, v, captured: list, want_max: bool, want_lse: bool = Tru
                            "(a graph from another process?); call ne.flex_attention, which "
                            "traces the mods, rather than the op directly.")
     sizes = {SIZES[0]: q.shape[0], SIZES[1]: q.shape[2], SIZES[2]: k.shape[2]}
-    res = st.kernel_at(sizes)(q, k, v, *captured)
+    kern = st.kernel
+    if kern is None:  # the first call: its own data are what the tile configs are timed on
+        kern = st.kernel_at(sizes, dict(zip([ph.name for ph in st.program.inputs],
+                                            [q, k, v, *captured])))
+    res = kern(q, k, v, *captured)
     out, lse = res[0], res[1]
     if want_lse:
         finish(lse)

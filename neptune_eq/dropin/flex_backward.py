@@ -33,7 +33,7 @@ UNSEEN_ROW_SHIFT = -MASKED  # s − m <= −1e30 on a row with no visible key: P
 
 
 def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str, int],
-                    shared: bool = False, lse_grad: bool = True):
+                    shared: bool = False, lse_grad: bool = True, example: dict | None = None):
     """The superoptimized backward kernel of structure ``st`` for the inputs ``wrt`` (one
     kernel computes all of them: ``("k", "v")`` share the recomputed P in one loop).
 
@@ -41,16 +41,17 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
     (``row_statistics``: Σ_e dO·O) are computed once -- dQ's kernel returns them after dQ,
     dK/dV's reads them as inputs.  ``lse_grad=False``: the loss does not use the lse
     (the usual case), its cotangent is 0 and is folded away -- no input, no term.
-    Returns (backward, kernel, rows, expanded, stats)."""
+    ``example``: the call's tensors by input name, which a first build times its tile
+    configs on.  Returns (backward, kernel, rows, expanded, stats)."""
     key = (wrt, shared, lse_grad)
     if key not in st.backward:
         with st.lock:
             if key not in st.backward:
-                st.backward[key] = _build_backward(st, wrt, sizes, shared, lse_grad)
+                st.backward[key] = _build_backward(st, wrt, sizes, shared, lse_grad, example)
     return st.backward[key]
 
 
-def _build_backward(st, wrt, sizes, shared, lse_grad):
+def _build_backward(st, wrt, sizes, shared, lse_grad, example=None):
     from ..api import superoptimize
     program, expanded = _grouped_reads_expanded(st.program, wrt)
     bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
@@ -71,7 +72,7 @@ def _build_backward(st, wrt, sizes, shared, lse_grad):
     bw, rows = _partial_only(bw, wrt)
     try:
         kern = superoptimize(bw.program, target=st.target, sizes={
-            n: sizes[n] for n in st.symbols} if st.symbols else None)
+            n: sizes[n] for n in st.symbols} if st.symbols else None, example_inputs=example)
     except Exception as e:  # noqa: BLE001 - named here, not deep in triton
         hint = ("report it with the mods that raised it" if set(wrt) <= {"q", "k", "v"}
                 else "detach that captured tensor to train q, k and v meanwhile")
@@ -232,7 +233,7 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
     for group in groups:
         bw, kern, rows, expanded, stats = backward_kernel(
-            st, group, sizes, shared and group[0] in ("q", "k", "v"), d_lse is not None)
+            st, group, sizes, shared and group[0] in ("q", "k", "v"), d_lse is not None, env)
         out = kern(*[env[ph.name] for ph in bw.program.inputs])  # positional: replayed
         out = out if isinstance(out, tuple) else (out,)
         if stats and group == ("q",):  # dQ's kernel returned the row statistics too
