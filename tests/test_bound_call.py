@@ -172,3 +172,30 @@ def test_replay_reads_new_data_and_each_stride_gets_its_own(monkeypatch):
     assert checks[0] == 2 and len(kern._bound) == 2
     with pytest.raises(ne.ProgramError, match="shape"):   # a wrong shape still explains itself
         kern(*[ins[n][..., :-1] if n == "q" else ins[n] for n in names])
+
+
+def test_configs_are_timed_as_replayed_calls(monkeypatch):
+    """``time_configs`` times each config the way a call runs it (a replay), and the
+    replay it times computes the right thing -- here in the interpreter, do_bench
+    replaced by one timed run."""
+    import triton.testing
+    timed = []
+
+    def one_run(fn, **kw):
+        timed.append(fn)
+        fn()
+        return 1.0
+    monkeypatch.setattr(triton.testing, "do_bench", one_run)
+    replays = count_calls(monkeypatch, BoundCall, "__call__")
+    kern = ne.superoptimize(examples.attention(1, 2, 20, 37, 16, "float32"), target="interpreter",
+                            cache=False)
+    prog = kern.input_program
+    ins = random_inputs(prog)
+    out = torch.full(prog.shape_of("o"), float("nan"))
+    res = launcher_mod.time_configs(kern.program, kern.kernel_source, "interpreter",
+                                    {**ins, "o": out}, [kern.config])
+    assert res == [(kern.config, 1.0, "ok")] and replays[0] == 1
+    ref = evaluate(prog, ins)["o"]   # the replay it timed, run once more, is right
+    call = BoundCall(Launcher(kern.program, kern.kernel_source, "interpreter", kern.config),
+                     [ph.name for ph in prog.inputs], {**ins, "o": out}, ["o"])
+    assert (call([ins[ph.name] for ph in prog.inputs])[0].double() - ref).abs().max() < 1e-4
