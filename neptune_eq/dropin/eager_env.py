@@ -38,7 +38,8 @@ def eager_structure(score_mod, mask_mod, spec: "flex.Spec", sizes: dict[str, int
     roots = (score_mod, mask_mod)
     flat = _FLAT_HITS.get((id(score_mod), id(mask_mod)))
     if flat is not None and (flat[1] is spec or flat[1] == spec) and (
-            flat[2] is None or flat[2] == sizes) and all(f.holds(m) for f, m in zip(flat[0], roots)):
+            flat[2] is None or flat[2] == sizes) and all(
+                f.holds(m) for f, m in zip(flat[0], roots)):
         return flat[3], [_fetch(roots[c[1]], c[2]) if c[0] == "path" else c[1] for c in flat[4]]
     walks = [_Walk(m, codes=True) for m in roots]
     if any(w.opaque for w in walks):
@@ -93,7 +94,8 @@ class _Flat:
             return None  # methods, partials, callable objects, and_masks: the full walk
         self = cls()
         self.ref = weakref.ref(mod)
-        self.code, self.defaults, self.kwdefaults = mod.__code__, mod.__defaults__, mod.__kwdefaults__
+        self.code, self.defaults = mod.__code__, mod.__defaults__
+        self.kwdefaults = mod.__kwdefaults__
         self.cells = mod.__closure__ or ()
         self.names = sorted(_names(mod.__code__))
         self.leaves = self._read(mod)

@@ -110,7 +110,8 @@ class BoundCall:
                 fl.fn[fl.grid](*a, **fl.consts, **fl.options)
             return outs
         cks = None
-        if self.int_key is not None and la.fast_ok and not any(vals[k].data_ptr() & 15 for k in self.desc_slots):
+        tma_pointers_ok = not any(vals[k].data_ptr() & 15 for k in self.desc_slots)
+        if self.int_key is not None and la.fast_ok and tma_pointers_ok:
             cur = torch.cuda.current_device()
             align = tuple([vals[k].data_ptr() & 15 == 0 for k in self.param_slots])
             cks = la._checked.get((cur, align, self.int_key))
