@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import neptune_eq as ne  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+CHECK_MAX = 4096  # longest length the gradients are checked at against fp64 autograd
 B, H, D = 2, 16, 128
 WINDOW, DOCS = 256, 13
 
@@ -151,8 +152,9 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
             if bwd > 0:
                 row[f"bwd_tflops_{impl}"] = 2.5 * fwd_flops / bwd / 1e9
             if S == check_len and impl in ("ours", "flex"):
-                cl = min(L, check_len)
-                row[f"grad_err_{impl}"] = grad_error(fn, ref_kw, Hkv, cl, check_len, dtype)
+                # at most CHECK_MAX keys: the fp64 reference's S^2 scores took 16 GiB at 8192
+                cs = min(check_len, CHECK_MAX)
+                row[f"grad_err_{impl}"] = grad_error(fn, ref_kw, Hkv, min(L, cs), cs, dtype)
         except Exception as e:  # noqa: BLE001 - record it and go on
             row[f"error_{impl}"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
@@ -227,7 +229,7 @@ def markdown(out: dict) -> str:
                      f"{f(r, 'bwd_tflops_cudnn', '{:.0f}')} | {f(r, 'grad_err_ours', '{:.2e}')} | "
                      f"{f(r, 'grad_err_flex', '{:.2e}')} | {errs} |")
     lines += ["", "Gradient errors: max abs vs fp64 autograd of the plain attention, at "
-              f"S = {out['check_len']}.  Goal: >= 1.3x flex, >= 0.9x cuDNN."]
+              f"S = {min(out['check_len'], CHECK_MAX)}.  Goal: >= 1.3x flex, >= 0.9x cuDNN."]
     return "\n".join(lines)
 
 
