@@ -40,7 +40,7 @@ def eager_structure(score_mod, mask_mod, spec: "flex.Spec", sizes: dict[str, int
     if flat is not None and (flat[1] is spec or flat[1] == spec) and (
             flat[2] is None or flat[2] == sizes) and all(
                 f.holds(m) for f, m in zip(flat[0], roots)):
-        return flat[3], [_fetch(roots[c[1]], c[2]) if c[0] == "path" else c[1] for c in flat[4]]
+        return flat[3], _captured(roots, flat[4])
     walks = [_Walk(m, codes=True) for m in roots]
     if any(w.opaque for w in walks):
         st, tensors = flex.trace(spec, score_mod, mask_mod, sizes)
@@ -67,7 +67,13 @@ def eager_structure(score_mod, mask_mod, spec: "flex.Spec", sizes: dict[str, int
         _FLAT_HITS[(id(score_mod), id(mask_mod))] = (flats, spec, hit[2], hit[0], hit[1])
         if len(_FLAT_HITS) > _EAGER_PLANS_MAX:
             _FLAT_HITS.popitem(last=False)
-    return hit[0], [_fetch(roots[c[1]], c[2]) if c[0] == "path" else c[1] for c in hit[1]]
+    return hit[0], _captured(roots, hit[1])
+
+
+def _captured(roots: tuple, plan: tuple) -> list:
+    """The captured tensors of this call: fetched along each remembered path (a new
+    tensor in the same place is used), or the constant the trace made."""
+    return [_fetch(roots[c[1]], c[2]) if c[0] == "path" else c[1] for c in plan]
 
 
 _MISSING = object()

@@ -331,8 +331,10 @@ class _Walk:
             self._visit(a, path + (("kwdefault", k),), names, d)
 
 
+@functools.lru_cache(maxsize=4096)
 def _names(code: types.CodeType) -> frozenset:
-    """Global and attribute names a code object (and the functions defined in it) uses."""
+    """Global and attribute names a code object (and the functions defined in it) uses.
+    Remembered per code object (immutable): every eager call walks its mods' code."""
     out = set(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):

@@ -154,8 +154,9 @@ def _unbounded_exp(body: Term, corr: Term, max_producers: frozenset[str]) -> str
         if n.op not in ("exp", "exp2"):
             continue
         running = {m.val for m in n.args[0].walk() if m.op in ("run", "prev")}
-        for r in sorted(running - max_producers):
-            return f"exp reads the running value of {r}, which is not a maximum"
+        not_max = sorted(running - max_producers)
+        if not_max:
+            return f"exp reads the running value of {not_max[0]}, which is not a maximum"
         syms = {r: sympy.Symbol(f"{r}_run", real=True) for r in running}
         expo = to_sympy(n.args[0], {**{f"run:{r}": s for r, s in syms.items()},
                                     **{f"prev:{r}": s for r, s in syms.items()}})
