@@ -2,6 +2,7 @@
 of the chosen kernel, each against the fp64 reference, on odd sizes too.
 
     python bench/gpu_validate_tma.py [--out $OUT] [--only causal gqa ...] [--all-configs]
+                                     [--symbolic]
 
 For each case the kernel is superoptimized for CUDA; then the configs the timer may pick
 (``prune_configs`` with generous quotas, or every config with ``--all-configs``) are
@@ -9,7 +10,11 @@ compiled on threads and each one is launched into fresh NaN-filled outputs and c
 with the reference interpreter in fp64.  A config that fails to compile is recorded with
 its reason (that is the timer's job to skip); a config that compiles and differs is BAD.
 Also checks the pointer fallback: a TMA config called on a K view whose row stride is
-not a 16-byte multiple.  Writes gpu_validate_tma.json after each case; exit 1 on any BAD.
+not a 16-byte multiple.  ``--symbolic`` runs the cases whose sizes are named ("S"):
+each config of the bucket chosen at the first size is launched at every listed size of
+that bucket with the sizes passed at run time -- the check warp specialisation needs
+before it is on by default.  Writes gpu_validate_tma.json after each case; exit 1 on
+any BAD.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from neptune_eq.choosing.costmodel import device_for
 from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
 from neptune_eq.runtime.launcher import Launcher, candidate_configs, compile_in_parallel
+from neptune_eq.sizes import bind
 
 TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}
 
@@ -52,6 +58,67 @@ def cases():
         ("softmax fp32 64x1000", lambda: examples.softmax(64, 1000), 1.0),
         ("softmax fp16 37x4100", lambda: examples.softmax(37, 4100), 1.0),
     ]
+
+
+def symbolic_cases():
+    """(name, build, sizes): the first size chooses the bucket, the others share it."""
+    causal = lambda b, h, i, j: j <= i  # noqa: E731
+    return [
+        ("global fp16 S D=128", lambda: ne.attention(1, 4, "S", "S", 128, "float16"),
+         [{"S": s} for s in (5000, 4099, 6001, 8191)]),
+        ("causal fp16 S D=128", lambda: ne.attention(1, 4, "S", "S", 128, "float16", mask_mod=causal),
+         [{"S": s} for s in (3000, 2049, 2500, 4000)]),
+        ("gqa causal bf16 8/2 heads S D=128", lambda: ne.attention(
+            1, 8, "S", "S", 128, "bfloat16", kv_heads=2, mask_mod=causal),
+         [{"S": s} for s in (5003, 4500, 6000)]),
+    ]
+
+
+def run_symbolic_case(name, build, sizes, all_configs):
+    """Every config of the first size's bucket, at each size the bucket's guards admit,
+    against the fp64 interpreter (a smaller fp64 problem: the interpreter is the oracle)."""
+    t0 = time.perf_counter()
+    kern = ne.superoptimize(build(), target="cuda", cache=False, sizes=sizes[0])
+    (choice,) = [c for cs in kern._dispatch.buckets.values() for c in cs]
+    row = choice.row
+    configs = candidate_configs(row.kernel.concrete(sizes[0]), "cuda")
+    if not all_configs:
+        ch.TMA_KEEP, ch.WS_KEEP = 4, 6
+        configs = ch.prune_configs(row.plan, configs, device_for(torch.cuda.get_device_name()))
+    rows = []
+    for values in sizes:
+        if not choice.guards.hold(values):
+            rows.append({"sizes": values, "status": "outside the bucket (not run)"})
+            continue
+        prog = bind(kern.input_program, values)
+        ins = {ph.name: torch.randn(ph.shape, dtype=torch.float64).to(getattr(torch, ph.dtype))
+               for ph in prog.inputs}
+        ref = evaluate(prog, ins)[prog.outputs[0]]
+        dt = prog.dtype_of(prog.outputs[0])
+        ks = row.kernel.concrete(values)
+        run_prog = bind(row.program, values)
+        dev = {k: v.cuda() for k, v in ins.items()}
+        for cfg in configs:
+            outs = {n: torch.full(prog.shape_of(n), float("nan"), dtype=getattr(torch, prog.dtype_of(n)),
+                                  device="cuda") for n in prog.outputs}
+            try:
+                la = Launcher(run_prog, ks, "cuda", cfg.at(values),
+                              tuple(values[s] for s in ks.size_params))
+                for _ in range(2):  # the checked launch, then the direct one
+                    la({**dev, **outs})
+                torch.cuda.synchronize()
+                got = outs[prog.outputs[0]].cpu()
+                err = (got.double() - ref).abs().max().item()
+                ok = bool(torch.isfinite(got).all()) and err <= TOL[dt] * max(1.0, ref.abs().max().item())
+                rows.append({"sizes": values, "config": str(cfg), "status": "ok" if ok else "BAD",
+                             "err": err, "tma_used": la.tma and la._pointer_twin is None})
+            except Exception as e:  # noqa: BLE001 - a config that does not compile: recorded
+                msg = [x for x in str(e).strip().splitlines() if x.strip()]
+                rows.append({"sizes": values, "config": str(cfg), "status": "compile failed",
+                             "reason": (msg[-1] if msg else type(e).__name__)[:300]})
+    return {"case": name, "ok": not any(r["status"] == "BAD" for r in rows),
+            "chosen": str(choice.config), "guards": str(choice.guards), "configs": rows,
+            "fallback": None, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def check(kern, cfg, ins, ref, dt, tensors_override=None):
@@ -116,24 +183,30 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--only", nargs="*", default=None, help="cases whose name has one of these")
     ap.add_argument("--all-configs", action="store_true", help="every config, not the pruned set")
+    ap.add_argument("--symbolic", action="store_true",
+                    help="the named-size cases (sizes passed at run time) instead")
     a = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), "cases": []}
-    for name, build, scale in cases():
+    todo = ([(n, lambda b=b, s=s: run_symbolic_case(n, b, s, a.all_configs))
+             for n, b, s in symbolic_cases()] if a.symbolic else
+            [(n, lambda n=n, b=b, s=s: run_case(n, b, s, a.all_configs)) for n, b, s in cases()])
+    for name, run in todo:
         if a.only and not any(o in name for o in a.only):
             continue
-        r = run_case(name, build, scale, a.all_configs)
+        r = run()
         res["cases"].append(r)
         n = {s: sum(c["status"] == s for c in r["configs"]) for s in ("ok", "BAD", "compile failed")}
         tma_ok = sum(c["status"] == "ok" and c.get("tma_used") for c in r["configs"])
-        ws_ok = sum(c["status"] == "ok" and "warp-specialized" in c["config"] for c in r["configs"])
+        ws_ok = sum(c["status"] == "ok" and "warp-specialized" in c.get("config", "") for c in r["configs"])
         print(f"{'ok ' if r['ok'] else 'BAD'} {name:<42} {n} tma-ok={tma_ok} ws-ok={ws_ok} "
               f"fallback={r['fallback']} chosen [{r['chosen']}] {r['seconds']}s", flush=True)
         for c in r["configs"]:
             if c["status"] != "ok":
-                print(f"      {c['status']}: [{c['config']}] {c.get('reason', c.get('err'))}", flush=True)
+                print(f"      {c['status']}: [{c.get('config', c.get('sizes'))}] {c.get('reason', c.get('err'))}", flush=True)
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "gpu_validate_tma.json").write_text(json.dumps(res, indent=1))
+        (Path(a.out) / ("gpu_validate_tma_symbolic.json" if a.symbolic
+                        else "gpu_validate_tma.json")).write_text(json.dumps(res, indent=1))
     sys.exit(0 if all(r["ok"] for r in res["cases"]) else 1)
 
 

@@ -532,11 +532,13 @@ def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], ta
 
 
 def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
-                 configs: list[TileConfig], values: dict | None = None
+                 configs: list[TileConfig], values: dict | None = None, graphed: bool = False
                  ) -> list[tuple[TileConfig, float | None, str]]:
     """Time every config on the GPU (median ms); failures are recorded, not raised.
-    ``values``: the named sizes of ``tensors`` when the kernel takes them at run time."""
-    from triton.testing import do_bench
+    ``values``: the named sizes of ``tensors`` when the kernel takes them at run time.
+    ``graphed``: the calls replayed from a CUDA graph -- the GPU's time with the host's
+    launch cost taken out (what a serving engine's captured decode step pays)."""
+    from triton.testing import do_bench, do_bench_cudagraph
     from ..sizes import bind
     values = values or {}
     if ks.size_params:
@@ -565,7 +567,8 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
                 run = lambda: call(inputs)  # noqa: E731
             except ValueError:  # a form the replay does not cover: the general call
                 run = lambda: la(tensors)  # noqa: E731
-            ms = do_bench(run, warmup=10, rep=40, return_mode="median")
+            ms = (do_bench_cudagraph(run, rep=20, return_mode="median") if graphed
+                  else do_bench(run, warmup=10, rep=40, return_mode="median"))
             out.append((cfg, float(ms), "ok"))
         except Exception as e:  # a config that does not compile (e.g. out of shared memory)
             msg = str(e).strip().splitlines()

@@ -1,0 +1,140 @@
+"""Why a decode config is chosen: every tile config of the chosen decode kernels, timed
+as called and captured in a CUDA graph, beside SDPA and FlexAttention in the same process.
+
+    python bench/decode_configs.py [--ops gqa-dc causal-dc] [--seqs 2048 8192]
+                                   [--sweep] [--out bench/results]
+
+At decode lengths a call is host-bound: ``do_bench`` of a call measures the host's launch
+path, so every config times alike and the choice among them is noise.  Captured in a
+CUDA graph (how serving engines run a decode step) the GPU's own time shows.  This table
+puts the two side by side for each config ``choose`` timed, and, with ``--sweep``, for a
+wider grid of key blocks x split factors x one/two launches than ``candidate_configs``
+offers -- to see whether the offered grid holds the best config at all.  Writes
+decode_configs.{json,md} under --out.  Decode TB/s = bytes of K+V / time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import neptune_ops as ops  # noqa: E402  - the operators and peers, one definition
+
+import neptune_eq as ne  # noqa: E402
+from neptune_eq.api import _random_inputs  # noqa: E402
+from neptune_eq.runtime.launcher import TileConfig, compile_in_parallel, time_configs  # noqa: E402
+
+
+def sweep(template: TileConfig, S: int) -> list[TileConfig]:
+    """Key blocks 32..256 x split factors 2..64 (chunks of at least one key block) x one
+    and two launches, at 4 warps / 3 stages."""
+    out = []
+    for bl in (32, 64, 128, 256):
+        for sp in (2, 4, 8, 16, 32, 64):
+            if S // sp < bl:
+                continue
+            blocks = {k: (bl if k == "B_L" else v) for k, v in template.blocks.items()}
+            for fused in (False, True):
+                out.append(TileConfig(blocks, 8 if bl == 256 else 4, 3, sp, fused=fused))
+    return out
+
+
+def one(op: str, S: int, wide: bool) -> dict:
+    out, spec, work, unit = ops.build(op, S)
+    hq, hkv, sq, skv = spec[:4]
+    torch.manual_seed(0)
+    q = torch.randn(1, hq, sq, ops.D, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, hkv, skv, ops.D, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    slopes = ops.alibi_slopes(hq).cuda()
+    args = (q, k, v, slopes) if spec[5] else (q, k, v)
+    kern = ne.superoptimize(out, target="cuda", top_k=2)
+    ours = kern(*args)
+    row = {"op": op, "S": S, "chosen": str(kern.config), "structure": kern.chosen_row.structure,
+           "peers": {}, "configs": []}
+    for name, fn in ops.peers(spec, q, k, v, slopes).items():
+        if name == "compile":
+            continue
+        try:
+            if (fn().float() - ours.float()).abs().max().item() > 2e-2:
+                row["peers"][name] = "mismatch"
+                continue
+            row["peers"][name] = {
+                "called": work / (do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3),
+                "graphed": work / (do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e3)}
+        except Exception as ex:  # noqa: BLE001 - a peer that cannot run this shape
+            row["peers"][name] = f"failed: {type(ex).__name__}"
+    for r in kern.candidates:
+        if not r.timings:
+            continue
+        tensors = _random_inputs(r.program, dict(zip([p.name for p in r.program.inputs], args)))
+        configs = [c for c, ms, _ in r.timings if ms is not None]
+        if wide and r.chosen and r.config.splits:
+            seen = {str(c) for c in configs}
+            configs += [c for c in sweep(r.config, S) if str(c) not in seen]
+            compile_in_parallel([(r.program, r.kernel, c) for c in configs], "cuda", tensors)
+        called = time_configs(r.program, r.kernel, "cuda", tensors, configs)
+        graphed = time_configs(r.program, r.kernel, "cuda", tensors, configs, graphed=True)
+        for (c, ms, st), (_, gms, gst) in zip(called, graphed):
+            row["configs"].append({
+                "candidate": r.structure, "config": str(c), "chosen": r.chosen and c == r.config,
+                "offered": any(c == x for x, _, _ in r.timings),
+                "called": work / (ms / 1e3) if ms else st,
+                "graphed": work / (gms / 1e3) if gms else gst})
+    best = max((c for c in row["configs"] if isinstance(c["graphed"], float)),
+               key=lambda c: c["graphed"], default=None)
+    print(f"{op} S={S}: chosen {row['chosen']}; best graphed {best and best['config']} "
+          f"{best and round(best['graphed'], 2)} TB/s; peers {row['peers']}", flush=True)
+    return row
+
+
+def write(out: Path, rows: list[dict], meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_configs.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+
+    def f(x):
+        return f"{x:.2f}" if isinstance(x, float) else str(x)
+    md = [f"# Decode tile configs, as called and graphed ({meta['gpu']}, torch {meta['torch']}, "
+          f"triton {meta['triton']}, {meta['date']})", "",
+          "TB/s = bytes of K+V / median time. `offered`: in `candidate_configs`' grid; "
+          "`chosen`: what `superoptimize` chose.", ""]
+    for r in rows:
+        peers = "; ".join(f"{n} {f(p['called'])} called / {f(p['graphed'])} graphed"
+                          if isinstance(p, dict) else f"{n} {p}" for n, p in r["peers"].items())
+        md += [f"## {r['op']} S={r['S']}", "", f"Peers: {peers}.", "",
+               "| candidate | config | offered | chosen | called TB/s | graphed TB/s |",
+               "| --- | --- | --- | --- | --- | --- |"]
+        md += [f"| {c['candidate']} | {c['config']} | {'yes' if c['offered'] else ''} | "
+               f"{'<-' if c['chosen'] else ''} | {f(c['called'])} | {f(c['graphed'])} |"
+               for c in sorted(r["configs"], key=lambda c: -(c["graphed"] if isinstance(
+                   c["graphed"], float) else 0))]
+        md.append("")
+    (out / "decode_configs.md").write_text("\n".join(md))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", nargs="+", default=["gqa-dc", "causal-dc", "alibi-dc", "softcap-dc"])
+    ap.add_argument("--seqs", nargs="+", type=int, default=[2048, 8192])
+    ap.add_argument("--sweep", action="store_true", help="also a wider grid than the offered one")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    a = ap.parse_args()
+    for op in a.ops:
+        if op not in ops.OPS or not ops.OPS[op][2]:
+            ap.error(f"expected decode operators of bench/neptune_ops.py "
+                     f"({[o for o, s in ops.OPS.items() if s[2]]}), got {op!r}")
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "date": __import__("time").strftime("%Y-%m-%d"),
+            "command": "python bench/decode_configs.py " + " ".join(sys.argv[1:])}
+    rows = [one(op, S, a.sweep) for op in a.ops for S in a.seqs]
+    write(a.out, rows, meta)
+
+
+if __name__ == "__main__":
+    main()
