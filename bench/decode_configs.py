@@ -132,8 +132,11 @@ def main() -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "date": __import__("time").strftime("%Y-%m-%d"),
             "command": "python bench/decode_configs.py " + " ".join(sys.argv[1:])}
-    rows = [one(op, S, a.sweep) for op in a.ops for S in a.seqs]
-    write(a.out, rows, meta)
+    rows = []
+    for op in a.ops:
+        for S in a.seqs:
+            rows.append(one(op, S, a.sweep))
+            write(a.out, rows, meta)  # after each setup: a cut-off run keeps what it measured
 
 
 if __name__ == "__main__":
