@@ -1,16 +1,19 @@
 """Why a decode config is chosen: every tile config of the chosen decode kernels, timed
-as called and captured in a CUDA graph, beside SDPA and FlexAttention in the same process.
+as called and on the GPU alone, beside SDPA and FlexAttention in the same process.
 
     python bench/decode_configs.py [--ops gqa-dc causal-dc] [--seqs 2048 8192]
                                    [--sweep] [--out bench/results]
 
 At decode lengths a call is host-bound: ``do_bench`` of a call measures the host's launch
-path, so every config times alike and the choice among them is noise.  Captured in a
-CUDA graph (how serving engines run a decode step) the GPU's own time shows.  This table
-puts the two side by side for each config ``choose`` timed, and, with ``--sweep``, for a
-wider grid of key blocks x split factors x one/two launches than ``candidate_configs``
-offers -- to see whether the offered grid holds the best config at all.  Writes
-decode_configs.{json,md} under --out.  Decode TB/s = bytes of K+V / time.
+path, so every config times alike and a choice made that way is noise.  Three times per
+row: ``called`` (``do_bench``, host included), ``cold`` (``runtime.timing.device_ms``:
+replayed from a CUDA graph over copies of the inputs larger than L2 -- how the choice
+times configs, and how a model's decode step reads its K/V cache) and, for the peers and
+the chosen kernel, ``warm`` (``do_bench_cudagraph``: the same inputs every call, left in
+L2 -- bench/neptune_ops.py's graphed column).  Each config ``choose`` timed is listed,
+and with ``--sweep`` a wider grid of key blocks x split factors x one/two launches, to
+see whether the offered grid holds the best config.  Writes decode_configs.{json,md}
+under --out.  Decode TB/s = bytes of K+V / time.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import neptune_ops as ops  # noqa: E402  - the operators and peers, one definiti
 import neptune_eq as ne  # noqa: E402
 from neptune_eq.api import _random_inputs  # noqa: E402
 from neptune_eq.runtime.launcher import TileConfig, compile_in_parallel, time_configs  # noqa: E402
+from neptune_eq.runtime.timing import copy_inputs, device_ms, input_copies  # noqa: E402
 
 
 def sweep(template: TileConfig, S: int) -> list[TileConfig]:
@@ -58,16 +62,21 @@ def one(op: str, S: int, wide: bool) -> dict:
     ours = kern(*args)
     row = {"op": op, "S": S, "chosen": str(kern.config), "structure": kern.chosen_row.structure,
            "peers": {}, "configs": []}
-    for name, fn in ops.peers(spec, q, k, v, slopes).items():
-        if name == "compile":
-            continue
+    copies = copy_inputs(list(args), input_copies(list(args), torch.cuda.get_device_properties(0).L2_cache_size))
+    fns = {"neptune_eq (chosen)": [lambda a=a: kern(*a) for a in copies]}
+    for a in copies:  # each peer once per copy of the inputs (its block mask included)
+        for name, fn in ops.peers(spec, *a[:3], slopes).items():
+            if name != "compile":
+                fns.setdefault(name, []).append(fn)
+    for name, fn in fns.items():
         try:
-            if (fn().float() - ours.float()).abs().max().item() > 2e-2:
+            if (fn[0]().float() - ours.float()).abs().max().item() > 2e-2:
                 row["peers"][name] = "mismatch"
                 continue
             row["peers"][name] = {
-                "called": work / (do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3),
-                "graphed": work / (do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e3)}
+                "called": work / (do_bench(fn[0], warmup=25, rep=100, return_mode="median") / 1e3),
+                "warm": work / (do_bench_cudagraph(fn[0], rep=100, return_mode="median") / 1e3),
+                "cold": work / (device_ms(lambda f: f(), [[f] for f in fn]) / 1e3)}
         except Exception as ex:  # noqa: BLE001 - a peer that cannot run this shape
             row["peers"][name] = f"failed: {type(ex).__name__}"
     for r in kern.candidates:
@@ -79,18 +88,18 @@ def one(op: str, S: int, wide: bool) -> dict:
             seen = {str(c) for c in configs}
             configs += [c for c in sweep(r.config, S) if str(c) not in seen]
             compile_in_parallel([(r.program, r.kernel, c) for c in configs], "cuda", tensors)
-        called = time_configs(r.program, r.kernel, "cuda", tensors, configs)
-        graphed = time_configs(r.program, r.kernel, "cuda", tensors, configs, graphed=True)
-        for (c, ms, st), (_, gms, gst) in zip(called, graphed):
+        called = time_configs(r.program, r.kernel, "cuda", tensors, configs, host=True)
+        cold = time_configs(r.program, r.kernel, "cuda", tensors, configs)
+        for (c, ms, st), (_, gms, gst) in zip(called, cold):
             row["configs"].append({
                 "candidate": r.structure, "config": str(c), "chosen": r.chosen and c == r.config,
                 "offered": any(c == x for x, _, _ in r.timings),
                 "called": work / (ms / 1e3) if ms else st,
-                "graphed": work / (gms / 1e3) if gms else gst})
-    best = max((c for c in row["configs"] if isinstance(c["graphed"], float)),
-               key=lambda c: c["graphed"], default=None)
-    print(f"{op} S={S}: chosen {row['chosen']}; best graphed {best and best['config']} "
-          f"{best and round(best['graphed'], 2)} TB/s; peers {row['peers']}", flush=True)
+                "cold": work / (gms / 1e3) if gms else gst})
+    best = max((c for c in row["configs"] if isinstance(c["cold"], float)),
+               key=lambda c: c["cold"], default=None)
+    print(f"{op} S={S}: chosen {row['chosen']}; best cold {best and best['config']} "
+          f"{best and round(best['cold'], 2)} TB/s; peers {row['peers']}", flush=True)
     return row
 
 
@@ -102,18 +111,21 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
         return f"{x:.2f}" if isinstance(x, float) else str(x)
     md = [f"# Decode tile configs, as called and graphed ({meta['gpu']}, torch {meta['torch']}, "
           f"triton {meta['triton']}, {meta['date']})", "",
-          "TB/s = bytes of K+V / median time. `offered`: in `candidate_configs`' grid; "
-          "`chosen`: what `superoptimize` chose.", ""]
+          "TB/s = bytes of K+V / median time. called: `do_bench` (host included); cold: "
+          "replayed from a CUDA graph over copies of the inputs larger than L2 (how configs "
+          "are chosen); warm: `do_bench_cudagraph`, inputs left in L2. `offered`: in "
+          "`candidate_configs`' grid; `chosen`: what `superoptimize` chose.", ""]
     for r in rows:
-        peers = "; ".join(f"{n} {f(p['called'])} called / {f(p['graphed'])} graphed"
-                          if isinstance(p, dict) else f"{n} {p}" for n, p in r["peers"].items())
-        md += [f"## {r['op']} S={r['S']}", "", f"Peers: {peers}.", "",
-               "| candidate | config | offered | chosen | called TB/s | graphed TB/s |",
+        md += [f"## {r['op']} S={r['S']}", "", "| kernel | called | warm | cold |",
+               "| --- | --- | --- | --- |"]
+        md += [f"| {n} | {f(p['called'])} | {f(p['warm'])} | {f(p['cold'])} |" if isinstance(p, dict)
+               else f"| {n} | {p} | | |" for n, p in r["peers"].items()]
+        md += ["", "| candidate | config | offered | chosen | called TB/s | cold TB/s |",
                "| --- | --- | --- | --- | --- | --- |"]
         md += [f"| {c['candidate']} | {c['config']} | {'yes' if c['offered'] else ''} | "
-               f"{'<-' if c['chosen'] else ''} | {f(c['called'])} | {f(c['graphed'])} |"
-               for c in sorted(r["configs"], key=lambda c: -(c["graphed"] if isinstance(
-                   c["graphed"], float) else 0))]
+               f"{'<-' if c['chosen'] else ''} | {f(c['called'])} | {f(c['cold'])} |"
+               for c in sorted(r["configs"], key=lambda c: -(c["cold"] if isinstance(
+                   c["cold"], float) else 0))]
         md.append("")
     (out / "decode_configs.md").write_text("\n".join(md))
 

@@ -176,16 +176,15 @@ def test_replay_reads_new_data_and_each_stride_gets_its_own(monkeypatch):
 
 def test_configs_are_timed_as_replayed_calls(monkeypatch):
     """``time_configs`` times each config the way a call runs it (a replay), and the
-    replay it times computes the right thing -- here in the interpreter, do_bench
-    replaced by one timed run."""
-    import triton.testing
-    timed = []
+    replay it times computes the right thing -- here in the interpreter, the GPU timer
+    replaced by one run of the first input copy."""
+    from neptune_eq.runtime import timing
 
-    def one_run(fn, **kw):
-        timed.append(fn)
-        fn()
+    def one_run(call, copies):
+        call(copies[0])
         return 1.0
-    monkeypatch.setattr(triton.testing, "do_bench", one_run)
+    monkeypatch.setattr(timing, "device_ms", one_run)
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: 0)
     replays = count_calls(monkeypatch, BoundCall, "__call__")
     kern = ne.superoptimize(examples.attention(1, 2, 20, 37, 16, "float32"), target="interpreter",
                             cache=False)
@@ -199,3 +198,21 @@ def test_configs_are_timed_as_replayed_calls(monkeypatch):
     call = BoundCall(Launcher(kern.program, kern.kernel_source, "interpreter", kern.config),
                      [ph.name for ph in prog.inputs], {**ins, "o": out}, ["o"])
     assert (call([ins[ph.name] for ph in prog.inputs])[0].double() - ref).abs().max() < 1e-4
+
+
+def test_timing_copies_exceed_l2_and_keep_strides():
+    """The GPU timer rotates over copies of the inputs that together hold twice the L2
+    cache (a call never finds the previous call's data there); each copy has the same
+    strides (a replay is keyed on them) and the same values."""
+    from neptune_eq.runtime.timing import copy_inputs, input_copies
+    k = torch.randn(4, 6, 8).transpose(1, 2)        # a non-contiguous view
+    q = torch.randn(4, 8)
+    size = (k.numel() + q.numel()) * 4
+    assert input_copies([q, k], l2_bytes=10 * size) == 20
+    assert input_copies([q, k], l2_bytes=size // 10) == 1
+    assert input_copies([q, k], l2_bytes=10 ** 12, most=64) == 64
+    copies = copy_inputs([q, k, 3], 3)
+    assert len(copies) == 3 and copies[0][0] is q
+    for c in copies[1:]:
+        assert c[1].stride() == k.stride() and torch.equal(c[1], k) and c[1].data_ptr() != k.data_ptr()
+        assert torch.equal(c[0], q) and c[2] == 3

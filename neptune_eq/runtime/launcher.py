@@ -134,7 +134,9 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
     shapes = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
               (64, 128, 4, 2), (32, 128, 4, 3))
     if ks.row_extent <= 16:  # decode: one row block; the loop block and split matter
-        shapes = ((16, 64, 4, 3), (16, 128, 4, 3), (16, 256, 8, 3), (16, 128, 8, 4))
+        # 32-key blocks split 32 ways were the fastest GQA decode at 2048 keys on the GPU
+        # alone; 256-key blocks never were (bench/results/decode_configs_h100.md)
+        shapes = ((16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 4))
         if not ks.split_extent:
             # A single-pass decode is short (long ones split): host-bound, so the loop block
             # hardly moves its time, but it is the accuracy granularity -- P is re-based per
@@ -532,14 +534,16 @@ def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], ta
 
 
 def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
-                 configs: list[TileConfig], values: dict | None = None, graphed: bool = False
+                 configs: list[TileConfig], values: dict | None = None, host: bool = False
                  ) -> list[tuple[TileConfig, float | None, str]]:
-    """Time every config on the GPU (median ms); failures are recorded, not raised.
-    ``values``: the named sizes of ``tensors`` when the kernel takes them at run time.
-    ``graphed``: the calls replayed from a CUDA graph -- the GPU's time with the host's
-    launch cost taken out (what a serving engine's captured decode step pays)."""
-    from triton.testing import do_bench, do_bench_cudagraph
+    """Time every config on the GPU (median ms per call); failures are recorded, not
+    raised.  ``values``: the named sizes of ``tensors`` when the kernel takes them at run
+    time.  The time is the GPU's (``runtime.timing.device_ms``: replayed from a CUDA
+    graph, over copies of the inputs that exceed L2); ``host=True`` times the call from
+    the host instead (``do_bench``: host launch path included, for reports)."""
+    from triton.testing import do_bench
     from ..sizes import bind
+    from . import timing
     values = values or {}
     if ks.size_params:
         program, ks = bind(program, values), ks.concrete(values)
@@ -548,6 +552,7 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     inputs = [tensors[n] for n in names]
     out = []
     tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
+    copies = None
     for cfg in configs:
         if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
             out.append((cfg, None, f"skipped: {TMA_NEEDS} (these inputs do not)"))
@@ -559,16 +564,18 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
         try:
             la = Launcher(program, ks, target, cfg.at(values), size_args)
             la(tensors)  # compiles, and checks the direct launch under this key
-            # Timed as a call will run: replayed (``bound_call``).  A config's general
-            # call costs tens of us of host time, which do_bench counts; at decode
-            # lengths that host time is most of what it would measure.
+            # Timed as a call will run: replayed (``bound_call``).
             try:
                 call = BoundCall(la, names, tensors, program.outputs)
-                run = lambda: call(inputs)  # noqa: E731
             except ValueError:  # a form the replay does not cover: the general call
-                run = lambda: la(tensors)  # noqa: E731
-            ms = (do_bench_cudagraph(run, rep=20, return_mode="median") if graphed
-                  else do_bench(run, warmup=10, rep=40, return_mode="median"))
+                call = lambda args: la({**tensors, **dict(zip(names, args))})  # noqa: E731
+            if host:
+                ms = do_bench(lambda: call(inputs), warmup=10, rep=40, return_mode="median")
+            else:
+                if copies is None:
+                    l2 = timing.l2_bytes(inputs[0].device)
+                    copies = timing.copy_inputs(inputs, timing.input_copies(inputs, l2))
+                ms = timing.device_ms(call, copies)
             out.append((cfg, float(ms), "ok"))
         except Exception as e:  # a config that does not compile (e.g. out of shared memory)
             msg = str(e).strip().splitlines()
