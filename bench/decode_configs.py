@@ -76,7 +76,7 @@ def one(op: str, S: int, wide: bool) -> dict:
             row["peers"][name] = {
                 "called": work / (do_bench(fn[0], warmup=25, rep=100, return_mode="median") / 1e3),
                 "warm": work / (do_bench_cudagraph(fn[0], rep=100, return_mode="median") / 1e3),
-                "cold": work / (device_ms(lambda f: f(), [[f] for f in fn]) / 1e3)}
+                "cold": work / (device_ms(lambda a: a[0](), [[f] for f in fn]) / 1e3)}
         except Exception as ex:  # noqa: BLE001 - a peer that cannot run this shape
             row["peers"][name] = f"failed: {type(ex).__name__}"
     for r in kern.candidates:
