@@ -502,13 +502,9 @@ def _simplify_cond(c: Term, atoms: frozenset) -> Term | None:
 
 def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
     """Split factors worth considering for a grid of ``programs``: enough programs to fill
-    ``sms`` one, two and four times over, with chunks of at least two key blocks -- and a
-    split in two, whose combine reads the fewest partials: with the K/V cache out of L2 it
-    was the fastest decode of 32 heads at 2048 and 8192 keys (bench/results/
-    decode_configs_h100.md)."""
+    ``sms`` one, two and four times over, with chunks of at least two key blocks."""
     most = max(1, extent // (2 * block_keys))
-    return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)}
-                  | ({2} if most >= 2 and programs < sms else set()))
+    return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})
 
 
 def replace_folds(t: Term, state_of: dict[Term, str]) -> Term:

@@ -151,7 +151,13 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
         for k in tun:
             blocks[k] = bi if k == f"B_{ks.block_axis}" else bl
         programs = -(-ks.row_extent // bi) * ks.grid_size
-        for sp in (split_factors(programs, ks.split_extent, bl, sms) if ks.split_extent else [0]):
+        splits = split_factors(programs, ks.split_extent, bl, sms) if ks.split_extent else [0]
+        if ks.row_extent <= 16 and ks.split_extent >= 4 * bl:
+            # a decode split in two: its combine reads the fewest partials, and with the
+            # K/V cache out of L2 it was the fastest decode of 32 heads at 2048 and 8192
+            # keys (bench/results/decode_configs_h100.md)
+            splits = sorted(set(splits) | {2})
+        for sp in splits:
             out.append(TileConfig(blocks, w, s, sp))
             if sp:  # and split-k in one launch: timing decides
                 out.append(TileConfig(blocks, w, s, sp, fused=True))
@@ -173,17 +179,18 @@ def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> li
     bench/results/gpu_validate_tma.md were 3- and 4-deep -- 8 warps left the loop
     unspecialised, and 64-row blocks computed every row twice.  Key blocks under
     ``WS_MIN_KEYS`` are left out (slow; they displaced the 128-key config in
-    ``prune_configs``).  In that form every warp-specialised config was right
-    (bench/gpu_validate_tma.py: 9 of 9 over the three global cases), but it is still
-    opt-in (``NEPTUNE_EQ_WARP_SPECIALIZE=1``): the best one gained 2-5% over the best
-    pointer config at S=8192, D=128 (H100), the others lost, and kernels with runtime
-    sizes were not checked on the GPU."""
+    ``prune_configs``).  In that form every warp-specialised config was right: 9 of 9 over
+    the three global cases (bench/gpu_validate_tma.py), and 10 of 10 in kernels taking
+    their sizes at run time, at 5 sizes from 4500 to 8000 (``--symbolic``, H100,
+    bench/results/gpu_validate_tma_symbolic.json).  So they are offered by default and the
+    timer decides (the best gained 2-5% over the best pointer config at S=8192, D=128 on
+    the H100; others lost); ``NEPTUNE_EQ_WARP_SPECIALIZE=0`` turns them off."""
     from ..lowering.descriptors import WS_MIN_KEYS, WS_MIN_ROWS, WS_RING, WS_WARPS
     if not getattr(ks, "descriptors", None) or os.environ.get("NEPTUNE_EQ_TMA", "1") == "0":
         return []
     out = [replace(c, tma=True) for c in pointer_configs]
     warps = getattr(ks, "warp_specializable", ())
-    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "0") != "1" or WS_WARPS not in warps:
+    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "1") == "0" or WS_WARPS not in warps:
         return out
     rows = f"B_{ks.block_axis}"
     seen = set()
