@@ -206,3 +206,19 @@ def test_configs_are_timed_on_the_given_tensors_where_they_fit():
     assert got["k"] is not wrong and tuple(got["k"].shape) == (1, 2, 12, 16)
     assert got["v"].dtype == torch.float32                      # float64 given: replaced
     assert set(got) == {"q", "k", "v", *prog.outputs}
+
+
+def test_fewest_launches_win_among_configs_within_the_tie():
+    """A config is chosen by GPU time, but split-k in one launch beats two launches when
+    it is within ``LAUNCH_TIE`` of them (a host launch costs more than the graph shows);
+    outside the tie the faster one wins."""
+    from neptune_eq.choosing.choose import LAUNCH_TIE, fastest
+    kern = ne.superoptimize(ne.attention(1, 32, 1, 8192, 128, mask_mod=_causal(1, 8192)),
+                            target="interpreter", device="H200", cache=False)
+    ks = kern.kernel_source
+    assert ks.split_extent, "a split-k decode"
+    two, one = (c for c in candidate_configs(ks, "cuda")[:2])
+    assert (two.fused, one.fused) == (False, True)
+    assert fastest([(two, 1.00), (one, 1.00 * LAUNCH_TIE * 0.999)], ks)[0] == one
+    assert fastest([(two, 1.00), (one, 1.00 * LAUNCH_TIE * 1.01)], ks)[0] == two
+    assert fastest([(one, 2.0), (two, 1.0)], ks) == (two, 1.0)
