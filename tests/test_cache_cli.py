@@ -49,14 +49,15 @@ def test_corrupted_entry_is_detected_and_rebuilt(fresh_cache):
     assert ne.superoptimize(examples.softmax(2, 9), target="interpreter").cache_status == "hit"
 
 
-def test_stale_entry_is_rebuilt_never_used(fresh_cache):
-    k = ne.superoptimize(examples.softmax(2, 7), target="interpreter")
-    (entry,) = _entries(fresh_cache)
-    key = entry.stem
-    k.kernel_source.source += "# edited by hand\n"  # not what today's codegen emits
-    cache.store(key, k)
-    assert ne.superoptimize(examples.softmax(2, 7), target="interpreter").cache_status == \
-        "stale entry rebuilt"
+def test_a_changed_code_generator_is_a_new_key_never_an_old_entry(fresh_cache, monkeypatch):
+    """Entries cannot be stale: the key holds a hash of the package's source (and of the
+    rules and library versions), so changed code misses instead of reusing old kernels."""
+    assert ne.superoptimize(examples.softmax(2, 7), target="interpreter").cache_status == "miss"
+    assert ne.superoptimize(examples.softmax(2, 7), target="interpreter").cache_status == "hit"
+    real = cache._versions()
+    monkeypatch.setattr(cache, "_versions", lambda: {**real, "neptune_eq": "edited-source"})
+    assert ne.superoptimize(examples.softmax(2, 7), target="interpreter").cache_status == "miss"
+    assert len(_entries(fresh_cache)) == 2
 
 
 def _worker(args):
