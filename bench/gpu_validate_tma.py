@@ -56,6 +56,7 @@ def cases():
         ("global fp16 scores x30 S=333 D=64", lambda: ne.attention(1, 2, 333, 333, 64, "float16"), 30.0),
         ("decode fp16 32/8 heads S=4099", lambda: ne.attention(1, 32, 1, 4099, 128, "float16", kv_heads=8,
                                                                mask_mod=causal(4098)), 1.0),
+        ("attention fp16 H=2 20x37 D=24", lambda: examples.attention(1, 2, 20, 37, 24, "float16"), 1.0),
         ("softmax fp32 64x1000", lambda: examples.softmax(64, 1000), 1.0),
         ("softmax fp16 37x4100", lambda: examples.softmax(37, 4100), 1.0),
     ]
@@ -136,13 +137,12 @@ def run_symbolic_case(name, build, sizes, causal, all_configs):
             "fallback": None, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def check(kern, cfg, ins, ref, dt, tensors_override=None):
-    prog = kern.program
+def check(prog, ks, cfg, ins, ref, dt, tensors_override=None):
     outs = {n: torch.full(prog.shape_of(n), float("nan"), dtype=getattr(torch, prog.dtype_of(n)),
                           device="cuda") for n in prog.outputs}
     dev = {k: v.cuda() for k, v in ins.items()}
     dev.update(tensors_override or {})
-    la = Launcher(prog, kern.kernel_source, "cuda", cfg)
+    la = Launcher(prog, ks, "cuda", cfg)
     for _ in range(2):  # the checked launch, then the direct one
         la({**dev, **outs})
     torch.cuda.synchronize()
@@ -152,7 +152,9 @@ def check(kern, cfg, ins, ref, dt, tensors_override=None):
     return ok, err, la
 
 
-def run_case(name, build, scale, all_configs):
+def run_case(name, build, scale, all_configs, all_candidates=False):
+    """The chosen kernel's configs -- or, with ``all_candidates``, every config of every
+    candidate that lowered: the timer may pick any of them."""
     t0 = time.perf_counter()
     kern = ne.superoptimize(build(), target="cuda", cache=False)
     prog = kern.input_program
@@ -160,34 +162,36 @@ def run_case(name, build, scale, all_configs):
            for ph in prog.inputs}
     ref = evaluate(prog, ins)[prog.outputs[0]]
     dt = prog.dtype_of(prog.outputs[0])
-    configs = candidate_configs(kern.kernel_source, "cuda")
-    if not all_configs:
-        ch.TMA_KEEP, ch.WS_KEEP = 4, 6
-        configs = ch.prune_configs(kern.plan, configs, device_for(torch.cuda.get_device_name()))
+    kernels = ([(r.description, r.program, r.kernel, r.plan) for r in kern.candidates if r.kernel]
+               if all_candidates else [("chosen", kern.program, kern.kernel_source, kern.plan)])
     dev = {k: v.cuda() for k, v in ins.items()}
     outs = {n: torch.empty(prog.shape_of(n), dtype=getattr(torch, prog.dtype_of(n)), device="cuda")
             for n in prog.outputs}
-    compile_in_parallel([(kern.program, kern.kernel_source, c) for c in configs], "cuda", {**dev, **outs})
-    rows = []
-    for cfg in configs:
-        try:
-            ok, err, la = check(kern, cfg, ins, ref, dt)
-            rows.append({"config": str(cfg), "status": "ok" if ok else "BAD", "err": err,
-                         "tma_used": la.tma and la._pointer_twin is None})
-        except Exception as e:  # noqa: BLE001 - a config that does not compile: recorded
-            msg = [x for x in str(e).strip().splitlines() if x.strip()]
-            rows.append({"config": str(cfg), "status": "compile failed",
-                         "reason": (msg[-1] if msg else type(e).__name__)[:300]})
-    fallback = None
-    tma_cfgs = [c for c in configs if c.tma]
-    k_in = prog.inputs[1].name if len(prog.inputs) > 1 else None
-    if tma_cfgs and k_in and len(prog.shape_of(k_in)) == 4:  # a K view with a 2-element pad per row
-        kk = ins[k_in]
-        wide = torch.zeros(*kk.shape[:-1], kk.shape[-1] + 2, dtype=kk.dtype, device="cuda")
-        view = wide[..., :kk.shape[-1]]
-        view.copy_(kk.cuda())
-        ok, err, la = check(kern, tma_cfgs[0], ins, ref, dt, {k_in: view})
-        fallback = {"ok": ok, "err": err, "pointer_twin": la._pointer_twin is not None}
+    rows, fallback = [], None
+    for which, kprog, ks, plan in kernels:
+        configs = candidate_configs(ks, "cuda")
+        if not all_configs:
+            ch.TMA_KEEP, ch.WS_KEEP = 4, 6
+            configs = ch.prune_configs(plan, configs, device_for(torch.cuda.get_device_name()))
+        compile_in_parallel([(kprog, ks, c) for c in configs], "cuda", {**dev, **outs})
+        for cfg in configs:
+            try:
+                ok, err, la = check(kprog, ks, cfg, ins, ref, dt)
+                rows.append({"candidate": which, "config": str(cfg), "status": "ok" if ok else "BAD",
+                             "err": err, "tma_used": la.tma and la._pointer_twin is None})
+            except Exception as e:  # noqa: BLE001 - a config that does not compile: recorded
+                msg = [x for x in str(e).strip().splitlines() if x.strip()]
+                rows.append({"candidate": which, "config": str(cfg), "status": "compile failed",
+                             "reason": (msg[-1] if msg else type(e).__name__)[:300]})
+        tma_cfgs = [c for c in configs if c.tma]
+        k_in = prog.inputs[1].name if len(prog.inputs) > 1 else None
+        if fallback is None and tma_cfgs and k_in and len(prog.shape_of(k_in)) == 4:
+            kk = ins[k_in]  # a K view with a 2-element pad per row
+            wide = torch.zeros(*kk.shape[:-1], kk.shape[-1] + 2, dtype=kk.dtype, device="cuda")
+            view = wide[..., :kk.shape[-1]]
+            view.copy_(kk.cuda())
+            ok, err, la = check(kprog, ks, tma_cfgs[0], ins, ref, dt, {k_in: view})
+            fallback = {"ok": ok, "err": err, "pointer_twin": la._pointer_twin is not None}
     bad = [r for r in rows if r["status"] == "BAD"] + ([fallback] if fallback and not fallback["ok"] else [])
     return {"case": name, "ok": not bad, "chosen": str(kern.config), "configs": rows,
             "fallback": fallback, "seconds": round(time.perf_counter() - t0, 1)}
@@ -198,6 +202,8 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--only", nargs="*", default=None, help="cases whose name has one of these")
     ap.add_argument("--all-configs", action="store_true", help="every config, not the pruned set")
+    ap.add_argument("--all-candidates", action="store_true",
+                    help="every candidate that lowered, not only the chosen one")
     ap.add_argument("--symbolic", action="store_true",
                     help="the named-size cases (sizes passed at run time) instead")
     a = ap.parse_args()
@@ -205,7 +211,8 @@ def main():
            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), "cases": []}
     todo = ([(n, lambda n=n, b=b, s=s, c=c: run_symbolic_case(n, b, s, c, a.all_configs))
              for n, b, s, c in symbolic_cases()] if a.symbolic else
-            [(n, lambda n=n, b=b, s=s: run_case(n, b, s, a.all_configs)) for n, b, s in cases()])
+            [(n, lambda n=n, b=b, s=s: run_case(n, b, s, a.all_configs, a.all_candidates))
+             for n, b, s in cases()])
     for name, run in todo:
         if a.only and not any(o in name for o in a.only):
             continue
@@ -218,7 +225,8 @@ def main():
               f"fallback={r['fallback']} chosen [{r['chosen']}] {r['seconds']}s", flush=True)
         for c in r["configs"]:
             if c["status"] != "ok":
-                print(f"      {c['status']}: [{c.get('config', c.get('sizes'))}] {c.get('reason', c.get('err'))}", flush=True)
+                print(f"      {c['status']}: {c.get('candidate', '')} [{c.get('config', c.get('sizes'))}] "
+                      f"{c.get('reason', c.get('err'))}", flush=True)
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / ("gpu_validate_tma_symbolic.json" if a.symbolic
                         else "gpu_validate_tma.json")).write_text(json.dumps(res, indent=1))
