@@ -153,6 +153,8 @@ class Kernel:
             # compiled pieces (Dynamo cannot trace the launcher; ne.flex_attention is a
             # custom op instead, compiled whole).
             return torch.compiler.disable(self.__call__)(*args, **kwargs)
+        if self.target == "cuda":
+            args, kwargs = _rows_contiguous(args), {k: _rows_contiguous((v,))[0] for k, v in kwargs.items()}
         sig = _signature(args) if not kwargs else None
         if sig is not None:
             replay = self._bound.get(sig)
@@ -198,6 +200,21 @@ class Kernel:
             dims = [values[n.name] if hasattr(n, "name") else n for n in prog.shape_of(name)]
             bound[name] = torch.empty(dims, dtype=getattr(torch, prog.dtype_of(name)), device=dev)
         return bound, launcher
+
+
+def _rows_contiguous(args: tuple) -> tuple:
+    """The arguments with each tensor's last dimension contiguous (stride 1), copied where
+    it is not -- FlashAttention's and cuDNN's input rule.  On Triton 3.6 (H100) a query
+    with row stride 1 and column stride 20 (a transposed copy viewed back) made the
+    generated kernels fault or return wrong values at some tile configs (64x64 tiles, 3
+    stages; bench/gpu_validate.py, session 11), where contiguous rows were right at every
+    config.  One copy of such an input is the price of never running that form."""
+    import torch
+    if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1
+               for t in args):
+        return args
+    return tuple(t.contiguous() if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1
+                 and t.stride(-1) != 1 else t for t in args)
 
 
 def _signature(args: tuple) -> tuple | None:

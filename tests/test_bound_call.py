@@ -216,3 +216,19 @@ def test_timing_copies_exceed_l2_and_keep_strides():
     for c in copies[1:]:
         assert c[1].stride() == k.stride() and torch.equal(c[1], k) and c[1].data_ptr() != k.data_ptr()
         assert torch.equal(c[0], q) and c[2] == 3
+
+
+def test_gpu_calls_get_rows_with_a_contiguous_last_dimension():
+    """On the GPU a tensor whose last dimension is strided is copied to contiguous rows
+    before the kernel sees it (FlashAttention's input rule; Triton 3.6 miscompiled a
+    row-stride-1 query at some tiles); contiguous tensors and other arguments pass as
+    they are, and a dimension of one needs no copy."""
+    from neptune_eq.api import _rows_contiguous
+    q = torch.randn(1, 2, 20, 24)
+    col = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # strides (960, 480, 1, 20)
+    one = torch.randn(3, 1)[::2]                                # last dim 1: any stride works
+    args = (q, col, 7, one)
+    out = _rows_contiguous(args)
+    assert out[0] is q and out[2] == 7 and out[3] is one
+    assert out[1].stride(-1) == 1 and torch.equal(out[1], col)
+    assert _rows_contiguous((q, 3)) == (q, 3)
