@@ -51,13 +51,7 @@ def sweep(template: TileConfig, S: int) -> list[TileConfig]:
 
 def one(op: str, S: int, wide: bool) -> dict:
     out, spec, work, unit = ops.build(op, S)
-    hq, hkv, sq, skv = spec[:4]
-    torch.manual_seed(0)
-    q = torch.randn(1, hq, sq, ops.D, device="cuda", dtype=torch.float16)
-    k = torch.randn(1, hkv, skv, ops.D, device="cuda", dtype=torch.float16)
-    v = torch.randn_like(k)
-    slopes = ops.alibi_slopes(hq).cuda()
-    args = (q, k, v, slopes) if spec[5] else (q, k, v)
+    q, k, v, slopes, args = ops.make_inputs(spec)
     kern = ne.superoptimize(out, target="cuda", top_k=2)
     ours = kern(*args)
     row = {"op": op, "S": S, "chosen": str(kern.config), "structure": kern.chosen_row.structure,

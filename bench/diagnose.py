@@ -45,13 +45,7 @@ def _host_us(fn, n=200):
 
 def _setup(op, S):
     out, spec, work, unit = nb.build(op, S)
-    hq, hkv, sq, skv = spec[:4]
-    torch.manual_seed(0)
-    q = torch.randn(1, hq, sq, nb.D, device="cuda", dtype=torch.float16)
-    k = torch.randn(1, hkv, skv, nb.D, device="cuda", dtype=torch.float16)
-    v = torch.randn_like(k)
-    slopes = nb.alibi_slopes(hq).cuda()
-    args = (q, k, v, slopes) if spec[5] else (q, k, v)
+    q, k, v, slopes, args = nb.make_inputs(spec)
     kern = ne.superoptimize(out, target="cuda", top_k=2)
     return kern, args, spec, (q, k, v, slopes), work, unit
 

@@ -23,7 +23,6 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -113,19 +112,10 @@ def run_symbolic_case(name, build, sizes, causal, all_configs):
         dt = prog.dtype_of(prog.outputs[0])
         ks = row.kernel.concrete(values)
         run_prog = bind(row.program, values)
-        dev = {k: v.cuda() for k, v in ins.items()}
         for cfg in configs:
-            outs = {n: torch.full(prog.shape_of(n), float("nan"), dtype=getattr(torch, prog.dtype_of(n)),
-                                  device="cuda") for n in prog.outputs}
             try:
-                la = Launcher(run_prog, ks, "cuda", cfg.at(values),
-                              tuple(values[s] for s in ks.size_params))
-                for _ in range(2):  # the checked launch, then the direct one
-                    la({**dev, **outs})
-                torch.cuda.synchronize()
-                got = outs[prog.outputs[0]].cpu()
-                err = (got.double() - ref).abs().max().item()
-                ok = bool(torch.isfinite(got).all()) and err <= TOL[dt] * max(1.0, ref.abs().max().item())
+                ok, err, la = check(run_prog, ks, cfg.at(values), ins, ref, dt,
+                                    size_args=tuple(values[s] for s in ks.size_params))
                 rows.append({"sizes": values, "config": str(cfg), "status": "ok" if ok else "BAD",
                              "err": err, "tma_used": la.tma and la._pointer_twin is None})
             except Exception as e:  # noqa: BLE001 - a config that does not compile: recorded
@@ -137,12 +127,14 @@ def run_symbolic_case(name, build, sizes, causal, all_configs):
             "fallback": None, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def check(prog, ks, cfg, ins, ref, dt, tensors_override=None):
+def check(prog, ks, cfg, ins, ref, dt, tensors_override=None, size_args=()):
+    """One config launched into NaN-filled outputs (checked launch, then the direct one)
+    against ``ref``: (ok, max error, the launcher)."""
     outs = {n: torch.full(prog.shape_of(n), float("nan"), dtype=getattr(torch, prog.dtype_of(n)),
                           device="cuda") for n in prog.outputs}
     dev = {k: v.cuda() for k, v in ins.items()}
     dev.update(tensors_override or {})
-    la = Launcher(prog, ks, "cuda", cfg)
+    la = Launcher(prog, ks, "cuda", cfg, size_args)
     for _ in range(2):  # the checked launch, then the direct one
         la({**dev, **outs})
     torch.cuda.synchronize()

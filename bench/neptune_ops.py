@@ -143,15 +143,20 @@ def peers(spec, q, k, v, slopes):
     return out
 
 
-def run_op(op, S, rows, acc_rows, accuracy, run):
-    out, spec, work, unit = build(op, S)
+def make_inputs(spec) -> tuple:
+    """Seeded fp16 inputs of an operator on the GPU: q, k, v, slopes, and the call's args."""
     hq, hkv, sq, skv = spec[:4]
     torch.manual_seed(0)
     q = torch.randn(1, hq, sq, D, device="cuda", dtype=torch.float16)
     k = torch.randn(1, hkv, skv, D, device="cuda", dtype=torch.float16)
     v = torch.randn_like(k)
     slopes = alibi_slopes(hq).cuda()
-    args = (q, k, v, slopes) if spec[5] else (q, k, v)
+    return q, k, v, slopes, ((q, k, v, slopes) if spec[5] else (q, k, v))
+
+
+def run_op(op, S, rows, acc_rows, accuracy, run):
+    out, spec, work, unit = build(op, S)
+    q, k, v, slopes, args = make_inputs(spec)
     t0 = time.perf_counter()
     kern = ne.superoptimize(out, target="cuda", top_k=2)    # a miss: builds and caches
     cold = time.perf_counter() - t0
