@@ -112,16 +112,9 @@ def run_symbolic_case(name, build, sizes, causal, all_configs):
         dt = prog.dtype_of(prog.outputs[0])
         ks = row.kernel.concrete(values)
         run_prog = bind(row.program, values)
-        for cfg in configs:
-            try:
-                ok, err, la = check(run_prog, ks, cfg.at(values), ins, ref, dt,
-                                    size_args=tuple(values[s] for s in ks.size_params))
-                rows.append({"sizes": values, "config": str(cfg), "status": "ok" if ok else "BAD",
-                             "err": err, "tma_used": la.tma and la._pointer_twin is None})
-            except Exception as e:  # noqa: BLE001 - a config that does not compile: recorded
-                msg = [x for x in str(e).strip().splitlines() if x.strip()]
-                rows.append({"sizes": values, "config": str(cfg), "status": "compile failed",
-                             "reason": (msg[-1] if msg else type(e).__name__)[:300]})
+        size_args = tuple(values[s] for s in ks.size_params)
+        rows += [check_row({"sizes": values, "config": str(cfg)}, run_prog, ks, cfg.at(values),
+                           ins, ref, dt, size_args) for cfg in configs]
     return {"case": name, "ok": not any(r["status"] == "BAD" for r in rows),
             "chosen": str(choice.config), "guards": str(choice.guards), "configs": rows,
             "fallback": None, "seconds": round(time.perf_counter() - t0, 1)}
@@ -142,6 +135,19 @@ def check(prog, ks, cfg, ins, ref, dt, tensors_override=None, size_args=()):
     err = (got.double() - ref).abs().max().item()
     ok = bool(torch.isfinite(got).all()) and err <= TOL[dt] * max(1.0, ref.abs().max().item())
     return ok, err, la
+
+
+def check_row(row: dict, prog, ks, cfg, ins, ref, dt, size_args=()) -> dict:
+    """``row`` with the outcome of ``check``: ok / BAD with the error, or why the config
+    did not compile (that is the timer's to skip, not a wrong result)."""
+    try:
+        ok, err, la = check(prog, ks, cfg, ins, ref, dt, size_args=size_args)
+        return {**row, "status": "ok" if ok else "BAD", "err": err,
+                "tma_used": la.tma and la._pointer_twin is None}
+    except Exception as e:  # noqa: BLE001 - a config that does not compile: recorded
+        msg = [x for x in str(e).strip().splitlines() if x.strip()]
+        return {**row, "status": "compile failed",
+                "reason": (msg[-1] if msg else type(e).__name__)[:300]}
 
 
 def run_case(name, build, scale, all_configs, all_candidates=False):
@@ -166,15 +172,8 @@ def run_case(name, build, scale, all_configs, all_candidates=False):
             ch.TMA_KEEP, ch.WS_KEEP = 4, 6
             configs = ch.prune_configs(plan, configs, device_for(torch.cuda.get_device_name()))
         compile_in_parallel([(kprog, ks, c) for c in configs], "cuda", {**dev, **outs})
-        for cfg in configs:
-            try:
-                ok, err, la = check(kprog, ks, cfg, ins, ref, dt)
-                rows.append({"candidate": which, "config": str(cfg), "status": "ok" if ok else "BAD",
-                             "err": err, "tma_used": la.tma and la._pointer_twin is None})
-            except Exception as e:  # noqa: BLE001 - a config that does not compile: recorded
-                msg = [x for x in str(e).strip().splitlines() if x.strip()]
-                rows.append({"candidate": which, "config": str(cfg), "status": "compile failed",
-                             "reason": (msg[-1] if msg else type(e).__name__)[:300]})
+        rows += [check_row({"candidate": which, "config": str(cfg)}, kprog, ks, cfg, ins, ref, dt)
+                 for cfg in configs]
         tma_cfgs = [c for c in configs if c.tma]
         k_in = prog.inputs[1].name if len(prog.inputs) > 1 else None
         if fallback is None and tma_cfgs and k_in and len(prog.shape_of(k_in)) == 4:
