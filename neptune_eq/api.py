@@ -441,7 +441,7 @@ def _random_inputs(program: Program, given: dict | None, device: str = "cuda") -
         t = (given or {}).get(ph.name)
         if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(ph.shape) and t.dtype == dt \
                 and t.device.type == device:
-            out[ph.name] = t
+            out[ph.name] = _rows_contiguous((t,))[0]  # as a call will pass it
         else:
             out[ph.name] = (torch.randn(ph.shape, device=device).to(dt) if dt.is_floating_point
                             else torch.zeros(ph.shape, dtype=dt, device=device))
