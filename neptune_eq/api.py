@@ -154,7 +154,8 @@ class Kernel:
             # custom op instead, compiled whole).
             return torch.compiler.disable(self.__call__)(*args, **kwargs)
         if self.target == "cuda":
-            args, kwargs = _rows_contiguous(args), {k: _rows_contiguous((v,))[0] for k, v in kwargs.items()}
+            args = _rows_contiguous(args)
+            kwargs = {k: v.contiguous() if _strided_rows(v) else v for k, v in kwargs.items()}
         sig = _signature(args) if not kwargs else None
         if sig is not None:
             replay = self._bound.get(sig)
@@ -202,6 +203,13 @@ class Kernel:
         return bound, launcher
 
 
+def _strided_rows(t) -> bool:
+    """A tensor whose last dimension is not contiguous (stride 1); a dimension of one
+    has no stride that matters."""
+    import torch
+    return isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1
+
+
 def _rows_contiguous(args: tuple) -> tuple:
     """The arguments with each tensor's last dimension contiguous (stride 1), copied where
     it is not -- FlashAttention's and cuDNN's input rule.  On Triton 3.6 (H100) a query
@@ -209,12 +217,9 @@ def _rows_contiguous(args: tuple) -> tuple:
     generated kernels fault or return wrong values at some tile configs (64x64 tiles, 3
     stages; bench/gpu_validate.py, session 11), where contiguous rows were right at every
     config.  One copy of such an input is the price of never running that form."""
-    import torch
-    if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1
-               for t in args):
+    if not any(_strided_rows(t) for t in args):
         return args
-    return tuple(t.contiguous() if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1
-                 and t.stride(-1) != 1 else t for t in args)
+    return tuple(t.contiguous() if _strided_rows(t) else t for t in args)
 
 
 def _signature(args: tuple) -> tuple | None:
@@ -441,7 +446,7 @@ def _random_inputs(program: Program, given: dict | None, device: str = "cuda") -
         t = (given or {}).get(ph.name)
         if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(ph.shape) and t.dtype == dt \
                 and t.device.type == device:
-            out[ph.name] = _rows_contiguous((t,))[0]  # as a call will pass it
+            out[ph.name] = t.contiguous() if _strided_rows(t) else t  # as a call passes it
         else:
             out[ph.name] = (torch.randn(ph.shape, device=device).to(dt) if dt.is_floating_point
                             else torch.zeros(ph.shape, dtype=dt, device=device))

@@ -133,7 +133,8 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
     wide = max([v for k, v in ks.tunables.items() if k not in tun] or [16])
     shapes = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
               (64, 128, 4, 2), (32, 128, 4, 3))
-    if ks.row_extent <= 16:  # decode: one row block; the loop block and split matter
+    decode = ks.row_extent <= 16
+    if decode:  # one row block; the loop block and split matter
         # 32-key blocks split 32 ways were the fastest GQA decode at 2048 keys on the GPU
         # alone; 256-key blocks never were (bench/results/decode_configs_h100.md)
         shapes = ((16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 4))
@@ -152,7 +153,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             blocks[k] = bi if k == f"B_{ks.block_axis}" else bl
         programs = -(-ks.row_extent // bi) * ks.grid_size
         splits = split_factors(programs, ks.split_extent, bl, sms) if ks.split_extent else [0]
-        if ks.row_extent <= 16 and ks.split_extent >= 4 * bl:
+        if decode and ks.split_extent >= 4 * bl:
             # a decode split in two: its combine reads the fewest partials, and with the
             # K/V cache out of L2 it was the fastest decode of 32 heads at 2048 and 8192
             # keys (bench/results/decode_configs_h100.md)
