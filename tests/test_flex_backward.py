@@ -71,7 +71,7 @@ def test_causal_softcap_gqa_and_a_fully_masked_row():
     # read from the [B, Hkv, ...] tensors at head y // G: no per-call copy of them
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["k"][1] == 2
               and s.shapes["q"][1] == 4)
-    bw = next(b[0] for key, b in st.backward.items() if key[0] == ("k", "v"))
+    bw = next(b[0] for key, b in st.backward.items() if key[0][:2] == ("k", "v"))
     assert {ph.name: ph.shape[1] for ph in bw.program.inputs}["k"] == 2
     assert {ph.name: ph.shape[1] for ph in bw.program.inputs}["v"] == 2
     assert bw.program.shape_of("d_k")[1] == 4
@@ -84,21 +84,45 @@ def test_decode_gradients():
 def test_backward_kernels_are_derived_once_per_structure_and_input():
     check(1, 2, 2, 3, 4, 2)
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 2)
-    # (gradients, dQ's kernel shares its row statistics, the loss reads the lse)
-    assert set(st.backward) == {(("q",), True, True), (("k", "v"), True, True)}
-    bw, kern, _, _, stats = st.backward[(("k", "v"), True, True)]
-    # Σ_e dO·O is computed once, by dQ's kernel, and read by dK/dV's as an input
-    assert stats and all(any(ph.name == n for ph in bw.program.inputs) for n in stats)
-    assert stats[0] in st.backward[(("q",), True, True)][0].program.outputs
+    # (gradients, shared row statistics between two kernels, the loss reads the lse):
+    # one kernel for all three, dQ added atomically inside dK/dV's loop
+    assert set(st.backward) == {(("k", "v", "q"), False, True)}
+    bw, kern, _, _, stats, pre = st.backward[(("k", "v", "q"), False, True)]
+    # Σ_e dO·O is computed once, by a row kernel of its own, and read as an input
+    first, row_kern = pre
+    assert stats and first.program.outputs == stats
+    assert all(any(ph.name == n for ph in bw.program.inputs) for n in stats)
+    assert bw.program.dtype_of("d_q") == "float32"  # summed by atomic adds in fp32
     text = kern.explain()
-    # FlashAttention-2's dK/dV: one program per block of keys j, one loop over the query
-    # rows i updating both (P recomputed once), the row-wise dot Σ_e dO·O read in it
+    # FlashAttention-2's backward: one program per block of keys j, one loop over the
+    # query rows i updating dK and dV (P recomputed once) and adding dQ's share
     assert "blocked: j" in text and "d_v:sum" in text and "d_k:sum" in text, text
-    # what was known before saturation is part of the derivation shown
-    assert "m := lse" in text and "computed once by dQ's kernel" in text, text
+    assert "d_q[z, y, i, " in text and "term atomically" in text, text
+    assert "m := lse" in text and "computed once by a row kernel" in text, text
     loops = re.split(r"for l0 in (?:tl\.)?range\(", kern.source)[1:]
     assert loops and not any(re.search(r"\bo_ptr", lp) for lp in loops)  # no O tile in them
     assert "den[" not in kern.source  # the denominator is the constant 1: folded away
+    # five products per block: S = Q·Kᵀ, dV += Pᵀ·dO, dP = dO·Vᵀ, dK += dSᵀ·Q, dQ += dS·K
+    assert all(lp.count("tl.dot(") == 5 and lp.count("tl.atomic_add(") == 1 for lp in loops)
+
+
+def test_deterministic_mode_has_no_float_atomics():
+    """``torch.use_deterministic_algorithms(True)``: dQ by a kernel of its own (a loop over
+    key blocks per query block), dK/dV's kernel reads the row statistics dQ's returns;
+    no atomics, and the same gradients."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(1, 2, 2, 3, 4, 3)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 3)
+    assert set(st.backward) == {(("q",), True, True), (("k", "v"), True, True)}
+    bw, kern, _, _, stats, pre = st.backward[(("k", "v"), True, True)]
+    assert pre is None and stats[0] in st.backward[(("q",), True, True)][0].program.outputs
+    assert "computed once by dQ's kernel" in kern.explain()
+    for _, k2, *_ in st.backward.values():
+        assert "atomic_add" not in k2.source
+    loops = re.split(r"for l0 in (?:tl\.)?range\(", kern.source)[1:]
     # four products per block: S = Q·Kᵀ, dV += Pᵀ·dO, dP = dO·Vᵀ, dK += dSᵀ·Q
     assert all(lp.count("tl.dot(") == 4 for lp in loops), loops
 
@@ -201,11 +225,18 @@ def test_sliding_window_bounds_both_backward_loops():
     def mask(b, h, i, j):
         return (i >= j) & (i - j < w)
     check(1, 2, 2, n, n, 8, None, mask, None, lambda i, j: (i >= j) & (i - j < w))
+    torch.use_deterministic_algorithms(True)  # ... and dQ's own kernel, without atomics
+    try:
+        check(1, 2, 2, n, n, 8, None, mask, None, lambda i, j: (i >= j) & (i - j < w))
+    finally:
+        torch.use_deterministic_algorithms(False)
     st = [s for s in flex.STRUCTURES.values() if s.backward][-1]
     loops = {wrt: [ln for ln in kern.explain().splitlines() if "loop bounds" in ln]
              for (wrt, *_), (_, kern, *_) in st.backward.items()}
     assert any(f"[i-{w - 1}, i+1)" in ln for ln in loops[("q",)]), loops
     assert any(f"[i+0, i+{w})" in ln for ln in loops[("k", "v")]), loops
+    # the fused kernel's loop is dK/dV's: dQ's terms ride in the blocks it visits
+    assert any(f"[i+0, i+{w})" in ln for ln in loops[("k", "v", "q")]), loops
 
 
 def test_value_head_dim_differs_dk_dv_still_share_one_loop():
@@ -222,7 +253,7 @@ def test_value_head_dim_differs_dk_dv_still_share_one_loop():
     for a, r in zip(got, ref):
         assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
     st = [s for s in flex.STRUCTURES.values() if s.backward and s.shapes["v"][-1] == 16][-1]
-    assert "blocked: j" in st.backward[(("k", "v"), True, False)][1].explain()
+    assert "blocked: j" in st.backward[(("k", "v", "q"), False, False)][1].explain()
 
 
 def test_training_under_torch_compile():

@@ -5,7 +5,9 @@ For each input that needs a gradient (q, k, v, and every float tensor the mods c
 ``frontend.autodiff`` writes the plain backward program of the structure's forward
 program (outputs O and lse) and ``ne.superoptimize`` fuses and lowers it -- once per
 structure and input, at any B, L, S (the sizes stay named).  Every gradient row is owned
-by one program instance: no atomics, the backward is deterministic.
+by one program instance, except dQ in the fused group: it is summed over key blocks by
+atomic adds inside dK/dV's loop (``torch.use_deterministic_algorithms(True)`` gives the
+atomic-free form: dQ by a kernel of its own).
 
 What the forward saved is only (O, lse).  The backward programs read a row max ``m`` and
 denominator ``l`` instead: the row max is a constant of the program (softmax does not
@@ -24,8 +26,8 @@ import torch
 
 from . import flex
 from ..frontend.autodiff import backward_program
-from ..frontend.backward_forms import (note_prepared, with_constant_input,
-                                       with_definition_as_input, with_outputs)
+from ..frontend.backward_forms import (note_prepared, only_outputs, with_constant_input,
+                                       with_definition_as_input, with_fp32_output, with_outputs)
 from ..ir import MASKED, ProgramError
 
 SAVED = ("mx", "den", "o")
@@ -42,7 +44,8 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
     dK/dV's reads them as inputs.  ``lse_grad=False``: the loss does not use the lse
     (the usual case), its cotangent is 0 and is folded away -- no input, no term.
     ``example``: the call's tensors by input name, which a first build times its tile
-    configs on.  Returns (backward, kernel, rows, expanded, stats)."""
+    configs on.  Returns (backward, kernel, rows, expanded, stats, pre): ``pre`` is the
+    (backward, kernel) that computes the row statistics first, for the fused group.""" 
     key = (wrt, shared, lse_grad)
     if key not in st.backward:
         with st.lock:
@@ -52,7 +55,6 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
 
 
 def _build_backward(st, wrt, sizes, shared, lse_grad, example=None):
-    from ..api import superoptimize
     program, expanded = _grouped_reads_expanded(st.program, wrt)
     bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
     bw = _grouped_inputs_shared(bw, st.program, expanded)
@@ -61,25 +63,49 @@ def _build_backward(st, wrt, sizes, shared, lse_grad, example=None):
                                  "exp(s − m)/l = exp(s − (m + log l)) makes every row's l = 1")
     if not lse_grad and "d_lse" in bw.cotangents:
         bw = with_constant_input(bw, "d_lse", 0.0, "the loss does not read the lse")
-    stats = row_statistics(bw) if shared else []
+    fused = fused_group(wrt)
+    stats = row_statistics(bw) if shared or fused else []
+    pre = None
+    if fused and stats:  # the row dots first, by a row-reduction kernel of their own
+        first = only_outputs(bw, stats, "the row dots Σ_e dO·O (the softmax-gradient term "
+                             "Σ_j P·dP), read by the fused kernel's every key block")
+        pre = (first, _superoptimize(st, first, wrt, sizes, example))
     if stats and wrt == ("q",):
         bw = with_outputs(bw, stats, "the row dots Σ_e dO·O (the softmax-gradient term "
                           "Σ_j P·dP, as the adjoint of O = acc/l reads it) for dK/dV's kernel")
     else:
         for name in stats:
-            bw = with_definition_as_input(bw, name, "computed once by dQ's kernel, not "
+            bw = with_definition_as_input(bw, name, "computed once by a row kernel, not "
+                                          "from an O tile in every key block's program"
+                                          if fused else "computed once by dQ's kernel, not "
                                           "from an O tile in every key block's program")
+    if fused:
+        bw = with_fp32_output(bw, "d_q", "summed over key blocks by atomic adds in the "
+                              "dK/dV loop (FlashAttention-2): no second kernel recomputing P, dP")
     bw, rows = _partial_only(bw, wrt)
+    kern = _superoptimize(st, bw, wrt, sizes, example)
+    return bw, kern, rows, expanded, stats, pre
+
+
+def _superoptimize(st, bw, wrt, sizes, example):
+    from ..api import superoptimize
+    from ..sizes import symbols
+    named = symbols(bw.program)  # (the row-statistics kernel has no key length S)
     try:
-        kern = superoptimize(bw.program, target=st.target, sizes={
-            n: sizes[n] for n in st.symbols} if st.symbols else None, example_inputs=example)
+        return superoptimize(bw.program, target=st.target, sizes={
+            n: sizes[n] for n in named} if named else None, example_inputs=example)
     except Exception as e:  # noqa: BLE001 - named here, not deep in triton
         hint = ("report it with the mods that raised it" if set(wrt) <= {"q", "k", "v"}
                 else "detach that captured tensor to train q, k and v meanwhile")
         raise ProgramError(
             f"ne.flex_attention: the backward kernel for the gradient of {', '.join(wrt)} "
             f"could not be built ({type(e).__name__}: {str(e)[:300]}); {hint}.") from e
-    return bw, kern, rows, expanded, stats
+
+
+def fused_group(wrt: tuple[str, ...]) -> bool:
+    """Whether ``wrt`` is the one-kernel group: dK/dV's loop over query blocks with dQ
+    added atomically (``lowering.scatter``), listed (k, v, q) so dK sets the rows."""
+    return len(wrt) > 1 and wrt[-1] == "q"
 
 
 def row_statistics(bw) -> list[str]:
@@ -166,14 +192,17 @@ def _grouped_inputs_shared(bw, forward, groups: dict[str, int]):
     return type(bw)(prog, bw.wrt, bw.saved, bw.cotangents)
 
 
-def gradient_groups(names: list[str], needs: list[bool]) -> list[tuple[str, ...]]:
-    """Which gradients one kernel computes together: dK and dV (FlashAttention-2's loop
-    over query blocks per key block, P recomputed once for both); dQ (a loop over key
-    blocks per query block) and each captured tensor on their own."""
+def gradient_groups(names: list[str], needs: list[bool],
+                    deterministic: bool = False) -> list[tuple[str, ...]]:
+    """Which gradients one kernel computes together: dK and dV with dQ added atomically
+    (FlashAttention-2: P, dP recomputed once per block pair); with ``deterministic``
+    (no float atomics) dK and dV in one loop over query blocks and dQ in a loop over key
+    blocks of its own.  Each captured tensor on its own."""
     want = [n for n, need in zip(names, needs) if need]
     kv = tuple(n for n in ("k", "v") if n in want)
-    return [g for g in [tuple(n for n in want if n == "q"), kv] if g] + \
-        [(n,) for n in want if n not in ("q", "k", "v")]
+    q = tuple(n for n in want if n == "q")
+    main = [kv + q] if kv and q and not deterministic else [g for g in [q, kv] if g]
+    return main + [(n,) for n in want if n not in ("q", "k", "v")]
 
 
 def _partial_only(bw, wrt: tuple[str, ...]):
@@ -229,11 +258,15 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
                                f"{t.dtype}; only float captured tensors have gradients.")
     got = {}
-    groups = gradient_groups(names, needs)
+    groups = gradient_groups(names, needs, torch.are_deterministic_algorithms_enabled())
     shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
     for group in groups:
-        bw, kern, rows, expanded, stats = backward_kernel(
+        bw, kern, rows, expanded, stats, pre = backward_kernel(
             st, group, sizes, shared and group[0] in ("q", "k", "v"), d_lse is not None, env)
+        if pre is not None:  # the fused kernel's row statistics, by their own kernel
+            first, row_kern = pre
+            res = row_kern(*[env[ph.name] for ph in first.program.inputs])
+            env.update(zip(stats, res if isinstance(res, tuple) else (res,)))
         out = kern(*[env[ph.name] for ph in bw.program.inputs])  # positional: replayed
         out = out if isinstance(out, tuple) else (out,)
         if stats and group == ("q",):  # dQ's kernel returned the row statistics too

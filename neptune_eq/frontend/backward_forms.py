@@ -144,6 +144,43 @@ def with_definition_as_input(bw: Backward, name: str, why: str = "") -> Backward
                     tuple(n for n in bw.cotangents if any(ph.name == n for ph in inputs)))
 
 
+def with_fp32_output(bw: Backward, name: str, why: str = "") -> Backward:
+    """``bw`` whose output ``name`` is stored in float32 (the caller casts it): an output
+    accumulated by atomic adds across programs (``lowering.scatter``) adds in fp32."""
+    p = bw.program
+    if name not in p.outputs:
+        raise ProgramError(f"Expected an output of the backward {p.outputs}, got {name!r}.")
+    defs = [Definition(d.name, d.axes, d.body, "float32") if d.name == name else d
+            for d in p.defs]
+    prog = Program(list(p.inputs), defs, dict(p.extents), list(p.outputs),
+                   note_prepared(dict(p.meta), f"{name} accumulated in float32", why))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, bw.saved, bw.cotangents)
+
+
+def only_outputs(bw: Backward, names: list[str], why: str = "") -> Backward:
+    """``bw`` computing only its definitions ``names`` (and what they read): the row
+    statistics a fused gradient kernel reads, as a kernel of their own."""
+    p = bw.program
+    for n in names:
+        p.definition(n)
+    need = ir.reachable({d.name: d.body for d in p.defs}, list(names))
+    defs = [d for d in p.defs if d.name in need]
+    reads = {n.val for d in defs for n in d.body.walk() if n.op == "load"}
+    inputs = [ph for ph in p.inputs if ph.name in reads]
+    # (only the axes these definitions use: a size no input has would be unreadable)
+    used = {a for d in defs for a in d.axes} | {n.val for d in defs for n in d.body.walk()
+                                                if n.op == "var" or n.kind in ("reduce", "fold")}
+    prog = Program(inputs, defs, {a: n for a, n in p.extents.items() if a in used}, list(names),
+                   # row statistics hold for any saved values: their inputs are not
+                   # recomputed by the forward (which reads sizes these do not have)
+                   note_prepared({k: v for k, v in p.meta.items() if k not in (
+                       "forward", "saved")}, f"only {', '.join(names)}", why))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, tuple(s for s in bw.saved if s in reads),
+                    tuple(n for n in bw.cotangents if n in reads))
+
+
 def note_prepared(meta: dict, step: str, why: str) -> dict:
     """``meta`` with ``step`` (and its reason) appended to ``meta["prepared"]``: the forms
     applied before saturation, which ``Kernel.explain`` lists above the derivation."""

@@ -21,6 +21,7 @@ from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
 from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
+from .scatter_code import emit_scattered
 from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis, drop_atoms, replace_folds
 from ..sizes import value
@@ -47,6 +48,7 @@ class KernelSource:
     descriptors: dict = field(default_factory=dict)  # tensor -> row dims of its TMA tiles
     warp_specializable: tuple = ()  # warp counts for warp-specialised configs
     prepass: object = None            # summary_kernel.Prepass: the one launch that builds them
+    scattered: tuple = ()             # outputs added into atomically: zeroed before a launch
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -305,6 +307,8 @@ def _loop_body(em: Emitter, k: int, loop_var: str, known: frozenset) -> None:
                 partc = f"{partc} * {em.bcast(rb, st.axes)}"
             upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
         em.emit(f"{f.name}_new = {upd}")
+    for sc in ps.scattered:  # outputs summed over the rows: this block's term, atomically
+        emit_scattered(em, sc, loop_var, atoms)
     for f in ordered:
         em.emit(f"{f.name} = {f.name}_new")
     em.env.pop(loop_var, None)
@@ -561,9 +565,10 @@ def generate(plan: TilePlan, name: str = "neptune_kernel",
         text = header + _kernel_text(name, ptrs + stride_args + consts, em)
         # warp specialisation was right on Triton 3.6 only around a contraction (descriptors)
         has_dot = any("tl.dot(" in line for line in text)
+        scattered = tuple(sc.name for ps in plan.passes for sc in ps.scattered)
         return KernelSource(name, "\n".join(text) + "\n" + pre_text, **common,
-                            descriptors=descriptors.collect([em.desc]),
-                            warp_specializable=descriptors.warp_specializable(
+                            descriptors=descriptors.collect([em.desc]), scattered=scattered,
+                            warp_specializable=() if scattered else descriptors.warp_specializable(
                                 em.desc, plan, bool(summaries), has_dot))
     # split-k: the partials kernel runs the pass on one chunk and stores fold states ...
     em = Emitter(plan, name, bf16_dot_in_fp32)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
+from . import scatter
 from .inline import loop_level, inline_derived
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
@@ -77,6 +78,7 @@ class Pass:
     hi_offset: int | None = None
     bound_atoms: frozenset = frozenset()  # mask atoms (fold axis named "@j") the bounds encode
     gate_atoms: frozenset = frozenset()   # every atom gating all folds (data masks included)
+    scattered: list = field(default_factory=list)  # scatter.Scattered outputs added per block
 
 
 @dataclass
@@ -157,6 +159,10 @@ class TilePlan:
                       "re-based by the fold's correction)" if self.block_rebase and any(
                           f.op in ("rollsum", "splitk") for f in p.folds) else "")
             lines.append(f"pass {k + 1}: loop over {p.extent}{skip}{how}{rebase} -> {fs}")
+            for sc in p.scattered:
+                lines.append(f"  + {sc.name}[{', '.join(sc.axes)}]: a sum over the rows; each "
+                             f"program adds its row block's term atomically per step of the "
+                             f"loop, which runs over its {sc.loop_axis} (no second kernel)")
         for a in sorted(self.chunked):
             lines.append(f"inner contraction over {a} ({self.program.extents[a]}): a loop of "
                          f"its own in chunks of {self.whole_axes[a]}, inside the pass reading it")
@@ -202,27 +208,32 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     if not folds:
         raise LoweringError("The program has no reduction; neptune_eq targets chains of "
                             "reductions (use torch for purely elementwise code).")
-    # Row axes: kept by every fold that has the first output's leading axis, in the
-    # order of the output's axes.  A fold without it (Σ_j w[j, e] in a centered matmul)
-    # must fit in registers and is recomputed by every program.
-    order = list(defs[program.outputs[0]].axes) + [a for d in program.defs for a in d.axes]
-    lead = order[0]
-    rowed = [f for f in folds if lead in f.state_axes] or folds
-    common = set.intersection(*(set(f.state_axes) for f in rowed))
-    row_axes = tuple(dict.fromkeys(a for a in order if a in common))
-    if not row_axes:
-        raise LoweringError("The folds share no spatial axis to parallelise over; expected "
-                            "e.g. a row axis i shared by every reduction.")
-    row_axes = _contraction_columns_out(program, folds, row_axes)
+    # An output reducing over the rows the first output keeps (dQ beside dK) may be
+    # accumulated across programs instead (``scatter``): rows come from the others.
+    g, maybe = scatter.candidates(program, folds)
+    row_axes = _row_axes(program, folds)
+    scattered = []
+    if maybe:
+        rest = [f for f in folds if all(f is not m for m in maybe)]
+        try:
+            rows = _row_axes(program, rest)
+        except LoweringError:
+            rows = ()
+        bound = [scatter.bind(program, g, f, rows[-1], rows[:-1]) if rows else None
+                 for f in maybe]
+        kept = rest + [f for f, b in zip(maybe, bound) if b is None]
+        if any(bound) and _row_axes(program, kept) == rows:
+            folds, row_axes = kept, rows  # (a candidate that did not bind stays a fold)
+            scattered = [b for b in bound if b is not None]
     for f in folds:
         for a in f.state_axes:
             if a not in row_axes:
                 _whole(program, a, f"column axis of {f.name}")
     whole: dict[str, int] = {}
     chunked: set[str] = set()
-    for f in folds:
+    for f in folds + scattered:
         for a in f.state_axes:
-            if a not in row_axes:
+            if a not in row_axes and a != getattr(f, "loop_axis", None):
                 whole[a] = next_pow2(program.extents[a])
         for n in f.term.args[0].walk():
             if n.kind in ("reduce", "fold"):  # inner contraction: whole in registers ...
@@ -243,15 +254,21 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
         level = [f for f in folds if f.pass_index == k]
         for extent in dict.fromkeys(program.extents[f.axis] for f in level):
             members = [f for f in level if program.extents[f.axis] == extent]
-            lo, hi, atoms = loop_bounds(members, row_axes[-1])
-            passes.append(Pass(extent, members, lo, hi, atoms, common_gates(members)))
+            # a scattered output rides in its first output's pass; it must vanish
+            # wherever the loop skips (the bounds and block tests count it as a member)
+            gated = members + [s for s in scattered if g in members]
+            lo, hi, atoms = loop_bounds(gated, row_axes[-1])
+            passes.append(Pass(extent, members, lo, hi, atoms, common_gates(gated),
+                               [s for s in scattered if g in members]))
     for n, p in enumerate(passes):
-        for f in p.folds:
+        for f in p.folds + p.scattered:
             f.pass_index = n
     fold_names = {f.name for f in folds}
     epilogue, fold_outputs = [], []
     for name in program.outputs:
         d = defs[name]
+        if any(s.name == name for s in scattered):
+            continue
         if name in fold_names:
             fold_outputs.append(next(f for f in folds if f.name == name))
             continue
@@ -262,9 +279,28 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
                   fold_outputs, whole, state_of, chunked=frozenset(chunked))
     if tp.split:
         _check_splittable(tp)
+        if scattered:
+            raise LoweringError("A scattered output accumulates per row block; split-k "
+                                "partials of the same pass are not combined with it.")
     if pack_heads is not False and program.extents[tp.block_axis] < PACK_ROWS_BELOW:
         tp.packed = _packable_head_axis(tp)
     return tp
+
+
+def _row_axes(program: Program, folds: list[Fold]) -> tuple[str, ...]:
+    """Row axes: kept by every fold that has the first output's leading axis, in the
+    order of the output's axes.  A fold without it (Σ_j w[j, e] in a centered matmul)
+    must fit in registers and is recomputed by every program."""
+    order = list(program.definition(program.outputs[0]).axes) + [
+        a for d in program.defs for a in d.axes]
+    lead = order[0]
+    rowed = [f for f in folds if lead in f.state_axes] or folds
+    common = set.intersection(*(set(f.state_axes) for f in rowed))
+    row_axes = tuple(dict.fromkeys(a for a in order if a in common))
+    if not row_axes:
+        raise LoweringError("The folds share no spatial axis to parallelise over; expected "
+                            "e.g. a row axis i shared by every reduction.")
+    return _contraction_columns_out(program, folds, row_axes)
 
 
 def _contraction_columns_out(program: Program, folds: list[Fold],

@@ -40,6 +40,7 @@ class BoundCall:
         self.device = tensors[self.names[0]].device
         self.interpret = la.target == "interpreter"
         self.out_specs = [(tuple(tensors[n].shape), tensors[n].dtype) for n in self.outputs]
+        self.zeroed = [k for k, n in enumerate(self.outputs) if n in ks.scattered]
         slot = {n: k for k, n in enumerate(self.names + self.outputs)}
         # the pre-pass: its plan for these captured shapes, and where its inputs sit
         self.pre = None
@@ -101,6 +102,8 @@ class BoundCall:
         import torch
         dev = self.device
         outs = [torch.empty(shape, dtype=dt, device=dev) for shape, dt in self.out_specs]
+        for k in self.zeroed:  # atomically summed outputs start at zero
+            outs[k].zero_()
         vals = inputs + outs
         if self.pre:
             vals += [torch.empty(shape, dtype=dt, device=dev) for _, shape, dt in self.pre[1]]
