@@ -131,6 +131,9 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
     fwd_flops = 4 * B * H * pairs * D
     row["density"] = pairs / (L * S)
     impls = {"ours": lambda q, k, v: ne.flex_attention(q, k, v, **kw),
+             # the same under torch.use_deterministic_algorithms: dQ by a kernel of its
+             # own instead of atomic adds in dK/dV's loop (set around the whole step below)
+             "ours_det": lambda q, k, v: ne.flex_attention(q, k, v, **kw),
              "flex": lambda q, k, v: flex_c(q, k, v, **kw)}
     if sdpa_kw is not None:
         impls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **sdpa_kw)
@@ -140,6 +143,7 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
                 return F.scaled_dot_product_attention(q, k, v, **sdpa_kw)
         impls["cudnn"] = cudnn
     for impl, fn in impls.items():
+        torch.use_deterministic_algorithms(impl == "ours_det", warn_only=True)
         try:
             t0 = time.perf_counter()
             step(fn, q, k, v, g)
@@ -151,17 +155,21 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
             bwd = row[f"ms_{impl}"] - row[f"ms_fwd_{impl}"]
             if bwd > 0:
                 row[f"bwd_tflops_{impl}"] = 2.5 * fwd_flops / bwd / 1e9
-            if S == check_len and impl in ("ours", "flex"):
+            if S == check_len and impl in ("ours", "ours_det", "flex"):
                 # at most CHECK_MAX keys: the fp64 reference's S^2 scores took 16 GiB at 8192
                 cs = min(check_len, CHECK_MAX)
                 row[f"grad_err_{impl}"] = grad_error(fn, ref_kw, Hkv, min(L, cs), cs, dtype)
         except Exception as e:  # noqa: BLE001 - record it and go on
             row[f"error_{impl}"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
+        finally:
+            torch.use_deterministic_algorithms(False)
     if "ms_ours" in row and "ms_flex" in row:
         row["speedup_vs_flex"] = row["ms_flex"] / row["ms_ours"]
     if "ms_ours" in row and "ms_cudnn" in row:
         row["ratio_vs_cudnn"] = row["ms_cudnn"] / row["ms_ours"]
+    if "ms_ours_det" in row and "ms_flex" in row:
+        row["det_speedup_vs_flex"] = row["ms_flex"] / row["ms_ours_det"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -214,19 +222,25 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
 def markdown(out: dict) -> str:
     lines = [f"# fwd+bwd, {out['device']}, {out['dtype']}, B={B} H={H} D={D}", "",
              f"`{out.get('command', 'python bench/backward_gpu.py')}` (torch {out['torch']})", "",
-             "| variant | S | ours ms | flex ms | sdpa ms | cudnn ms | x flex | x cudnn | "
-             "bwd TFLOP/s ours / flex / cudnn | grad err ours | grad err flex | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ours: dQ added atomically in dK/dV's loop (the default); ours det: under "
+             "`torch.use_deterministic_algorithms(True)`, dQ by a kernel of its own.", "",
+             "| variant | S | ours ms | ours det ms | flex ms | sdpa ms | cudnn ms | x flex | "
+             "x flex (det) | x cudnn | bwd TFLOP/s ours / det / flex / cudnn | grad err ours | "
+             "grad err det | grad err flex | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(r, k, fmt="{:.3f}"):
         return fmt.format(r[k]) if k in r else "—"
     for r in out["rows"]:
         errs = "; ".join(f"{k[6:]}: {v[:80]}" for k, v in r.items() if k.startswith("error_"))
-        lines.append(f"| {r['variant']} | {r['S']} | {f(r, 'ms_ours')} | {f(r, 'ms_flex')} | "
-                     f"{f(r, 'ms_sdpa')} | {f(r, 'ms_cudnn')} | {f(r, 'speedup_vs_flex', '{:.2f}')} | "
+        lines.append(f"| {r['variant']} | {r['S']} | {f(r, 'ms_ours')} | {f(r, 'ms_ours_det')} | "
+                     f"{f(r, 'ms_flex')} | {f(r, 'ms_sdpa')} | {f(r, 'ms_cudnn')} | "
+                     f"{f(r, 'speedup_vs_flex', '{:.2f}')} | {f(r, 'det_speedup_vs_flex', '{:.2f}')} | "
                      f"{f(r, 'ratio_vs_cudnn', '{:.2f}')} | "
-                     f"{f(r, 'bwd_tflops_ours', '{:.0f}')} / {f(r, 'bwd_tflops_flex', '{:.0f}')} / "
+                     f"{f(r, 'bwd_tflops_ours', '{:.0f}')} / {f(r, 'bwd_tflops_ours_det', '{:.0f}')} / "
+                     f"{f(r, 'bwd_tflops_flex', '{:.0f}')} / "
                      f"{f(r, 'bwd_tflops_cudnn', '{:.0f}')} | {f(r, 'grad_err_ours', '{:.2e}')} | "
+                     f"{f(r, 'grad_err_ours_det', '{:.2e}')} | "
                      f"{f(r, 'grad_err_flex', '{:.2e}')} | {errs} |")
     lines += ["", "Gradient errors: max abs vs fp64 autograd of the plain attention, at "
               f"S = {min(out['check_len'], CHECK_MAX)}.  Goal: >= 1.3x flex, >= 0.9x cuDNN."]

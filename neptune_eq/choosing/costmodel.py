@@ -50,6 +50,9 @@ class Device:
     iter_s: float = 0.6e-6   # one pipelined loop step of a program that has its SM to itself
     occupancy: int = 2       # programs resident per SM that hide each other's latency
     bw_per_sm_share: float = 1.3  # one program streams ~1.3x an SM's fair share of bandwidth
+    # fp32 atomic adds resolved in L2 (a scattered output's per-block terms): assumed at
+    # twice the copy bandwidth until bench/backward_gpu.py measures the fused backward
+    atomic_bytes_per_s: float = 8e12
 
 
 # Measured on the devices (bench/results/README.md: copy and 8192^3 matmul, same process).
@@ -123,6 +126,7 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
         grid *= plan.grid_extent(a)
     programs = row_blocks * grid * max(1, splits)
     hbm = 0.0
+    atomics = 0.0  # fp32 bytes added into scattered outputs (resolved in L2)
     dot = sfu = alu = 0.0
     steps = 0  # loop steps one program runs (a split runs its chunk only)
     for ps in plan.passes:
@@ -152,6 +156,13 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
             d, s, a = _count_ops(rename_axis(f.term, f.axis, "@L"), dims, seen)
             dot, sfu, alu = dot + d * iters * row_blocks * grid, sfu + s * iters * row_blocks * grid, \
                 alu + a * iters * row_blocks * grid
+        for sc in ps.scattered:  # its sum over the row block (a product), then atomic adds
+            body = Term("sum", (rename_axis(sc.term.args[0], sc.axis, "@L"),), plan.block_axis)
+            d, s, a = _count_ops(body, dims, seen)
+            n = iters * row_blocks * grid
+            dot, sfu, alu = dot + d * n, sfu + s * n, alu + a * n
+            width = math.prod(plan.whole_axes.get(x, 1) for x in sc.axes if x != sc.loop_axis)
+            atomics += 4.0 * block_keys * width * n
     col_passes = [e for e in plan.epilogue if e.loop_axes]
     for e in col_passes:  # softmax's normalisation re-reads its input
         read = {n.val for n in e.expr.walk() if n.op == "load"}
@@ -171,7 +182,8 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
     serial = waves * (len(plan.passes) + len(col_passes)) * device.pass_s
     # a program's loop steps are serial: few programs with long loops are latency-bound
     latency = math.ceil(programs / (device.sms * device.occupancy)) * steps * len(plan.passes) * device.iter_s
-    seconds = max(hbm / bw, compute / max(fill, 1e-9), latency) + serial + launches * device.launch_s
+    seconds = max(hbm / bw + atomics / device.atomic_bytes_per_s, compute / max(fill, 1e-9),
+                  latency) + serial + launches * device.launch_s
     cfg = {"block_rows": block_rows, "block_keys": block_keys, "splits": splits}
     return Estimate(seconds, launches, hbm, dot, sfu, alu, programs, fill, cfg)
 
@@ -245,6 +257,9 @@ def registers_per_thread(plan: TilePlan, rows: int, keys: int, warps: int, tma: 
             cols = math.prod(whole.get(a, 1) for a in f.state_axes if a not in plan.row_axes)
             words += (rows if plan.block_axis in f.state_axes else 1) * cols
     words += LIVE_STEP_TILES * rows * keys
+    for ps in plan.passes:  # a scattered output's term of one step: [keys x width] fp32
+        for sc in ps.scattered:
+            words += keys * math.prod(whole.get(a, 1) for a in sc.axes if a != sc.loop_axis)
     if not tma:
         tiles = {}  # (role, input) -> 32-bit words of its tile held in registers
 

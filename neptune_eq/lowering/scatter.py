@@ -25,7 +25,7 @@ attention.
 """
 from __future__ import annotations
 
-from ..ir import Program, Term, accessed, free_axes, rename_axis
+from ..ir import Program, Term, accessed, rename_axis
 
 MAX_WHOLE = 256  # as lower.MAX_WHOLE_AXIS: the other axes of a scattered output are held whole
 
