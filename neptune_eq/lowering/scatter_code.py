@@ -4,11 +4,14 @@ Inside the pass loop of a program with row block ``J``, a scattered output
 ``f[…, i, …] = Σ_j body`` gets ``Σ_{j ∈ J} body`` for the loop's block of ``i``: a
 reduction over the *row* axis of a tile the pass already holds (one ``tl.dot`` when the
 body is a product, as ``dS ᵀ· K`` is), added into ``f`` with ``tl.atomic_add``.  The adds
-are relaxed: the output is read only after the kernel ends.
+are relaxed: the output is read only after the kernel ends.  Under a TMA config the
+tile goes to the bulk engine's reduce instead (``descriptors.store``), FlashAttention-3's
+way: one asynchronous copy-and-add per tile rather than an atomic per element.
 """
 from __future__ import annotations
 
 from ..ir import Term, rename_axis
+from . import descriptors
 from .codegen import LOOP, Emitter, Tile
 from .lower import drop_atoms
 
@@ -32,5 +35,7 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     if set(part.axes) != set(taxes):
         code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
     m = em.mask(taxes)
-    em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {code}{', mask=' + m if m else ''}, "
+    line = (f"tl.atomic_add({sc.name}_ptr + {off}, {code}{', mask=' + m if m else ''}, "
             "sem='relaxed')")
+    if not descriptors.store(em, sc.name, idx, taxes, code, line, method="atomic_add"):
+        em.emit(line)
