@@ -4,14 +4,11 @@ Inside the pass loop of a program with row block ``J``, a scattered output
 ``f[…, i, …] = Σ_j body`` gets ``Σ_{j ∈ J} body`` for the loop's block of ``i``: a
 reduction over the *row* axis of a tile the pass already holds (one ``tl.dot`` when the
 body is a product, as ``dS ᵀ· K`` is), added into ``f`` with ``tl.atomic_add``.  The adds
-are relaxed: the output is read only after the kernel ends.  Under a TMA config the
-tile goes to the bulk engine's reduce instead (``descriptors.store``), FlashAttention-3's
-way: one asynchronous copy-and-add per tile rather than an atomic per element.
+are relaxed: the output is read only after the kernel ends.
 """
 from __future__ import annotations
 
 from ..ir import Term, rename_axis
-from . import descriptors
 from .codegen import LOOP, Emitter, Tile
 from .lower import drop_atoms
 
@@ -37,5 +34,7 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     m = em.mask(taxes)
     line = (f"tl.atomic_add({sc.name}_ptr + {off}, {code}{', mask=' + m if m else ''}, "
             "sem='relaxed')")
-    if not descriptors.store(em, sc.name, idx, taxes, code, line, method="atomic_add"):
-        em.emit(line)
+    # (the bulk engine's reduce, ``descriptors.store(..., method="atomic_add")``, is how
+    # FlashAttention-3 adds dQ; on Triton 3.6 / H200 it faulted with an illegal memory
+    # access (bench/backward_configs.py, session 12), so every config adds per element)
+    em.emit(line)
