@@ -93,7 +93,11 @@ def main() -> None:
                     lines.append(f"| {variant} | {form} | {name} | {row['config']} | {ms} | "
                                  f"{'yes' if row['chosen'] else ''} |")
                     print(lines[-1], flush=True)
-    res = Path(a.out)
+                    write(Path(a.out), out, lines)  # after every row: a cut-off run keeps it
+    write(Path(a.out), out, lines)
+
+
+def write(res: Path, out: dict, lines: list[str]) -> None:
     res.mkdir(parents=True, exist_ok=True)
     (res / "backward_configs.json").write_text(json.dumps(out, indent=1))
     (res / "backward_configs.md").write_text("\n".join(lines) + "\n")
