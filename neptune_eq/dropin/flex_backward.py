@@ -7,7 +7,9 @@ program (outputs O and lse) and ``ne.superoptimize`` fuses and lowers it -- once
 structure and input, at any B, L, S (the sizes stay named).  Every gradient row is owned
 by one program instance, except dQ in the fused group: it is summed over key blocks by
 atomic adds inside dK/dV's loop (``torch.use_deterministic_algorithms(True)`` gives the
-atomic-free form: dQ by a kernel of its own).
+atomic-free form: dQ by a kernel of its own).  On the GPU the timer chooses between the
+two forms (``fused_is_faster``); in the interpreter the fused one runs (it does two fewer
+products per block pair, the only thing the interpreter can tell).
 
 What the forward saved is only (O, lse).  The backward programs read a row max ``m`` and
 denominator ``l`` instead: the row max is a constant of the program (softmax does not
@@ -100,6 +102,34 @@ def _superoptimize(st, bw, wrt, sizes, example):
         raise ProgramError(
             f"ne.flex_attention: the backward kernel for the gradient of {', '.join(wrt)} "
             f"could not be built ({type(e).__name__}: {str(e)[:300]}); {hint}.") from e
+
+
+def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
+    """On the GPU both forms are built once per structure and the timer decides: the
+    fused one (row statistics, then one kernel adding dQ atomically) against the two
+    kernels (dQ's loop over keys, dK/dV's over queries), each kernel's chosen config as
+    timed on this first call's tensors.  Measured on an H200 (bench/backward_gpu.py,
+    session 12) neither form won every variant: fused was 9-14% faster for softcap and
+    document masks at S=8192 and 4% slower for plain attention."""
+    key = lse_grad
+    if key not in st.backward_form:
+        def ms(groups) -> float:
+            total = 0.0
+            shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
+            for g in groups:
+                *_, pre = built = backward_kernel(st, g, sizes, shared and g[0] in (
+                    "q", "k", "v"), lse_grad, env)
+                for kern in [built[1]] + ([pre[1]] if pre else []):
+                    row = kern.chosen_row
+                    if row is None or row.measured_ms is None:
+                        return float("nan")  # not timed (a cache hit): no basis
+                    total += row.measured_ms
+            return total
+        fused = ms(gradient_groups(names, needs))
+        split = ms(gradient_groups(names, needs, deterministic=True))
+        # (no time for a form -- a cached kernel is not re-timed -- keeps the fused one)
+        st.backward_form[key] = not split < fused
+    return st.backward_form[key]
 
 
 def fused_group(wrt: tuple[str, ...]) -> bool:
@@ -259,6 +289,9 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
                                f"{t.dtype}; only float captured tensors have gradients.")
     got = {}
     groups = gradient_groups(names, needs, torch.are_deterministic_algorithms_enabled())
+    if st.target == "cuda" and any(fused_group(g) for g in groups) and \
+            not fused_is_faster(st, names, needs, sizes, d_lse is not None, env):
+        groups = gradient_groups(names, needs, deterministic=True)
     shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
     for group in groups:
         bw, kern, rows, expanded, stats, pre = backward_kernel(

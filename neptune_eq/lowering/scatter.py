@@ -19,8 +19,9 @@ zeroes it per call).
 ``candidates`` and ``bind`` decide it from the program alone: an output ``f = Σ_x body``
 is scattered in the plan of the first output ``g = Σ_a body_g`` when ``x`` runs over the
 row block axis of ``g``'s plan and one of ``f``'s own axes plays ``a``'s role: under
-the renaming ``x -> row axis``, ``axis -> a`` every tile ``f`` loads is a tile the pass
-loads anyway (same tensor, same row / loop / whole index pattern).  Nothing here names
+the renaming ``x -> row axis``, ``axis -> a`` every index ``f`` reads is a grid, row,
+loop or whole axis, and of such choices the one sharing the most tiles with what the
+pass loads anyway (same tensor, same index pattern) is taken.  Nothing here names
 attention.
 """
 from __future__ import annotations
@@ -64,7 +65,8 @@ def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...]):
     if program.extents[f.axis] != program.extents[block_axis] or set(grid_axes) - set(
             f.state_axes):
         return None  # (every program's grid index must address the output)
-    want = _load_patterns(g.term.args[0], block_axis, g.axis, grid_axes)
+    want = _load_patterns(g.term.args[0], block_axis, g.axis, grid_axes, program) or set()
+    best = None
     body = rename_axis(f.term.args[0], f.axis, "@sum")  # fresh names first: f may use
     for a in f.state_axes:                              # the plan's names in other roles
         if a in grid_axes or program.extents[a] != program.extents[g.axis]:
@@ -75,9 +77,15 @@ def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...]):
             continue
         moved = rename_axis(rename_axis(rename_axis(body, a, "@loop"), "@sum", block_axis),
                             "@loop", g.axis)
-        if _load_patterns(moved, block_axis, g.axis, grid_axes) <= want:
-            return Scattered(f.name, Term("sum", (moved,), g.axis), f.state_axes, a)
-    return None
+        loads = _load_patterns(moved, block_axis, g.axis, grid_axes, program)
+        if loads is None:
+            continue  # an index this plan has no axis for (a wrong choice of loop axis)
+        # the loop axis the most of whose tiles the pass loads anyway (the two sides of
+        # one shared product); tiles of its own are loaded beside them
+        score = len(loads & want)
+        if best is None or score > best[0]:
+            best = (score, Scattered(f.name, Term("sum", (moved,), g.axis), f.state_axes, a))
+    return best[1] if best else None
 
 
 class Scattered:
@@ -99,13 +107,24 @@ class Scattered:
         return self.term.val
 
 
-def _load_patterns(t: Term, row: str, loop: str, grid: tuple[str, ...]) -> set:
+def _load_patterns(t: Term, row: str, loop: str, grid: tuple[str, ...], program: Program):
     """Each load of ``t`` as (tensor, index roles): grid axes by name, the row axis,
-    the loop axis, anything else a whole / inner axis."""
+    the loop axis, anything else a whole axis (held in registers); None when an index
+    is none of these (an axis too long to hold whole)."""
     def role(a: Term):
         if a.op != "var":
             return str(a)  # an index expression (y // G): compared as written
         if a.val in grid:
             return a.val
-        return "@row" if a.val == row else "@loop" if a.val == loop else "@whole"
-    return {(n.val, tuple(role(a) for a in n.args)) for n in t.walk() if n.op == "load"}
+        if a.val in (row, loop):
+            return "@row" if a.val == row else "@loop"
+        n = program.extents.get(a.val)
+        return "@whole" if isinstance(n, int) and n <= MAX_WHOLE else None
+    out = set()
+    for n in t.walk():
+        if n.op == "load":
+            roles = tuple(role(a) for a in n.args)
+            if None in roles:
+                return None
+            out.add((n.val, roles))
+    return out
