@@ -20,8 +20,9 @@ zeroes it per call).
 is scattered in the plan of the first output ``g = Σ_a body_g`` when ``x`` runs over the
 row block axis of ``g``'s plan and one of ``f``'s own axes plays ``a``'s role: under
 the renaming ``x -> row axis``, ``axis -> a`` every index ``f`` reads is a grid, row,
-loop or whole axis, and of such choices the one sharing the most tiles with what the
-pass loads anyway (same tensor, same index pattern) is taken.  Nothing here names
+loop or whole axis and every tile it streams with the loop is one the pass loads anyway
+(same tensor, same index pattern); of such choices the one sharing the most tiles is
+taken.  Loop-invariant tiles of its own (the row block's K) are loaded beside them.  Nothing here names
 attention.
 """
 from __future__ import annotations
@@ -80,6 +81,9 @@ def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...]):
         loads = _load_patterns(moved, block_axis, g.axis, grid_axes, program)
         if loads is None:
             continue  # an index this plan has no axis for (a wrong choice of loop axis)
+        if any("@loop" in roles and (t, roles) not in want for t, roles in loads):
+            continue  # a tile streamed by the loop that the pass does not load: the
+            # renaming reads f's sum "the wrong way round" (dV beside dK when L = S)
         # the loop axis the most of whose tiles the pass loads anyway (the two sides of
         # one shared product); tiles of its own are loaded beside them
         score = len(loads & want)
