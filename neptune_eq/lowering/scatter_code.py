@@ -35,6 +35,7 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     line = (f"tl.atomic_add({sc.name}_ptr + {off}, {code}{', mask=' + m if m else ''}, "
             "sem='relaxed')")
     # (the bulk engine's reduce, ``descriptors.store(..., method="atomic_add")``, is how
-    # FlashAttention-3 adds dQ; on Triton 3.6 / H200 it faulted with an illegal memory
-    # access (bench/backward_configs.py, session 12), so every config adds per element)
+    # FlashAttention-3 adds dQ.  Not used: the one H200 run with it enabled (session 12)
+    # faulted with an illegal memory access, and the cause was not isolated -- so every
+    # config adds per element, the form measured right on the GPU)
     em.emit(line)
