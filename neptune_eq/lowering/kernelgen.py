@@ -71,8 +71,7 @@ class KernelSource:
         return [f"{self.name}_partial", f"{self.name}_combine", f"{self.name}_fused"] + pre
 
     def launched(self, fused: bool) -> list[str]:
-        """The kernels one call runs, in order: split-k runs partial + combine, or the one
-        ``_fused`` kernel."""
+        """The kernels one call runs, in order (split-k: partial + combine, or ``_fused``)."""
         pre = [self.prepass.kernel] if self.prepass else []  # the summaries come first
         names = self.kernel_names[:len(self.kernel_names) - len(pre)]
         if not self.split_extent:
@@ -98,11 +97,8 @@ def _fold_order(folds: list[Fold]) -> list[Fold]:
 
 
 def _init(em: Emitter, f: Fold, axes) -> str:
-    if f.op in ("max", "rollmax"):
-        return f"tl.full({em.shape(axes)}, {NEG}, tl.float32)"
-    if f.op == "min":
-        return f"tl.full({em.shape(axes)}, {POS}, tl.float32)"
-    return f"tl.zeros({em.shape(axes)}, tl.float32)"
+    fill = NEG if f.op in ("max", "rollmax") else POS if f.op == "min" else "0.0"
+    return f"tl.full({em.shape(axes)}, {fill}, tl.float32)"
 
 
 def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
