@@ -222,8 +222,9 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
 def markdown(out: dict) -> str:
     lines = [f"# fwd+bwd, {out['device']}, {out['dtype']}, B={B} H={H} D={D}", "",
              f"`{out.get('command', 'python bench/backward_gpu.py')}` (torch {out['torch']})", "",
-             "ours: dQ added atomically in dK/dV's loop (the default); ours det: under "
-             "`torch.use_deterministic_algorithms(True)`, dQ by a kernel of its own.", "",
+             "ours: the form the timer chose (dQ added atomically in dK/dV's loop, or a dQ "
+             "kernel of its own); ours det: under `torch.use_deterministic_algorithms(True)`, "
+             "always the dQ kernel of its own.", "",
              "| variant | S | ours ms | ours det ms | flex ms | sdpa ms | cudnn ms | x flex | "
              "x flex (det) | x cudnn | bwd TFLOP/s ours / det / flex / cudnn | grad err ours | "
              "grad err det | grad err flex | errors |",

@@ -115,10 +115,8 @@ def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
     if key not in st.backward_form:
         def ms(groups) -> float:
             total = 0.0
-            shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
-            for g in groups:
-                *_, pre = built = backward_kernel(st, g, sizes, shared and g[0] in (
-                    "q", "k", "v"), lse_grad, env)
+            for _, built in group_kernels(st, groups, sizes, lse_grad, env):
+                pre = built[-1]
                 for kern in [built[1]] + ([pre[1]] if pre else []):
                     row = kern.chosen_row
                     if row is None or row.measured_ms is None:
@@ -130,6 +128,15 @@ def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
         # (no time for a form -- a cached kernel is not re-timed -- keeps the fused one)
         st.backward_form[key] = not split < fused
     return st.backward_form[key]
+
+
+def group_kernels(st, groups, sizes, lse_grad: bool, env: dict):
+    """(group, ``backward_kernel``'s tuple) for each group in turn, built as it is reached
+    (a dK/dV kernel built after dQ's ran is timed on the row statistics dQ's returned).
+    Where a dQ and a dK/dV kernel both run they share the row statistics."""
+    shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
+    for g in groups:
+        yield g, backward_kernel(st, g, sizes, shared and g[0] in ("q", "k", "v"), lse_grad, env)
 
 
 def fused_group(wrt: tuple[str, ...]) -> bool:
@@ -292,10 +299,8 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     if st.target == "cuda" and any(fused_group(g) for g in groups) and \
             not fused_is_faster(st, names, needs, sizes, d_lse is not None, env):
         groups = gradient_groups(names, needs, deterministic=True)
-    shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
-    for group in groups:
-        bw, kern, rows, expanded, stats, pre = backward_kernel(
-            st, group, sizes, shared and group[0] in ("q", "k", "v"), d_lse is not None, env)
+    for group, built in group_kernels(st, groups, sizes, d_lse is not None, env):
+        bw, kern, rows, expanded, stats, pre = built
         if pre is not None:  # the fused kernel's row statistics, by their own kernel
             first, row_kern = pre
             res = row_kern(*[env[ph.name] for ph in first.program.inputs])

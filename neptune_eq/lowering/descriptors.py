@@ -140,12 +140,8 @@ def load(em, tensor: str, idx, axes: tuple, pointer_code: str, scope: int) -> st
     return v
 
 
-def store(em, tensor: str, idx, axes: tuple, value_code: str, pointer_line: str,
-          method: str = "store") -> bool:
-    """Emit a TMA / pointer store pair; False when the store is no descriptor tile.
-    ``method="atomic_add"``: the tile is added into the tensor by the bulk engine's
-    reduce (``cp.reduce.async.bulk``, FlashAttention-3's dQ) instead of one atomic per
-    element; the pointer form's line is then a ``tl.atomic_add``."""
+def store(em, tensor: str, idx, axes: tuple, value_code: str, pointer_line: str) -> bool:
+    """Emit a TMA / pointer store pair; False when the store is no descriptor tile."""
     dims = _tile_dims(em, tensor, idx)
     if dims is None:
         return False
@@ -153,7 +149,7 @@ def store(em, tensor: str, idx, axes: tuple, value_code: str, pointer_line: str,
     if tuple(axes) != (dims[1][1], dims[2][1]):
         value_code = f"tl.trans({value_code})"
     em.emit(f"if {TMA_FLAG}:")
-    em.emit(f"    {name}.{method}([{', '.join(starts)}], {value_code})")
+    em.emit(f"    {name}.store([{', '.join(starts)}], {value_code})")
     em.emit("else:")
     em.emit(f"    {pointer_line}")
     return True

@@ -211,7 +211,6 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     # An output reducing over the rows the first output keeps (dQ beside dK) may be
     # accumulated across programs instead (``scatter``): rows come from the others.
     g, maybe = scatter.candidates(program, folds)
-    row_axes = _row_axes(program, folds)
     scattered = []
     if maybe:
         rest = [f for f in folds if all(f is not m for m in maybe)]
@@ -219,12 +218,14 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
             rows = _row_axes(program, rest)
         except LoweringError:
             rows = ()
-        bound = [scatter.bind(program, g, f, rows[-1], rows[:-1]) if rows else None
-                 for f in maybe]
+        bound = [scatter.bind(program, g, f, rows[-1], rows[:-1], MAX_WHOLE_AXIS) if rows
+                 else None for f in maybe]
         kept = rest + [f for f, b in zip(maybe, bound) if b is None]
         if any(bound) and _row_axes(program, kept) == rows:
             folds, row_axes = kept, rows  # (a candidate that did not bind stays a fold)
             scattered = [b for b in bound if b is not None]
+    if not scattered:
+        row_axes = _row_axes(program, folds)
     for f in folds:
         for a in f.state_axes:
             if a not in row_axes:
@@ -256,10 +257,10 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
             members = [f for f in level if program.extents[f.axis] == extent]
             # a scattered output rides in its first output's pass; it must vanish
             # wherever the loop skips (the bounds and block tests count it as a member)
-            gated = members + [s for s in scattered if g in members]
-            lo, hi, atoms = loop_bounds(gated, row_axes[-1])
-            passes.append(Pass(extent, members, lo, hi, atoms, common_gates(gated),
-                               [s for s in scattered if g in members]))
+            riding = scattered if any(f is g for f in members) else []
+            lo, hi, atoms = loop_bounds(members + riding, row_axes[-1])
+            passes.append(Pass(extent, members, lo, hi, atoms, common_gates(members + riding),
+                               riding))
     for n, p in enumerate(passes):
         for f in p.folds + p.scattered:
             f.pass_index = n

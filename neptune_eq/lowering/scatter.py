@@ -29,9 +29,6 @@ from __future__ import annotations
 
 from ..ir import Program, Term, accessed, rename_axis
 
-MAX_WHOLE = 256  # as lower.MAX_WHOLE_AXIS: the other axes of a scattered output are held whole
-
-
 def candidates(program: Program, folds: list) -> tuple[object, list]:
     """(g, [f ...]): the first output's fold and the output folds that may be scattered
     in its plan (shape checks only; ``bind`` checks them against the row axis)."""
@@ -57,16 +54,17 @@ def candidates(program: Program, folds: list) -> tuple[object, list]:
     return g, out
 
 
-def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...]):
+def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...], max_whole: int):
     """The scattered view of output fold ``f`` in the plan whose rows end in
     ``block_axis`` and whose pass runs ``g``'s loop: a fold over ``g``'s loop axis of
     ``f``'s body with its reduced axis renamed to the row axis (so its gates compare with
     the pass's and its subterms with ``g``'s), with the loop axis of ``f``'s own output
-    named in ``loop_axis``.  None when ``f`` does not fit this plan."""
+    named in ``loop_axis``.  None when ``f`` does not fit this plan.  ``max_whole``: the
+    widest axis the plan holds whole (its other axes must be)."""
     if program.extents[f.axis] != program.extents[block_axis] or set(grid_axes) - set(
             f.state_axes):
         return None  # (every program's grid index must address the output)
-    want = _load_patterns(g.term.args[0], block_axis, g.axis, grid_axes, program) or set()
+    want = _load_patterns(g.term.args[0], block_axis, g.axis, grid_axes, program, max_whole) or set()
     best = None
     body = rename_axis(f.term.args[0], f.axis, "@sum")  # fresh names first: f may use
     for a in f.state_axes:                              # the plan's names in other roles
@@ -74,11 +72,11 @@ def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...]):
             continue
         others = [b for b in f.state_axes if b not in grid_axes and b != a]
         if any(b in (block_axis, g.axis) or not isinstance(program.extents[b], int)
-               or program.extents[b] > MAX_WHOLE for b in others):
+               or program.extents[b] > max_whole for b in others):
             continue
         moved = rename_axis(rename_axis(rename_axis(body, a, "@loop"), "@sum", block_axis),
                             "@loop", g.axis)
-        loads = _load_patterns(moved, block_axis, g.axis, grid_axes, program)
+        loads = _load_patterns(moved, block_axis, g.axis, grid_axes, program, max_whole)
         if loads is None:
             continue  # an index this plan has no axis for (a wrong choice of loop axis)
         if any("@loop" in roles and (t, roles) not in want for t, roles in loads):
@@ -111,7 +109,8 @@ class Scattered:
         return self.term.val
 
 
-def _load_patterns(t: Term, row: str, loop: str, grid: tuple[str, ...], program: Program):
+def _load_patterns(t: Term, row: str, loop: str, grid: tuple[str, ...], program: Program,
+                   max_whole: int):
     """Each load of ``t`` as (tensor, index roles): grid axes by name, the row axis,
     the loop axis, anything else a whole axis (held in registers); None when an index
     is none of these (an axis too long to hold whole)."""
@@ -123,7 +122,7 @@ def _load_patterns(t: Term, row: str, loop: str, grid: tuple[str, ...], program:
         if a.val in (row, loop):
             return "@row" if a.val == row else "@loop"
         n = program.extents.get(a.val)
-        return "@whole" if isinstance(n, int) and n <= MAX_WHOLE else None
+        return "@whole" if isinstance(n, int) and n <= max_whole else None
     out = set()
     for n in t.walk():
         if n.op == "load":

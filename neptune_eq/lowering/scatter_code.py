@@ -34,7 +34,7 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     m = em.mask(taxes)
     line = (f"tl.atomic_add({sc.name}_ptr + {off}, {code}{', mask=' + m if m else ''}, "
             "sem='relaxed')")
-    # (the bulk engine's reduce, ``descriptors.store(..., method="atomic_add")``, is how
+    # (the bulk engine's reduce -- a descriptor's ``atomic_add`` per tile -- is how
     # FlashAttention-3 adds dQ.  Not used: the one H200 run with it enabled (session 12)
     # faulted with an illegal memory access, and the cause was not isolated -- so every
     # config adds per element, the form measured right on the GPU)
