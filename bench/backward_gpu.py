@@ -10,6 +10,12 @@ backward kernels' sources beside them.  Every row is measured independently: a v
 that fails records its error instead of stopping the run.  Backward TFLOP/s are counted
 as FlashAttention does: 2.5x the forward's 4·B·H·L·S·D (halved when causal), over the
 backward's time (fwd+bwd minus fwd, both medians).
+
+``--graph`` also times each fwd+bwd step captured in a CUDA graph (GPU time only, as a
+training step under ``torch.compile(mode="reduce-overhead")`` or a hand-captured graph
+runs it): at short lengths the called step is host-bound for every implementation, and
+the graphed one says how the kernels compare.  Each graph's gradients are checked against
+the called step's (a capture that baked in stale pointers would fail there).
 """
 from __future__ import annotations
 
@@ -102,6 +108,28 @@ def step(fn, q, k, v, g):
     return torch.autograd.grad(out, (q, k, v), g)
 
 
+def graph_ms(fn, q, k, v, g) -> tuple[float, float]:
+    """(median ms of one fwd+bwd replayed from a CUDA graph, max abs difference between
+    the replayed gradients and the called step's).  Leaves of their own, made, warmed
+    up and captured on one side stream: leaves whose autograd nodes were made on the
+    default stream make the captured backward wait on it, which capture refuses."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        gg = g.clone()
+        for _ in range(3):
+            step(fn, qg, kg, vg, gg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            grads = step(fn, qg, kg, vg, gg)
+        graph.replay()
+        called = step(fn, qg, kg, vg, gg)
+    torch.cuda.synchronize()
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, called))
+    return do_bench(graph.replay, return_mode="median"), diff
+
+
 def grad_error(fn, ref_kw, Hkv, L, S, dtype):
     """Max abs gradient error vs fp64 autograd at a small length (fp64 fits)."""
     torch.manual_seed(0)
@@ -115,7 +143,7 @@ def grad_error(fn, ref_kw, Hkv, L, S, dtype):
     return max((a.double() - r).abs().max().item() for a, r in zip(got, ref))
 
 
-def bench_one(name, S, dtype, slopes, flex_c, check_len):
+def bench_one(name, S, dtype, slopes, flex_c, check_len, graphed=False):
     kw, Hkv, L, sdpa_kw, ref_kw = variants(S, slopes)[name]
     torch.manual_seed(0)
     q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
@@ -152,6 +180,8 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
             row[f"ms_{impl}"] = do_bench(lambda: step(fn, q, k, v, g), return_mode="median")
             row[f"ms_fwd_{impl}"] = do_bench(lambda: fn(q.detach(), k.detach(), v.detach()),
                                              return_mode="median")
+            if graphed:
+                row[f"graph_ms_{impl}"], row[f"graph_diff_{impl}"] = graph_ms(fn, q, k, v, g)
             bwd = row[f"ms_{impl}"] - row[f"ms_fwd_{impl}"]
             if bwd > 0:
                 row[f"bwd_tflops_{impl}"] = 2.5 * fwd_flops / bwd / 1e9
@@ -168,6 +198,9 @@ def bench_one(name, S, dtype, slopes, flex_c, check_len):
         row["speedup_vs_flex"] = row["ms_flex"] / row["ms_ours"]
     if "ms_ours" in row and "ms_cudnn" in row:
         row["ratio_vs_cudnn"] = row["ms_cudnn"] / row["ms_ours"]
+    for peer in ("flex", "cudnn"):
+        if "graph_ms_ours" in row and f"graph_ms_{peer}" in row:
+            row[f"graph_vs_{peer}"] = row[f"graph_ms_{peer}"] / row["graph_ms_ours"]
     if "ms_ours_det" in row and "ms_flex" in row:
         row["det_speedup_vs_flex"] = row["ms_flex"] / row["ms_ours_det"]
     print(json.dumps(row), flush=True)
@@ -243,6 +276,15 @@ def markdown(out: dict) -> str:
                      f"{f(r, 'bwd_tflops_cudnn', '{:.0f}')} | {f(r, 'grad_err_ours', '{:.2e}')} | "
                      f"{f(r, 'grad_err_ours_det', '{:.2e}')} | "
                      f"{f(r, 'grad_err_flex', '{:.2e}')} | {errs} |")
+    if any("graph_ms_ours" in r for r in out["rows"]):
+        lines += ["", "Captured in a CUDA graph (GPU time of one fwd+bwd; `--graph`): ", "",
+                  "| variant | S | ours ms | ours det ms | flex ms | cudnn ms | x flex | x cudnn "
+                  "| max diff graph vs called (ours) |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in out["rows"]:
+            lines.append(f"| {r['variant']} | {r['S']} | {f(r, 'graph_ms_ours')} | "
+                         f"{f(r, 'graph_ms_ours_det')} | {f(r, 'graph_ms_flex')} | "
+                         f"{f(r, 'graph_ms_cudnn')} | {f(r, 'graph_vs_flex', '{:.2f}')} | "
+                         f"{f(r, 'graph_vs_cudnn', '{:.2f}')} | {f(r, 'graph_diff_ours', '{:.1e}')} |")
     lines += ["", "Gradient errors: max abs vs fp64 autograd of the plain attention, at "
               f"S = {out['check_len']} (none when it is over {CHECK_MAX}).  "
               "Goal: >= 1.3x flex, >= 0.9x cuDNN."]
@@ -257,6 +299,8 @@ def main():
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--profile", action="store_true",
                     help="also write a torch.profiler table of our fwd+bwd (plain, first length)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time each fwd+bwd replayed from a CUDA graph")
     ap.add_argument("--host-profile", default="",
                     help="only profile the host per fwd+bwd of these variants at the first "
                          "length (cProfile and device time); writes backward_host_profile.txt")
@@ -293,7 +337,7 @@ def main():
         torch._dynamo.config.recompile_limit = 64
         flex_c = torch.compile(flex_attention)
         for n in names:
-            rows.append(bench_one(n, S, dtype, slopes, flex_c, check_len))
+            rows.append(bench_one(n, S, dtype, slopes, flex_c, check_len, args.graph))
             out = write()
     if args.profile:
         (res / "backward_profile.txt").write_text(profile(lengths[0], dtype))
