@@ -170,11 +170,11 @@ def test_rows_under_16_bytes_run_the_pointer_form():
 def test_gpu_configs_include_variants_and_the_cost_model_prunes_them(monkeypatch):
     from neptune_eq.choosing.choose import TMA_KEEP, WS_KEEP, prune_configs
     from neptune_eq.lowering.descriptors import WS_MIN_KEYS, WS_MIN_ROWS, WS_RING, WS_WARPS
-    monkeypatch.setenv("NEPTUNE_EQ_WARP_SPECIALIZE", "0")  # the opt-out
+    monkeypatch.delenv("NEPTUNE_EQ_WARP_SPECIALIZE", raising=False)  # off by default
     assert not any(c.warp_specialize for c in candidate_configs(ne.superoptimize(
         examples.attention(1, 32, 4096, 4096, 128, "float16"), target="interpreter",
         cache=False).kernel_source, "cuda"))
-    monkeypatch.delenv("NEPTUNE_EQ_WARP_SPECIALIZE")       # on by default
+    monkeypatch.setenv("NEPTUNE_EQ_WARP_SPECIALIZE", "1")  # the opt-in
     from neptune_eq.choosing.costmodel import DEVICES
     kern = ne.superoptimize(examples.attention(1, 32, 4096, 4096, 128, "float16"),
                             target="interpreter", cache=False)

@@ -53,8 +53,11 @@ def _versions() -> dict:
 def make_key(program, rule_files, target: str, device: str, options: dict) -> str:
     rules = [(Path(f).name, hashlib.sha256(Path(f).read_bytes()).hexdigest()) for f in rule_files]
     from ..ir import canonical_text
+    # the environment switches that widen or narrow the timed configs choose too
+    env = {k: os.environ.get(k) for k in ("NEPTUNE_EQ_TMA", "NEPTUNE_EQ_WARP_SPECIALIZE")}
     blob = json.dumps({"program": canonical_text(program), "rules": rules, "target": target,
-                       "device": device, "options": options, "versions": _versions()},
+                       "device": device, "options": options, "versions": _versions(),
+                       "env": env},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

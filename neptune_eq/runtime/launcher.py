@@ -168,8 +168,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
     """The GPU-only lowering choices of each pointer config: its tiles through tensor
     descriptors (TMA), and -- where ``ks.warp_specializable`` says Triton can -- the main key
-    loop warp-specialised.  All of them: the cost model prunes what is timed
-    (``choosing.choose.prune_configs``), so a cold choice stays within its compile budget.
+    loop warp-specialised; the cost model prunes what is timed (``choose.prune_configs``).
     ``NEPTUNE_EQ_TMA=0`` turns descriptors off.
 
     Warp-specialised configs take only the form that was right on Triton 3.6 (H100,
@@ -183,15 +182,18 @@ def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> li
     ``prune_configs``).  In that form every warp-specialised config was right: 9 of 9 over
     the three global cases (bench/gpu_validate_tma.py), and 10 of 10 in kernels taking
     their sizes at run time, at 5 sizes from 4500 to 8000 (``--symbolic``, H100,
-    bench/results/gpu_validate_tma_symbolic.json).  So they are offered by default and the
-    timer decides (the best gained 2-5% over the best pointer config at S=8192, D=128 on
-    the H100; others lost); ``NEPTUNE_EQ_WARP_SPECIALIZE=0`` turns them off."""
+    bench/results/gpu_validate_tma_symbolic.json).  The best gained 2-5% over the best
+    pointer config at S=8192, D=128 on the H100.  Off unless ``NEPTUNE_EQ_WARP_SPECIALIZE=1``:
+    on an H200 (session 13), bf16 B=2 H=16 S=8192 D=128 attention -- a shape the checks
+    above never ran -- faulted (illegal memory access) in 3 of 3 cold choices timing them,
+    and was right in 3 of 3 without (``bench/cold_choice_check.py``).  A fault
+    poisons the user's CUDA context: no few percent is worth that."""
     from ..lowering.descriptors import WS_MIN_KEYS, WS_MIN_ROWS, WS_RING, WS_WARPS
     if not getattr(ks, "descriptors", None) or os.environ.get("NEPTUNE_EQ_TMA", "1") == "0":
         return []
     out = [replace(c, tma=True) for c in pointer_configs]
     warps = getattr(ks, "warp_specializable", ())
-    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "1") == "0" or WS_WARPS not in warps:
+    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "0") != "1" or WS_WARPS not in warps:
         return out
     rows = f"B_{ks.block_axis}"
     seen = set()
