@@ -108,21 +108,28 @@ def step(fn, q, k, v, g):
     return torch.autograd.grad(out, (q, k, v), g)
 
 
+def capture_step(fn, q, k, v, g, warmups: int = 3):
+    """(a CUDA graph of one fwd+bwd, its gradient tensors), warmed up and captured on the
+    current stream -- call it on a side stream, with leaves made there: leaves whose
+    autograd nodes were made on the default stream make the captured backward wait on
+    it, which capture refuses."""
+    for _ in range(warmups):
+        step(fn, q, k, v, g)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+        grads = step(fn, q, k, v, g)
+    return graph, grads
+
+
 def graph_ms(fn, q, k, v, g) -> tuple[float, float]:
     """(median ms of one fwd+bwd replayed from a CUDA graph, max abs difference between
-    the replayed gradients and the called step's).  Leaves of their own, made, warmed
-    up and captured on one side stream: leaves whose autograd nodes were made on the
-    default stream make the captured backward wait on it, which capture refuses."""
+    the replayed gradients and the called step's), on leaves of its own."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         gg = g.clone()
-        for _ in range(3):
-            step(fn, qg, kg, vg, gg)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            grads = step(fn, qg, kg, vg, gg)
+        graph, grads = capture_step(fn, qg, kg, vg, gg)
         graph.replay()
         called = step(fn, qg, kg, vg, gg)
     torch.cuda.synchronize()

@@ -73,15 +73,11 @@ def load(kind: str, tmp: Path):
     return mod.neptune_kernel
 
 
-def params(fn) -> list[str]:
-    return list(fn.arg_names)
-
-
 def call_args(fn, tensors: dict, S: int, cfg, tma: bool):
     """Positional arguments (by the generated parameter names) and constexprs."""
     bi, bl, w, st = cfg
     args, consts = [], {}
-    for p in params(fn):
+    for p in fn.arg_names:
         if p.endswith("_ptr"):
             args.append(tensors[p[:-4]])
         elif re.fullmatch(r".+_s\d", p):
@@ -163,7 +159,6 @@ def main():
     tmp.mkdir(exist_ok=True)
     for kind in a.kernels.split(","):
         fn = load(kind, tmp)
-        rows = S
         configs = [CONFIGS[int(n)] for n in a.configs.split(",")] if a.configs else CONFIGS
         tmas = {"both": (False, True), "on": (True,), "off": (False,)}[a.tma]
         cands = [(c, t) for c in ([(16, 16, 4, 1)] if CPU else configs)
@@ -185,10 +180,10 @@ def main():
             cfg, tma = ct
             res = outputs()
             args, consts, opts = call_args(fn, {**tensors, **res}, S, cfg, tma)
-            grid = (triton.cdiv(rows, cfg[0]), B * H)
-            t0 = time.perf_counter()
+            grid = (triton.cdiv(S, cfg[0]), B * H)
             if CPU:
                 return {}
+            t0 = time.perf_counter()
             try:
                 ck = fn.warmup(*args, grid=grid, **consts, **opts)
                 return {"compiled": ck, "compile_s": round(time.perf_counter() - t0, 1)}
@@ -206,7 +201,7 @@ def main():
                 try:
                     res = outputs()
                     args, consts, opts = call_args(fn, {**tensors, **res}, S, cfg, tma)
-                    grid = (triton.cdiv(rows, cfg[0]), B * H)
+                    grid = (triton.cdiv(S, cfg[0]), B * H)
 
                     def run():
                         if "d_q" in res and kind.startswith("fused"):

@@ -21,26 +21,19 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from backward_gpu import B, D, H, capture_step, causal, softcap, step  # noqa: E402
+
 import neptune_eq as ne  # noqa: E402
 from neptune_eq.dropin import flex  # noqa: E402
 
-B, H, D = 2, 16, 128
-
-
-def causal(b, h, q, kv):
-    return q >= kv
-
-
-def softcap(score, b, h, q, kv):
-    return 30.0 * torch.tanh(score / 30.0)
-
-
 VARIANTS = {"plain": {}, "causal": {"mask_mod": causal},
             "causal+softcap": {"mask_mod": causal, "score_mod": softcap}}
+NAMES = ("dq", "dk", "dv")
 
 
-def step(fn, q, k, v, g):
-    return torch.autograd.grad(fn(q, k, v), (q, k, v), g)
+def max_diffs(xs, ys) -> dict:
+    """Max abs difference per gradient."""
+    return {n: (a.float() - b.float()).abs().max().item() for n, a, b in zip(NAMES, xs, ys)}
 
 
 def check(name: str, S: int, deterministic: bool) -> dict:
@@ -57,35 +50,24 @@ def check(name: str, S: int, deterministic: bool) -> dict:
                                    requires_grad=True) for _ in range(3))
             g = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
             called = step(fn, q, k, v, g)
-            for _ in range(2):
-                step(fn, q, k, v, g)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                grads = step(fn, q, k, v, g)
+            graph, grads = capture_step(fn, q, k, v, g, warmups=2)
             graph.replay()
             torch.cuda.synchronize()
-            names = ("dq", "dk", "dv")
-            row["graph_vs_called"] = {n: (a.float() - b.float()).abs().max().item()
-                                      for n, a, b in zip(names, grads, called)}
+            row["graph_vs_called"] = max_diffs(grads, called)
             row["called_abs_max"] = {n: b.float().abs().max().item()
-                                     for n, b in zip(names, called)}
+                                     for n, b in zip(NAMES, called)}
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
-            row["graph4_vs_called"] = {n: (a.float() - b.float()).abs().max().item()
-                                       for n, a, b in zip(names, grads, called)}
-            again = step(fn, q, k, v, g)
-            row["called_again_vs_called"] = {n: (a.float() - b.float()).abs().max().item()
-                                             for n, a, b in zip(names, again, called)}
+            row["graph4_vs_called"] = max_diffs(grads, called)
+            row["called_again_vs_called"] = max_diffs(step(fn, q, k, v, g), called)
             if name in ("plain", "causal"):
                 qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=name == "causal")
                 ref = torch.autograd.grad(out, (qr, kr, vr), g)
-                row["called_vs_flash"] = {n: (a.float() - b.float()).abs().max().item()
-                                          for n, a, b in zip(names, called, ref)}
-                row["graph_vs_flash"] = {n: (a.float() - b.float()).abs().max().item()
-                                         for n, a, b in zip(names, grads, ref)}
+                row["called_vs_flash"] = max_diffs(called, ref)
+                row["graph_vs_flash"] = max_diffs(grads, ref)
         torch.cuda.synchronize()
         # per structure traced so far: {lse has a gradient: fused form chosen}
         row["forms"] = [{str(k): v for k, v in s.backward_form.items()}
