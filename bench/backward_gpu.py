@@ -243,20 +243,32 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
             for _ in range(2))
     g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
     fn = lambda q, k, v: ne.flex_attention(q, k, v, **kw)  # noqa: E731
-    for _ in range(20):
+    flex_c = torch.compile(flex_attention)
+    dev_us, kernels = device_kernels(fn, q, k, v, g)
+    flex_us, flex_kernels = device_kernels(lambda q, k, v: flex_c(q, k, v, **kw), q, k, v, g)
+    host_us, table = profile_host(lambda: step(fn, q, k, v, g), calls=200, top=40, warmup=0)
+    return (f"{variant} S={S}: host {host_us:.0f} us per step (loop without sync), "
+            f"device kernels {dev_us:.0f} us per step:\n{kernels}\n"
+            f"FlexAttention (compiled), same step: device kernels {flex_us:.0f} us:\n"
+            f"{flex_kernels}\n\n" + table)
+
+
+def device_kernels(fn, q, k, v, g, steps: int = 20) -> tuple[float, str]:
+    """(device microseconds per fwd+bwd, one line per kernel: time per step, launches
+    per step, name), from the profiler over ``steps`` warm steps."""
+    for _ in range(steps):
         step(fn, q, k, v, g)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
+        for _ in range(steps):
             step(fn, q, k, v, g)
         torch.cuda.synchronize()
-    dev_us = sum(e.self_device_time_total for e in prof.key_averages()) / 20
-    kernels = "\n".join(f"  {e.self_device_time_total / 20:8.1f} us  x{e.count // 20}  {e.key[:90]}"
-                         for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-                         if e.self_device_time_total > 0)
-    host_us, table = profile_host(lambda: step(fn, q, k, v, g), calls=200, top=40, warmup=0)
-    return (f"{variant} S={S}: host {host_us:.0f} us per step (loop without sync), "
-            f"device kernels {dev_us:.0f} us per step:\n{kernels}\n\n" + table)
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / steps
+    lines = "\n".join(f"  {e.self_device_time_total / steps:8.1f} us  x{e.count // steps}  {e.key[:90]}"
+                      for e in sorted(events, key=lambda e: -e.self_device_time_total)
+                      if e.self_device_time_total > 0)
+    return total, lines
 
 
 def markdown(out: dict) -> str:

@@ -266,7 +266,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
         >>> mx = ne.compute((4,), lambda i: ne.max(x[i, j], axis=j), "mx")
         >>> kern = ne.superoptimize(mx, target="interpreter", cache=False)
         >>> kern.launches
-        ['neptune_kernel_fused']
+        ['neptune_mx']
     """
     import time
     t0 = time.perf_counter()

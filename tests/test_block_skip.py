@@ -63,8 +63,8 @@ def test_document_mask_kernel_has_a_block_test(document_kernel):
     assert "bs_doc_d0_loop_ptr" in src and "bs_doc_d0_row_ptr" in src
     assert "(else: skipped)" in src and "every pair visible: no elementwise mask" in src
     # every summary (row blocks, key blocks, global) comes from one pre-pass launch
-    assert document_kernel.launches == ["neptune_kernel_summaries", "neptune_kernel"]
-    assert src.count("def neptune_kernel_summaries(") == 1
+    assert document_kernel.launches == ["neptune_o_summaries", "neptune_o"]
+    assert src.count("def neptune_o_summaries(") == 1
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -105,7 +105,7 @@ def test_prefix_lm_with_a_per_sample_prefix():
     # both sides of the | are key ranges (keys < prefix[b], keys <= i): loop bounds only,
     # no per-block test and no summaries at all
     assert "bs_prefix_all_ptr" not in kern.source and "(else: skipped)" not in kern.source
-    assert kern.launches == ["neptune_kernel"]
+    assert kern.launches == ["neptune_o"]
     assert branch_free_loops(kern.source) == len(key_loops(kern.source)) == 3
     q, k, v = qkv(2, 1, 45, 45, 4)
     lens = torch.tensor([20, 3], dtype=torch.int32)

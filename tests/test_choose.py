@@ -37,8 +37,8 @@ def test_decode_chooses_split_k_and_long_prefill_chooses_rolling():
                            target="interpreter", device="H200", cache=False)
     pre = ne.superoptimize(ne.attention(1, 32, 4096, 4096, 128, mask_mod=_causal(4096, 4096)),
                            target="interpreter", device="H200", cache=False)
-    assert dec.plan.split and dec.launches == ["neptune_kernel_partial", "neptune_kernel_combine"]
-    assert not pre.plan.split and pre.launches == ["neptune_kernel"]
+    assert dec.plan.split and dec.launches == ["neptune_o_partial", "neptune_o_combine"]
+    assert not pre.plan.split and pre.launches == ["neptune_o"]
     # .candidates says why: predicted times for both strategies
     for kern, winner in ((dec, "split-k"), (pre, "rolling")):
         table = kern.candidate_table()

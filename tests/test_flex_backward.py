@@ -212,7 +212,9 @@ def test_document_mask_backward_skips_blocks_like_the_forward():
     assert all(torch.isfinite(x).all() for x in got)
     st = [s for s in flex.STRUCTURES.values() if s.backward and "doc" in s.shapes][-1]
     for _, kern, *_ in st.backward.values():
-        assert kern.launches == ["neptune_kernel_summaries", "neptune_kernel"]
+        # the pre-pass of the block summaries, then the kernel (named after its gradients)
+        assert [n.endswith("_summaries") for n in kern.launches] == [True, False], kern.launches
+        assert kern.launches[1].startswith("neptune_d_"), kern.launches
 
 
 def test_sliding_window_bounds_both_backward_loops():
@@ -297,6 +299,13 @@ def test_half_precision_training_builds_and_matches_fp64():
     for name, a, r in zip("qkv", got, want):
         assert a.dtype == torch.float16 and torch.isfinite(a).all(), name
         assert (a.double() - r).abs().max().item() <= 1e-2 * max(1.0, r.abs().max().item()), name
+    # the fused form's fp32 dQ is zeroed and converted outside its kernel; fp16 dK, dV not
+    from neptune_eq.dropin.flex_backward import outside_work
+    st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 16
+              and s.program.dtype_of("q") == "float16")
+    bw, kern, *_ = st.backward[(("k", "v", "q"), False, False)]
+    assert outside_work(bw, kern, ("k", "v", "q"), {"q": q, "k": k, "v": v}) == [
+        ((1, 2, 64, 16), True, torch.float16)]
 
 
 def test_first_builds_time_their_configs_on_the_calls_own_tensors(monkeypatch):
@@ -322,3 +331,23 @@ def test_first_builds_time_their_configs_on_the_calls_own_tensors(monkeypatch):
     for example in seen:                        # forward, then each backward kernel
         assert example["q"] is q and any(t is doc for t in example.values())
     assert any("d_o" in example for example in seen[1:])
+
+
+
+def test_the_form_choice_counts_the_fused_forms_zeroing():
+    """The timer's choice between the fused backward and the two kernels adds what runs
+    outside the kernels (``outside_work``): the fused form's atomically summed dQ is zeroed
+    before its launch; the atomic-free form's dQ kernel writes every row itself."""
+    from neptune_eq.dropin.flex_backward import outside_work
+    check(1, 2, 2, 3, 4, 5)
+    st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 5)
+    env = {n: torch.empty(1, 2, 3 if n == "q" else 4, 5) for n in "qkv"}
+    bw, kern, *_ = st.backward[(("k", "v", "q"), False, True)]
+    assert outside_work(bw, kern, ("k", "v", "q"), env) == [((1, 2, 3, 5), True, None)]
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(1, 2, 2, 3, 4, 5)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    bw, kern, *_ = st.backward[(("q",), True, True)]
+    assert outside_work(bw, kern, ("q",), env) == []

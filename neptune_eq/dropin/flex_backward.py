@@ -108,26 +108,63 @@ def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
     """On the GPU both forms are built once per structure and the timer decides: the
     fused one (row statistics, then one kernel adding dQ atomically) against the two
     kernels (dQ's loop over keys, dK/dV's over queries), each kernel's chosen config as
-    timed on this first call's tensors.  Measured on an H200 (bench/backward_gpu.py,
-    session 12) neither form won every variant: fused was 9-14% faster for softcap and
-    document masks at S=8192 and 4% slower for plain attention."""
+    timed on this first call's tensors, plus what each form's outputs cost outside its
+    kernels (``outside_ms``: the fused form's fp32 dQ is zeroed before the launch and
+    converted to q's dtype after -- 21 us of a 215 us step for window(256) at S=2048 on an
+    H200, session 14).  Measured on an H200 (bench/backward_gpu.py, session 12) neither
+    form won every variant: fused was 9-14% faster for softcap and document masks at
+    S=8192 and 4% slower for plain attention."""
     key = lse_grad
     if key not in st.backward_form:
         def ms(groups) -> float:
             total = 0.0
-            for _, built in group_kernels(st, groups, sizes, lse_grad, env):
+            for group, built in group_kernels(st, groups, sizes, lse_grad, env):
                 pre = built[-1]
                 for kern in [built[1]] + ([pre[1]] if pre else []):
                     row = kern.chosen_row
                     if row is None or row.measured_ms is None:
                         return float("nan")  # not timed (a cache hit): no basis
                     total += row.measured_ms
+                total += outside_ms(built[0], built[1], group, env)
             return total
         fused = ms(gradient_groups(names, needs))
         split = ms(gradient_groups(names, needs, deterministic=True))
         # (no time for a form -- a cached kernel is not re-timed -- keeps the fused one)
         st.backward_form[key] = not split < fused
     return st.backward_form[key]
+
+
+def outside_work(bw, kern, group: tuple[str, ...], env: dict) -> list[tuple]:
+    """What a gradient kernel's outputs cost outside it, as (shape, zeroed, converted to
+    this dtype or None): an output added into atomically (``scattered``) is zeroed before
+    the launch, and an fp32 output is converted to its input's dtype after
+    (``run_backward``'s ``.to``)."""
+    scattered = getattr(kern.chosen_row.kernel, "scattered", ())
+    work = []
+    for name, oname in zip(group, bw.program.outputs):
+        t = env[name]
+        to = t.dtype if (bw.program.dtype_of(oname) == "float32"
+                         and t.dtype != torch.float32) else None
+        if oname in scattered or to is not None:
+            work.append((tuple(t.shape), oname in scattered, to))
+    return work
+
+
+def outside_ms(bw, kern, group: tuple[str, ...], env: dict) -> float:
+    """GPU milliseconds of ``outside_work``, timed as the kernels are (``device_ms``)."""
+    from ..runtime.timing import device_ms
+    work = outside_work(bw, kern, group, env)
+    if not work:
+        return 0.0
+
+    def call(_):
+        for shape, zeroed, to in work:
+            g = torch.empty(shape, dtype=torch.float32, device="cuda")
+            if zeroed:
+                g.zero_()
+            if to is not None:
+                g.to(to)
+    return device_ms(call, [[]])
 
 
 def group_kernels(st, groups, sizes, lse_grad: bool, env: dict):

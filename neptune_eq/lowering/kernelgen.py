@@ -508,14 +508,14 @@ def _kernel_text(name: str, sig: list[str], em: Emitter) -> list[str]:
     return ["", "", "@triton.jit", f"def {name}(", *[f"    {s}," for s in sig], "):", *body]
 
 
-def generate(plan: TilePlan, name: str = "neptune_kernel",
-             bf16_dot_in_fp32: bool = False) -> KernelSource:
+def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> KernelSource:
     """Emit the Triton module for the plan (one kernel, or partial + combine for split-k).
 
     ``bf16_dot_in_fp32`` upcasts bf16 contraction operands: the Triton CPU interpreter
     (3.9) computes a bf16 ``tl.dot`` wrongly (a 16x16 product was off by 3e10), so the
     interpreter target uses it; GPU kernels keep bf16 tensor-core dots."""
     p = plan.program
+    name = name or ("neptune_" + "_".join(p.outputs))[:48]  # profiles tell kernels apart
     ba = plan.block_axis
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [(t, k) for t in tensors for k in range(len(p.shape_of(t)))]
