@@ -64,13 +64,37 @@ def source(kind: str) -> str:
 
 
 def load(kind: str, tmp: Path):
+    return load_kernel(f"probe_{kind}", source(kind), tmp)
+
+
+def load_kernel(name: str, code: str, tmp: Path):
+    """The ``neptune_kernel`` of ``code``, written to ``tmp/<name>.py`` and imported (Triton
+    needs a real file to read a kernel's source from)."""
     import importlib.util
-    path = tmp / f"probe_{kind}.py"
-    path.write_text(source(kind))
-    spec = importlib.util.spec_from_file_location(f"probe_{kind}", path)
+    path = tmp / f"{name}.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.neptune_kernel
+
+
+def open_probe(out: Path):
+    """(emit, log): ``emit(row)`` prints a row and appends it to ``out/probe.jsonl``; on a
+    GPU, Triton gets the allocator that device-side tensor descriptors take scratch from."""
+    import torch
+    import triton
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "probe.jsonl", "a")
+
+    def emit(row):
+        print(json.dumps(row), flush=True)
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+    if not CPU:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device=DEV))
+    return emit, log
 
 
 def call_args(fn, tensors: dict, S: int, cfg, tma: bool):
@@ -118,16 +142,7 @@ def main():
     import triton
     from triton.testing import do_bench
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "probe.jsonl", "a")
-
-    def emit(row):
-        print(json.dumps(row), flush=True)
-        log.write(json.dumps(row) + "\n")
-        log.flush()
-    if not CPU:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device=DEV))
+    emit, log = open_probe(out)
     S = a.seq
     torch.manual_seed(0)
     dtype = torch.float32 if CPU else torch.bfloat16

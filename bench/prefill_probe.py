@@ -26,7 +26,6 @@ JSON per line in ``DIR/probe.jsonl``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -35,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backward_probe import call_args  # noqa: E402  (the generated kernels' argument binding)
+from backward_probe import call_args, load_kernel, open_probe  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -135,16 +134,6 @@ def source(kernel: str, variant: str) -> str:
     return code
 
 
-def load(name: str, code: str, tmp: Path):
-    import importlib.util
-    path = tmp / f"probe_{name}.py"
-    path.write_text(code)
-    spec = importlib.util.spec_from_file_location(f"probe_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.neptune_kernel
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -155,16 +144,8 @@ def main():
     import torch
     from triton.testing import do_bench
     out = Path(a.out)
-    (out / "src").mkdir(parents=True, exist_ok=True)
-    log = open(out / "probe.jsonl", "a")
-
-    def emit(row):
-        print(json.dumps(row), flush=True)
-        log.write(json.dumps(row) + "\n")
-        log.flush()
-    if not CPU:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device=DEV))
+    emit, log = open_probe(out)
+    (out / "src").mkdir(exist_ok=True)
     s = 256 if CPU else S
     torch.manual_seed(0)
     dt = torch.float32 if CPU else torch.float16
@@ -192,7 +173,7 @@ def main():
             code = source(kernel, variant)
             if CPU:  # the interpreter's fp16 dots: check the transforms in fp32
                 code = code.replace("tl.float16", "tl.float32").replace("8192", str(s))
-            fn = load(f"{kernel}_{variant}", code, out / "src")
+            fn = load_kernel(f"probe_{kernel}_{variant}", code, out / "src")
             jobs += [(f"{kernel}_{variant}", fn, c, kernel == "causal") for c in configs]
 
     def bind(name, fn, cfg):
@@ -221,25 +202,28 @@ def main():
             return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     with ThreadPoolExecutor(16) as pool:
         infos = list(pool.map(compile_one, jobs))
-    for (name, fn, cfg, causal), info in zip(jobs, infos):
-        row = {"kernel": name, "causal": causal, "cfg": list(cfg), **info}
+
+    def measure(name, fn, cfg, causal) -> dict:
+        """Check one compiled kernel against SDPA, then time it (GPU only)."""
+        o, args, consts, opts, grid = bind(name, fn, cfg)
+        if CPU:
+            consts["TMA"] = False
+        run = lambda: fn[grid](*args, **consts, **opts)  # noqa: E731
+        run()
+        res = {"max_err": (o.float() - ref[causal].float()).abs().max().item()}
+        if not CPU:
+            res["ms"] = do_bench(run, return_mode="median")
+            res["tflops"] = flops / (2 if causal else 1) / res["ms"] / 1e9
+        return res
+    for job, info in zip(jobs, infos):
+        row = {"kernel": job[0], "causal": job[3], "cfg": list(job[2]), **info}
         if "error" not in info:
             try:
-                o, args, consts, opts, grid = bind(name, fn, cfg)
-                if CPU:
-                    consts["TMA"] = False
-                run = lambda: fn[grid](*args, **consts, **opts)  # noqa: E731
-                run()
-                row["max_err"] = (o.float() - ref[causal].float()).abs().max().item()
-                if not CPU:
-                    row["ms"] = do_bench(run, return_mode="median")
-                    row["tflops"] = flops / (2 if causal else 1) / row["ms"] / 1e9
-            except Exception as e:  # noqa: BLE001
+                row.update(measure(*job))
+            except Exception as e:  # noqa: BLE001 - record and go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         emit(row)
-    log.close()
-    return 0
-
+    return log.close()
 
 if __name__ == "__main__":
     sys.exit(main())
