@@ -256,19 +256,11 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
 def device_kernels(fn, q, k, v, g, steps: int = 20) -> tuple[float, str]:
     """(device microseconds per fwd+bwd, one line per kernel: time per step, launches
     per step, name), from the profiler over ``steps`` warm steps."""
-    for _ in range(steps):
-        step(fn, q, k, v, g)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step(fn, q, k, v, g)
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    total = sum(e.self_device_time_total for e in events) / steps
-    lines = "\n".join(f"  {e.self_device_time_total / steps:8.1f} us  x{e.count // steps}  {e.key[:90]}"
-                      for e in sorted(events, key=lambda e: -e.self_device_time_total)
-                      if e.self_device_time_total > 0)
-    return total, lines
+    from host_profile import kernel_times
+    times = sorted(kernel_times(lambda: step(fn, q, k, v, g), steps, warmup=steps),
+                   key=lambda t: -t[1])
+    lines = "\n".join(f"  {us:8.1f} us  x{n}  {name[:90]}" for name, us, n in times)
+    return sum(us for _, us, _ in times), lines
 
 
 def markdown(out: dict) -> str:

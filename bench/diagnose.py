@@ -73,24 +73,12 @@ def overhead(op, S):
             print(f"  {name:<16} failed: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
     la = kern._launcher
     print(f"    fast launch: {la.fast_ok} {la.fast_reason} checked keys {len(la._checked)}")
-    for name, us in _kernel_times(lambda: kern(*args)):
+    from host_profile import kernel_times
+    for name, us, _ in kernel_times(lambda: kern(*args), warmup=1):
         print(f"    GPU kernel {name[:60]:<60} {us:8.1f} us")
     for c in kern.candidates:
         print(f"    cand #{c.rank} {c.structure} predicted {c.predicted_us:.1f} us measured "
               f"{'—' if c.measured_ms is None else f'{c.measured_ms * 1e3:.1f} us'} {c.status}")
-
-
-def _kernel_times(fn, n=20):
-    """Mean GPU time per call of each kernel ``fn`` launches (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    return [(e.key, e.device_time_total / n) for e in prof.key_averages()
-            if e.device_time_total > 0]
 
 
 def compiled(op, S):

@@ -126,20 +126,14 @@ def device_ms(q, k, v, mask, calls: int = 20) -> tuple[float, float]:
     """(pre-pass, attention) kernel device time per call, from the profiler over real
     calls: a lone timed launch of the pre-pass mostly measures launch latency, which a
     call hides behind the host's work on the next launch."""
-    for _ in range(3):
-        ne.flex_attention(q, k, v, mask_mod=mask)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            ne.flex_attention(q, k, v, mask_mod=mask)
-        torch.cuda.synchronize()
+    from host_profile import kernel_times
     pre = main = 0.0
-    for e in prof.key_averages():
-        if e.key.startswith("neptune_") and e.key.endswith("_summaries"):
-            pre += e.self_device_time_total
-        elif e.key.startswith("neptune_"):  # kernels are named after their outputs
-            main += e.self_device_time_total
-    return pre / calls / 1e3, main / calls / 1e3
+    for name, us, _ in kernel_times(lambda: ne.flex_attention(q, k, v, mask_mod=mask), calls):
+        if name.startswith("neptune_") and name.endswith("_summaries"):
+            pre += us
+        elif name.startswith("neptune_"):  # kernels are named after their outputs
+            main += us
+    return pre / 1e3, main / 1e3
 
 
 def config_sweep(q, k, v, mask) -> dict:

@@ -35,7 +35,7 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     line = (f"tl.atomic_add({sc.name}_ptr + {off}, {code}{', mask=' + m if m else ''}, "
             "sem='relaxed')")
     # (the bulk engine's reduce -- a descriptor's ``atomic_add`` per tile -- is how
-    # FlashAttention-3 adds dQ.  Not used: the one H200 run with it enabled (session 12)
-    # faulted with an illegal memory access, and the cause was not isolated -- so every
-    # config adds per element, the form measured right on the GPU)
+    # FlashAttention-3 adds dQ.  Not used: on an H100 it ran right but did not pay,
+    # 6.86 ms against 6.74 for per-element adds at S=8192 (bench/backward_probe.py,
+    # session 13); session 12's fault, first blamed on it, was warp specialisation's)
     em.emit(line)
