@@ -34,7 +34,8 @@ def _check(chain, kern, sizes, seed, scale):
 def test_chain_superoptimizes_and_equals_torch(name, sizes):
     chain = CHAINS[name]
     kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
-    assert len(kern.launches) == 1          # one launch, whatever the passes
+    # one launch, whatever the passes, named after the chain's output
+    assert kern.launches == ["neptune_" + "_".join(kern.program.outputs)]
     assert kern.plan.n_passes == chain.passes, kern.plan.describe()
     for seed, scale in [(0, 1.0), (1, 1.0), (2, 300.0)]:   # large magnitudes: no raw exp
         _check(chain, kern, sizes, seed, scale)
@@ -100,7 +101,7 @@ def test_contraction_wider_than_registers_loops_inside_the_vocabulary_loop(name)
     sizes = dict(N=3, K=300, V=29)
     chain = CHAINS[name]
     kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
-    assert len(kern.launches) == 1 and kern.plan.chunked
+    assert kern.launches == ["neptune_" + "_".join(kern.program.outputs)] and kern.plan.chunked
     src = kern.source
     v_loop = src.index("for l0 in tl.range(0, 29, B_L")
     k_loop = src.index("for c", v_loop)
