@@ -42,3 +42,25 @@ def test_a_narrow_output_is_not_scattered():
     p = ne.build_program(_program("bfloat16"))
     tp = plan(p)
     assert not any(ps.scattered for ps in tp.passes)
+
+
+def test_scaled_sums_keep_the_atomic_form():
+    """Both outputs scaled by constants pulled out of their sums (``c · Σ_i …``, as the
+    rule ``sum-pull-inner-factor`` leaves dK and dQ): the first is scaled once after its
+    loop, the scattered one carries its scale on each block's term."""
+    n, m, e = 37, 21, 16
+    x = ne.placeholder((n, m), "float32", "x")
+    y = ne.placeholder((n, e), "float32", "y")
+    z = ne.placeholder((m, e), "float32", "z")
+    i, j = ne.reduce_axis(n, "i"), ne.reduce_axis(m, "j")
+    a = ne.compute((m, e), lambda jj, c: ne.sum(ne.exp(x[i, jj]) * y[i, c], axis=i) * 0.5, "a")
+    b = ne.compute((n, e), lambda ii, c: ne.sum(ne.exp(x[ii, j]) * z[j, c], axis=j) * 0.25, "b")
+    kern = ne.superoptimize([a, b], target="interpreter", cache=False)
+    text = kern.plan.describe()
+    assert "b[" in text and "term atomically" in text and "epilogue: a[" in text, text
+    assert kern.source.count("tl.atomic_add(") == 1
+    torch.manual_seed(0)
+    xt, yt, zt = torch.randn(n, m), torch.randn(n, e), torch.randn(m, e)
+    got_a, got_b = kern(xt, yt, zt)
+    torch.testing.assert_close(got_a, 0.5 * xt.exp().T @ yt, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_b, 0.25 * xt.exp() @ zt, rtol=1e-4, atol=1e-4)

@@ -314,19 +314,7 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
     if st is None or st.program is None:
         raise ProgramError(f"Expected a structure traced in this process, got key {skey!r}; "
                            "call ne.flex_attention, which traces the mods.")
-    names = [ph.name for ph in st.program.inputs]
-    tensors = [q, k, v, *captured]
-    sizes = {flex.SIZES[0]: q.shape[0], flex.SIZES[1]: q.shape[2], flex.SIZES[2]: k.shape[2]}
-    env = dict(zip(names, tensors))
-    # a row with no visible key (lse -inf, or the kernel's ~-1e30 when the forward did not
-    # return it) -> the shift under which its P is 0; NaN stays NaN
-    lse = lse.float()
-    unseen = lse <= MASKED * 0.5
-    env["mx"] = lse.masked_fill(unseen, UNSEEN_ROW_SHIFT).contiguous()
-    env["o"] = out.contiguous()
-    env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
-    if d_lse is not None:  # (None: the loss does not use the lse, see backward_kernel)
-        env["d_lse"] = d_lse.float().masked_fill(unseen, 0.0).contiguous()
+    names, tensors, sizes, env = backward_env(st, q, k, v, captured, out, lse, d_out, d_lse)
     for name, t, need in zip(names, tensors, needs):
         if need and not t.is_floating_point():
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
@@ -354,6 +342,25 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
                 g = g.unflatten(1, (g.shape[1] // n, n)).sum(2)
             got[name] = g
     return [got[n].to(t.dtype) if n in got else None for n, t in zip(names, tensors)]
+
+
+def backward_env(st, q, k, v, captured: list, out, lse, d_out, d_lse):
+    """(input names, their tensors, the named sizes, every backward kernel's inputs by
+    name): the forward's inputs, and what it saved made into the backward's reads."""
+    names = [ph.name for ph in st.program.inputs]
+    tensors = [q, k, v, *captured]
+    sizes = {flex.SIZES[0]: q.shape[0], flex.SIZES[1]: q.shape[2], flex.SIZES[2]: k.shape[2]}
+    env = dict(zip(names, tensors))
+    # a row with no visible key (lse -inf, or the kernel's ~-1e30 when the forward did not
+    # return it) -> the shift under which its P is 0; NaN stays NaN
+    lse = lse.float()
+    unseen = lse <= MASKED * 0.5
+    env["mx"] = lse.masked_fill(unseen, UNSEEN_ROW_SHIFT).contiguous()
+    env["o"] = out.contiguous()
+    env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
+    if d_lse is not None:  # (None: the loss does not use the lse, see backward_kernel)
+        env["d_lse"] = d_lse.float().masked_fill(unseen, 0.0).contiguous()
+    return names, tensors, sizes, env
 
 
 def setup_context(ctx, inputs, output):

@@ -213,14 +213,16 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     g, maybe = scatter.candidates(program, folds)
     scattered = []
     if maybe:
-        rest = [f for f in folds if all(f is not m for m in maybe)]
+        # (a candidate may stand for a fold it rewrites: ``scatter._scaled_fold``)
+        originals = [getattr(m, "replaces", m) for m in maybe]
+        rest = [f for f in folds if all(f is not m for m in originals)]
         try:
             rows = _row_axes(program, rest)
         except LoweringError:
             rows = ()
         bound = [scatter.bind(program, g, f, rows[-1], rows[:-1], MAX_WHOLE_AXIS) if rows
                  else None for f in maybe]
-        kept = rest + [f for f, b in zip(maybe, bound) if b is None]
+        kept = rest + [f for f, b in zip(originals, bound) if b is None]
         if any(bound) and _row_axes(program, kept) == rows:
             folds, row_axes = kept, rows  # (a candidate that did not bind stays a fold)
             scattered = [b for b in bound if b is not None]

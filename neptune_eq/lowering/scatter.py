@@ -33,11 +33,15 @@ def candidates(program: Program, folds: list) -> tuple[object, list]:
     """(g, [f ...]): the first output's fold and the output folds that may be scattered
     in its plan (shape checks only; ``bind`` checks them against the row axis)."""
     first = program.outputs[0]
-    g = next((f for f in folds if f.name == first and f.owner == first), None)
+    # (the first output may be its fold scaled after the loop, ``c · Σ_i …``: dK)
+    g = next((f for f in folds if f.owner == first and (
+        f.name == first or _scaled_fold(program, f) is not None)), None)
     if g is None:
         return None, []
     out = []
     for f in folds:
+        if f is not g and f.name != f.owner:
+            f = _scaled_fold(program, f) or f
         if f is g or f.name != f.owner or f.name not in program.outputs or f.op != "sum":
             continue
         ext = program.extents
@@ -52,6 +56,26 @@ def candidates(program: Program, folds: list) -> tuple[object, list]:
             continue
         out.append(f)
     return g, out
+
+
+def _scaled_fold(program: Program, f):
+    """An output ``c · Σ_j a·b`` (a constant scale pulled out of the sum, so that a fold
+    kept in registers is scaled once, after its loop) as the fold ``Σ_j (a·c)·b`` again:
+    added atomically per block, the output has no after-the-loop to scale in, so each
+    block's term carries the scale (on its left factor, where it was: the product stays
+    one ``tl.dot``).  The fold it replaces is its ``replaces``; None if ``f`` is not so."""
+    d = program.definition(f.owner)
+    if d.body.op != "mul" or f.term.args[0].op != "mul":
+        return None
+    a, b = d.body.args
+    scale = b if a == f.term else a if b == f.term else None
+    if scale is None or scale.op not in ("flt", "int"):
+        return None
+    left, right = f.term.args[0].args
+    body = Term("mul", (Term("mul", (left, scale)), right))
+    scaled = type(f)(f.owner, Term("sum", (body,), f.term.val), f.state_axes, f.owner)
+    scaled.replaces = f
+    return scaled
 
 
 def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...], max_whole: int):

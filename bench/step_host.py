@@ -1,0 +1,225 @@
+"""Where the host's time in one eager training step goes, ours next to FlexAttention's.
+
+    python bench/step_host.py --out DIR [--S 2048] [--variants 'plain,causal,window(256),doc(13)']
+
+At S = 2048 a fwd+bwd of attention (bf16, B=2, H=16, D=128) takes 0.2-0.6 ms of GPU time,
+so an eager step runs at the host's pace.  This times host segments alone -- the GPU idle
+before each one (synchronised), so a launch never waits for queue space -- as the median
+of many repetitions, in microseconds:
+
+* ``step``       -- fwd+bwd in a loop without synchronising (the pace of a training loop);
+* ``fwd`` / ``bwd`` -- the forward call that records the autograd graph, and
+  ``torch.autograd.grad`` over it;
+* for ours, pieces of those: the forward without autograd, ``flex_backward.run_backward``
+  called directly (the backward less the autograd engine), and each backward kernel's
+  call alone (``Kernel.__call__`` on tensors already prepared).
+
+One JSON per line in ``DIR/step_host.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import neptune_eq as ne  # noqa: E402
+from backward_gpu import B, D, H, variants  # noqa: E402
+from backward_streams_probe import backward_args  # noqa: E402
+from neptune_eq.dropin import flex, flex_backward  # noqa: E402
+
+
+def host_us(fn, reps: int = 200) -> float:
+    """Median host microseconds of ``fn()``, the GPU idle before each call."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def loop_us(fn, reps: int = 200) -> float:
+    """Microseconds per ``fn()`` in a loop that never synchronises (host-bound pace when
+    the host is slower than the GPU)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def segments(fn, q, k, v, g, prefix: str) -> dict:
+    row = {}
+    row[f"{prefix}step"] = loop_us(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), g))
+    row[f"{prefix}fwd"] = host_us(lambda: fn(q, k, v))
+    holder = {}
+
+    def fwd_then_time_bwd():
+        out = fn(q, k, v)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.autograd.grad(out, (q, k, v), g)
+        holder.setdefault("t", []).append(time.perf_counter() - t0)
+    for _ in range(200):
+        fwd_then_time_bwd()
+    row[f"{prefix}bwd"] = statistics.median(holder["t"][5:]) * 1e6
+    return row
+
+
+def ours_pieces(kw, q, k, v, g) -> dict:
+    row = {}
+    with torch.no_grad():
+        row["ours_fwd_nograd"] = host_us(lambda: ne.flex_attention(q, k, v, **kw))
+    args = backward_args(kw, q, k, v, g)
+    row["ours_run_backward"] = host_us(lambda: flex_backward.run_backward(*args))
+    skey, q_, k_, v_, captured, out, lse, d_out, d_lse, needs = args
+    st = flex.STRUCTURES[skey]
+    row["ours_backward_env"] = host_us(lambda: flex_backward.backward_env(
+        st, q_, k_, v_, captured, out, lse, d_out, d_lse))
+    names, _, sizes, env = flex_backward.backward_env(st, q_, k_, v_, captured, out, lse,
+                                                      d_out, d_lse)
+    groups = flex_backward.gradient_groups(names, needs,
+                                           torch.are_deterministic_algorithms_enabled())
+    if any(flex_backward.fused_group(gr) for gr in groups) and not flex_backward.fused_is_faster(
+            st, names, needs, sizes, d_lse is not None, env):
+        groups = flex_backward.gradient_groups(names, needs, deterministic=True)
+    row["ours_form"] = "+".join("".join(gr) for gr in groups)
+    for group, built in flex_backward.group_kernels(st, groups, sizes, d_lse is not None, env):
+        bw, kern, _, _, stats, pre = built
+        if pre is not None:
+            first, rows = pre
+            a = [env[ph.name] for ph in first.program.inputs]
+            row["ours_kernel_rows"] = host_us(lambda: rows(*a))
+            res = rows(*a)
+            env.update(zip(stats, res if isinstance(res, tuple) else (res,)))
+        a = [env[ph.name] for ph in bw.program.inputs]
+        row[f"ours_kernel_{''.join(group)}"] = host_us(lambda: kern(*a))
+        res = kern(*a)
+        if stats and group == ("q",):
+            env.update(zip(stats, res[len(group):]))
+    x = torch.randn(B, H, q.shape[2], D, device="cuda")
+    row["torch_to_bf16"] = host_us(lambda: x.to(torch.bfloat16))
+    row["torch_empty"] = host_us(lambda: torch.empty_like(x))
+    return row
+
+
+def engine_split(kw, q, k, v, g, reps: int = 200) -> dict:
+    """Host microseconds of ``torch.autograd.grad`` over our step, split into the time
+    inside our Function's backward, inside ``run_backward``, and the rest (the autograd
+    engine: its thread hand-off, graph walk, checks)."""
+    from neptune_eq.dropin import torch_op
+    spent = {"fn": [], "run": []}
+    real_fn, real_run = torch_op.EagerFlexAttention.backward, flex_backward.run_backward
+
+    def timed_fn(ctx, *a):
+        t0 = time.perf_counter()
+        try:
+            return real_fn(ctx, *a)
+        finally:
+            spent["fn"].append(time.perf_counter() - t0)
+
+    def timed_run(*a):
+        t0 = time.perf_counter()
+        try:
+            return real_run(*a)
+        finally:
+            spent["run"].append(time.perf_counter() - t0)
+    torch_op.EagerFlexAttention.backward = staticmethod(timed_fn)
+    flex_backward.run_backward = timed_run
+    total = []
+    try:
+        for _ in range(reps):
+            out = ne.flex_attention(q, k, v, **kw)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.autograd.grad(out, (q, k, v), g)
+            total.append(time.perf_counter() - t0)
+    finally:
+        torch_op.EagerFlexAttention.backward = staticmethod(real_fn)
+        flex_backward.run_backward = real_run
+    med = {k: statistics.median(x[5:]) * 1e6 for k, x in (("grad", total), *spent.items())}
+    return {"split_grad": med["grad"], "split_function_backward": med["fn"],
+            "split_run_backward": med["run"]}
+
+
+def call_profile(kw, q, k, v, g, calls: int = 500) -> str:
+    """cProfile of ``calls`` direct calls of the first backward kernel (own time)."""
+    import cProfile
+    import io
+    import pstats
+    args = backward_args(kw, q, k, v, g)
+    skey, q_, k_, v_, captured, out, lse, d_out, d_lse, needs = args
+    st = flex.STRUCTURES[skey]
+    names, _, sizes, env = flex_backward.backward_env(st, q_, k_, v_, captured, out, lse,
+                                                      d_out, d_lse)
+    groups = flex_backward.gradient_groups(names, needs, True)
+    bw, kern = next(flex_backward.group_kernels(st, groups, sizes, d_lse is not None, env))[1][:2]
+    a = [env[ph.name] for ph in bw.program.inputs]
+    for _ in range(20):
+        kern(*a)
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        kern(*a)
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+    return buf.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--S", type=int, default=2048)
+    ap.add_argument("--variants", default="plain,causal,window(256),doc(13)")
+    ap.add_argument("--rounds", type=int, default=1, help="measure each variant this often")
+    ap.add_argument("--detail", action="store_true",
+                    help="also split the backward's host time and profile one kernel call")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    flex_c = torch.compile(flex_attention)
+    S, dtype = a.S, torch.bfloat16
+    for name in a.variants.split(",") * a.rounds:
+        row = {"variant": name, "S": S, "device": torch.cuda.get_device_name()}
+        try:
+            kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[name]
+            torch.manual_seed(0)
+            q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(B, hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+                    for _ in range(2))
+            g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+            row.update(segments(lambda q, k, v: ne.flex_attention(q, k, v, **kw), q, k, v, g,
+                                "ours_"))
+            row.update(segments(lambda q, k, v: flex_c(q, k, v, **kw), q, k, v, g, "flex_"))
+            row.update(ours_pieces(kw, q, k, v, g))
+            if a.detail:
+                row.update(engine_split(kw, q, k, v, g))
+                (out / f"call_profile_{name}.txt").write_text(call_profile(kw, q, k, v, g))
+        except Exception as e:  # noqa: BLE001 - recorded, the next row runs
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps({k: round(x, 1) if isinstance(x, float) else x
+                          for k, x in row.items()}), flush=True)
+        with open(out / "step_host.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
