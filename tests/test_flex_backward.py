@@ -77,6 +77,24 @@ def test_causal_softcap_gqa_and_a_fully_masked_row():
     assert bw.program.shape_of("d_k")[1] == 4
 
 
+def test_integer_softcap_gradients_and_gpu_sources():
+    """A softcap written with integers (``tanh(s / 30) * 30``, as users do): its backward
+    derives constants such as ``30 / 30`` in int arithmetic.  The GPU form of every ranked
+    candidate (bf16 products, not the interpreter's fp32) must be valid Python -- it once
+    emitted ``30.to(tl.float32)``, which only the GPU's build reached."""
+    from neptune_eq.lowering.kernelgen import generate
+
+    def softcap(score, b, h, i, j):
+        return torch.tanh(score / 30) * 30
+    check(1, 2, 2, 4, 6, 4, softcap, None, lambda s, i, j: torch.tanh(s / 30) * 30)
+    st = [s for s in flex.STRUCTURES.values() if s.backward][-1]  # (the newest traced)
+    assert "30" in str(st.program)
+    for _, kern, *_rest in st.backward.values():
+        for row in kern.candidates:
+            if row.plan is not None:
+                compile(generate(row.plan, bf16_dot_in_fp32=False).source, "gpu_form", "exec")
+
+
 def test_decode_gradients():
     check(2, 2, 2, 1, 11, 4)
 

@@ -189,7 +189,7 @@ class Emitter:
                     else "int" if a.kind == b.kind == "int" else "f32")
             if op == "div" and kind == "int":
                 kind = "f32"
-                a, b = Tile(f"{a.code}.to(tl.float32)", a.axes, "f32"), self.f32(b)
+                a, b = self.float_of(a), self.float_of(b)  # (a literal gets no .to())
             code = _BINARY[op].format(self.bcast(a, axes), self.bcast(b, axes))
             return self.bind(code, axes, kind, scope)
         if op == "where":
