@@ -95,6 +95,22 @@ def test_integer_softcap_gradients_and_gpu_sources():
                 compile(generate(row.plan, bf16_dot_in_fp32=False).source, "gpu_form", "exec")
 
 
+def test_gpu_form_products_stay_bf16():
+    """The GPU form of every bf16 backward kernel multiplies bf16 tiles (tensor cores):
+    a rewrite that left both operands of a product computed in fp32 (a scale moved onto
+    K, say) would emit an fp32 ``ieee`` product, many times slower, and still pass every
+    interpreter check."""
+    from neptune_eq.lowering.kernelgen import generate
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = ne.flex_attention(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    st = [s for s in flex.STRUCTURES.values() if s.backward][-1]
+    for _, kern, *_rest in st.backward.values():
+        src = generate(kern.chosen_row.plan, bf16_dot_in_fp32=False).source
+        assert "tl.dot(" in src and "ieee" not in src, src
+
+
 def test_decode_gradients():
     check(2, 2, 2, 1, 11, 4)
 
