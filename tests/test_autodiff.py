@@ -259,3 +259,26 @@ def test_saved_constant_and_precomputed_row_statistic_keep_the_gradients():
         with_constant_input(bw, "q", 1.0)
     with pytest.raises(ne.ir.ProgramError, match="intermediate definition"):
         with_definition_as_input(bw, "d_k")
+
+
+def test_guarded_reads_equal_the_fixed_up_input():
+    """``with_guarded_reads``: reading ``where(mx <= -5e29, 1e30, mx)`` in the program
+    equals feeding the fixed-up row shift -- what ``flex_backward`` did with torch ops
+    before each call -- and a guard of another shape is refused."""
+    from neptune_eq.frontend.backward_forms import with_constant_input, with_guarded_reads
+    p = ne.build_program(ne.attention(1, 2, 5, 6, 3, "float64"))
+    bw = backward_program(p, ["q", "k", "v"], constant=("mx",), saved=("mx", "den", "o"))
+    bw = with_constant_input(bw, "den", 1.0)
+    guarded = with_guarded_reads(bw, "mx", "mx", -5e29, 1e30)
+    feed = {ph.name: torch.randn(ph.shape, dtype=torch.float64) for ph in bw.program.inputs}
+    feed["mx"][0, 1, 2] = float("-inf")   # a row with no visible key, as returned
+    feed["mx"][0, 0, 4] = -1e30           # ... as the kernel leaves it when not returned
+    unseen = feed["mx"] <= -5e29
+    fixed = dict(feed, mx=feed["mx"].masked_fill(unseen, 1e30))
+    want = evaluate(bw.program, fixed)
+    got = evaluate(guarded.program, feed)
+    for w in ("d_q", "d_k", "d_v"):
+        assert torch.isfinite(got[w]).all() and torch.equal(got[w], want[w]), w
+    assert torch.isnan(evaluate(bw.program, feed)["d_k"]).any()  # unguarded: NaN
+    with pytest.raises(ne.ir.ProgramError, match="one shape to guard"):
+        with_guarded_reads(bw, "q", "mx", -5e29, 0.0)

@@ -111,6 +111,18 @@ def test_gpu_form_products_stay_bf16():
         assert "tl.dot(" in src and "ieee" not in src, src
 
 
+def test_a_row_masked_by_its_score_mod_has_zero_gradients():
+    """A row whose every score the score_mod sets to -inf (no mask_mod): its lse is -inf
+    and its gradients are exactly 0, never NaN, the lse's cotangent on it included."""
+    def hide_row_2(score, b, h, i, j):
+        return torch.where(i == 2, -float("inf"), score)
+
+    def ref_hide(s, i, j):
+        return s.masked_fill((i == 2) & (j >= 0), float("-inf"))
+    dq, dk, dv = check(1, 2, 2, 5, 6, 4, hide_row_2, None, ref_hide)
+    assert torch.equal(dq[:, :, 2], torch.zeros_like(dq[:, :, 2]))
+
+
 def test_decode_gradients():
     check(2, 2, 2, 1, 11, 4)
 

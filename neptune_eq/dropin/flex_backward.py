@@ -29,7 +29,8 @@ import torch
 from . import flex
 from ..frontend.autodiff import backward_program
 from ..frontend.backward_forms import (note_prepared, only_outputs, with_constant_input,
-                                       with_definition_as_input, with_fp32_output, with_outputs)
+                                       with_definition_as_input, with_fp32_output,
+                                       with_guarded_reads, with_outputs)
 from ..ir import MASKED, ProgramError
 
 SAVED = ("mx", "den", "o")
@@ -65,6 +66,20 @@ def _build_backward(st, wrt, sizes, shared, lse_grad, example=None):
                                  "exp(s − m)/l = exp(s − (m + log l)) makes every row's l = 1")
     if not lse_grad and "d_lse" in bw.cotangents:
         bw = with_constant_input(bw, "d_lse", 0.0, "the loss does not read the lse")
+    # a row that sees no key (lse -inf, or the forward kernel's ~-1e30 when it was not
+    # returned) is shifted so that its every P is 0, and its lse cotangent dropped: in
+    # the row loads, not by torch ops before each call
+    # the returned kernel then fixes up a row with no visible key (lse -inf, or the
+    # forward kernel's ~-1e30 when it was not returned) in its row loads, not torch ops
+    # before each call: its shift makes every exp(s − m) 0, its lse cotangent is dropped
+    # (first the shift, so the cotangent's guard reads the lse as saved)
+    reads = {ph.name for ph in bw.program.inputs}
+    if "mx" in reads:
+        bw = with_guarded_reads(bw, "mx", "mx", MASKED * 0.5, UNSEEN_ROW_SHIFT,
+                                "a row with no visible key: every exp(s − m) underflows to 0")
+    if {"mx", "d_lse"} <= reads:
+        bw = with_guarded_reads(bw, "d_lse", "mx", MASKED * 0.5, 0.0,
+                                "a row with no visible key has no lse to differentiate")
     fused = fused_group(wrt)
     stats = row_statistics(bw) if shared or fused else []
     pre = None
@@ -351,15 +366,12 @@ def backward_env(st, q, k, v, captured: list, out, lse, d_out, d_lse):
     tensors = [q, k, v, *captured]
     sizes = {flex.SIZES[0]: q.shape[0], flex.SIZES[1]: q.shape[2], flex.SIZES[2]: k.shape[2]}
     env = dict(zip(names, tensors))
-    # a row with no visible key (lse -inf, or the kernel's ~-1e30 when the forward did not
-    # return it) -> the shift under which its P is 0; NaN stays NaN
-    lse = lse.float()
-    unseen = lse <= MASKED * 0.5
-    env["mx"] = lse.masked_fill(unseen, UNSEEN_ROW_SHIFT).contiguous()
+    # (a row with no visible key is shifted in the kernels' loads: ``with_guarded_reads``)
+    env["mx"] = lse.float().contiguous()
     env["o"] = out.contiguous()
     env["d_o"] = (torch.zeros_like(out) if d_out is None else d_out.to(out.dtype)).contiguous()
     if d_lse is not None:  # (None: the loss does not use the lse, see backward_kernel)
-        env["d_lse"] = d_lse.float().masked_fill(unseen, 0.0).contiguous()
+        env["d_lse"] = d_lse.float().contiguous()
     return names, tensors, sizes, env
 
 

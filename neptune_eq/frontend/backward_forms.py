@@ -158,6 +158,33 @@ def with_fp32_output(bw: Backward, name: str, why: str = "") -> Backward:
     return Backward(prog, bw.wrt, bw.saved, bw.cotangents)
 
 
+def with_guarded_reads(bw: Backward, name: str, guard: str, below: float, value: float,
+                       why: str = "") -> Backward:
+    """``bw`` where every read ``name[idx]`` becomes ``where(guard[idx] <= below, value,
+    name[idx])``: a per-row fix-up the caller would otherwise make with torch ops before
+    each call (a compare and a masked copy: launches, and host time) done in the kernels'
+    row loads instead.  ``guard`` is read at the same index, so both must be indexed
+    alike (attention's per-row saved values and cotangents)."""
+    p = bw.program
+    shapes = {ph.name: ph.shape for ph in p.inputs}
+    if name not in shapes or guard not in shapes or shapes[name] != shapes[guard]:
+        raise ProgramError(f"Expected two inputs of one shape to guard, got {name!r} and "
+                           f"{guard!r} of {p.inputs}.")
+
+    def swap(t: Term) -> Term:
+        t = t.map_args(swap)
+        if t.op == "load" and t.val == name:
+            g = Term("load", t.args, guard)
+            return Term("where", (Term("le", (g, const(below))), const(value), t))
+        return t
+    defs = [Definition(d.name, d.axes, swap(d.body), d.dtype) for d in p.defs]
+    prog = Program(list(p.inputs), defs, dict(p.extents), list(p.outputs),
+                   note_prepared(dict(p.meta), f"{name} read as {value:g} where {guard} <= "
+                                 f"{below:g}", why))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, bw.saved, bw.cotangents)
+
+
 def only_outputs(bw: Backward, names: list[str], why: str = "") -> Backward:
     """``bw`` computing only its definitions ``names`` (and what they read): the row
     statistics a fused gradient kernel reads, as a kernel of their own."""
