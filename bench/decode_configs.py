@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import neptune_ops as ops  # noqa: E402  - the operators and peers, one definition
 
 import neptune_eq as ne  # noqa: E402
-from neptune_eq.api import _random_inputs  # noqa: E402
+from neptune_eq.runtime.timing import timing_tensors  # noqa: E402
 from neptune_eq.runtime.launcher import TileConfig, compile_in_parallel, time_configs  # noqa: E402
 from neptune_eq.runtime.timing import copy_inputs, device_ms, input_copies  # noqa: E402
 
@@ -76,7 +76,7 @@ def one(op: str, S: int, wide: bool) -> dict:
     for r in kern.candidates:
         if not r.timings:
             continue
-        tensors = _random_inputs(r.program, dict(zip([p.name for p in r.program.inputs], args)))
+        tensors = timing_tensors(r.program, dict(zip([p.name for p in r.program.inputs], args)))
         configs = [c for c, ms, _ in r.timings if ms is not None]
         if wide and r.chosen and r.config.splits:
             seen = {str(c) for c in configs}

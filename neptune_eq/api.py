@@ -19,6 +19,7 @@ from .lowering.inline import isolate_reductions
 from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
 from .runtime.bound_call import BoundCall
+from .runtime.timing import strided_rows, timing_tensors
 from .runtime.launcher import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
 from .choosing.dispatch import SizeDispatch, choose_bucket
 from .sizes import Guards, bind, sizes_of, specialise, symbols
@@ -155,7 +156,7 @@ class Kernel:
             return torch.compiler.disable(self.__call__)(*args, **kwargs)
         if self.target == "cuda":
             args = _rows_contiguous(args)
-            kwargs = {k: v.contiguous() if _strided_rows(v) else v for k, v in kwargs.items()}
+            kwargs = {k: v.contiguous() if strided_rows(v) else v for k, v in kwargs.items()}
         sig = _signature(args) if not kwargs else None
         if sig is not None:
             replay = self._bound.get(sig)
@@ -195,19 +196,12 @@ class Kernel:
         prog = self.input_program
         bound = check_inputs(prog, args, kwargs, self.target, symbolic=True)
         values = sizes_of(prog, bound)
-        launcher = self._dispatch.launcher(values)
+        launcher = self._dispatch.launcher(values, bound)
         dev = "cuda" if self.target == "cuda" else "cpu"
         for name in prog.outputs:
             dims = [values[n.name] if hasattr(n, "name") else n for n in prog.shape_of(name)]
             bound[name] = torch.empty(dims, dtype=getattr(torch, prog.dtype_of(name)), device=dev)
         return bound, launcher
-
-
-def _strided_rows(t) -> bool:
-    """A tensor whose last dimension is not contiguous (stride 1); a dimension of one
-    has no stride that matters."""
-    import torch
-    return isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1
 
 
 def _rows_contiguous(args: tuple) -> tuple:
@@ -217,9 +211,9 @@ def _rows_contiguous(args: tuple) -> tuple:
     generated kernels fault or return wrong values at some tile configs (64x64 tiles, 3
     stages; bench/gpu_validate.py, session 11), where contiguous rows were right at every
     config.  One copy of such an input is the price of never running that form."""
-    if not any(_strided_rows(t) for t in args):
+    if not any(strided_rows(t) for t in args):
         return args
-    return tuple(t.contiguous() if _strided_rows(t) else t for t in args)
+    return tuple(t.contiguous() if strided_rows(t) else t for t in args)
 
 
 def _signature(args: tuple) -> tuple | None:
@@ -353,7 +347,7 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     pool = alternatives(view, program, model, best_term) + top_programs(view, program, split_model)
     clock.lap("extract")
     dev = device_for(gpu_name)
-    tensors = _random_inputs(concrete, example_inputs) if target == "cuda" else None
+    tensors = timing_tensors(concrete, example_inputs) if target == "cuda" else None
     first = choose_bucket(pool, values, target, dev, tensors, top_k, progress)
     chosen = first.row
     clock.lap("lower, compile and time")
@@ -432,25 +426,3 @@ def _run_small_kernel(program: Program, values: dict[str, int], data: dict, targ
                                   dtype=getattr(torch, program.dtype_of(name)))
     launcher(bound)
     return {name: bound[name] for name in program.outputs}
-
-
-def _random_inputs(program: Program, given: dict | None, device: str = "cuda") -> dict:
-    """The tensors configs are timed on: ``given`` ones (a call's own data: document ids
-    decide which blocks a data mask skips, so timing on zeros -- one document -- picks the
-    dense case's tiles) where they match the placeholder's shape, dtype and device; random
-    floats and zero integers for the rest; fresh outputs."""
-    import torch
-    out = {}
-    for ph in program.inputs:
-        dt = getattr(torch, ph.dtype)
-        t = (given or {}).get(ph.name)
-        if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(ph.shape) and t.dtype == dt \
-                and t.device.type == device:
-            out[ph.name] = t.contiguous() if _strided_rows(t) else t  # as a call passes it
-        else:
-            out[ph.name] = (torch.randn(ph.shape, device=device).to(dt) if dt.is_floating_point
-                            else torch.zeros(ph.shape, dtype=dt, device=device))
-    for name in program.outputs:
-        out[name] = torch.empty(program.shape_of(name), dtype=getattr(torch, program.dtype_of(name)),
-                                device=device)
-    return out

@@ -196,11 +196,11 @@ def test_cost_model_sees_register_spills_and_wgmma_shapes():
 def test_configs_are_timed_on_the_given_tensors_where_they_fit():
     """A call's own tensors (document ids decide which blocks a data mask skips) are what
     tile configs are timed on; a tensor of another shape or dtype is replaced, not used."""
-    from neptune_eq.api import _random_inputs
+    from neptune_eq.runtime.timing import timing_tensors
     prog = ne.build_program(examples.attention(1, 2, 8, 12, 16, "float32"))
     q = torch.randn(1, 2, 8, 16)
     wrong = torch.randn(1, 2, 12, 8)          # k of the wrong shape
-    got = _random_inputs(prog, {"q": q, "k": wrong, "v": torch.randn(1, 2, 12, 16).double()},
+    got = timing_tensors(prog, {"q": q, "k": wrong, "v": torch.randn(1, 2, 12, 16).double()},
                          device="cpu")
     assert got["q"] is q
     assert got["k"] is not wrong and tuple(got["k"].shape) == (1, 2, 12, 16)

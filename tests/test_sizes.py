@@ -158,3 +158,33 @@ def test_buckets_chosen_at_call_time_are_cached_for_the_next_process(tmp_path, m
     ref = (x40.double() - x40.double().amax(1, keepdim=True)).exp().sum(1)
     assert torch.allclose(got.double(), ref, rtol=1e-5)
     assert saturations[0] == 1
+
+
+def test_new_buckets_are_timed_on_the_call_only_when_asked(monkeypatch):
+    """``NEPTUNE_EQ_TIME_NEW_BUCKETS=1`` (cudnn.benchmark's counterpart): a bucket first
+    met by a call is chosen by timing on that call's own tensors (with fresh outputs) --
+    on a GPU only, never while a graph is captured; unset, by the cost model alone."""
+    from neptune_eq.choosing import dispatch
+    seen = []
+    real = dispatch.choose_bucket
+
+    def spy(pool, values, target, device, tensors=None, *a, **kw):
+        seen.append(tensors)
+        return real(pool, values, target, device, None, *a, **kw)
+    monkeypatch.setattr(dispatch, "choose_bucket", spy)
+    monkeypatch.setattr(dispatch, "timing_tensors", lambda prog, given: (dict(given), prog))
+    out = ne.attention(1, 2, "S", "S", 16, "float32")
+    kern = ne.superoptimize(out, target="interpreter", cache=False, sizes={"S": 40})
+    kern(*[torch.randn(1, 2, 100, 16) for _ in range(3)])  # the interpreter: never timed
+    monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "1")
+    monkeypatch.setattr(dispatch, "time_new_buckets", lambda target: True)  # as on a GPU
+    ins = [torch.randn(1, 2, 7, 16) for _ in range(3)]
+    kern(*ins)
+    assert seen[-2] is None  # (100, then 7)
+    given, prog = seen[-1]
+    assert list(given) == ["q", "k", "v"] and all(given[n] is t for n, t in zip("qkv", ins))
+    assert prog.shape_of("o") == (1, 2, 7, 16)  # the bucket's program at the call's sizes
+    monkeypatch.undo()
+    assert not dispatch.time_new_buckets("interpreter")
+    monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "0")
+    assert not dispatch.time_new_buckets("cuda")

@@ -19,6 +19,7 @@ from .costmodel import Device
 from ..egraph.extract import Candidate
 from ..ir import Program
 from ..runtime.launcher import Launcher, TileConfig, candidate_configs
+from ..runtime.timing import timing_tensors
 from ..sizes import Guards, bind, bucket_of, specialise
 
 
@@ -64,6 +65,20 @@ def choose_bucket(pool: list[Candidate], values: dict[str, int], target: str, de
     return BucketChoice(guards, program, row, row.config, dict(values), rows)
 
 
+def time_new_buckets(target: str) -> bool:
+    """Whether a bucket first met by a call is chosen by timing its configs on that call's
+    tensors (``NEPTUNE_EQ_TIME_NEW_BUCKETS=1``, like ``torch.backends.cudnn.benchmark``:
+    seconds once per bucket, kept in the disk cache), rather than by the cost model alone.
+    Measured on an H200 (session 15, bench/backward_gpu.py): at S=2048 after a first call
+    at 8192, a timed bucket ran the training step 1.05x (window), 1.12x (13 documents) and
+    1.05x (causal) faster.  Never while a CUDA graph is being captured."""
+    import os
+    if target != "cuda" or os.environ.get("NEPTUNE_EQ_TIME_NEW_BUCKETS", "0") in ("", "0"):
+        return False
+    import torch
+    return not torch.cuda.is_current_stream_capturing()
+
+
 @dataclass
 class SizeDispatch:
     """Per structure: the candidate pool, the buckets chosen so far, a launcher per size."""
@@ -88,24 +103,30 @@ class SizeDispatch:
     def add(self, choice: BucketChoice) -> None:
         self.buckets.setdefault(bucket_of(choice.sizes), []).append(choice)
 
-    def choice_for(self, values: dict[str, int]) -> BucketChoice:
+    def choice_for(self, values: dict[str, int], tensors: dict | None = None) -> BucketChoice:
         for c in self.buckets.get(bucket_of(values), ()):
             if c.guards.hold(values):
                 return c
-        c = choose_bucket(self.pool, values, self.target, self.device)
+        timed = None
+        if tensors is not None and time_new_buckets(self.target):
+            # the call's inputs, random ones where they do not fit, and fresh outputs
+            timed = timing_tensors(bind(self.pool[0].program, values), tensors)
+        c = choose_bucket(self.pool, values, self.target, self.device, timed)
         self.bucket_choices += 1
         self.add(c)
         if self.on_new_bucket is not None:
             self.on_new_bucket()
         return c
 
-    def launcher(self, values: dict[str, int]) -> Launcher:
+    def launcher(self, values: dict[str, int], tensors: dict | None = None) -> Launcher:
+        """The launcher at ``values``; ``tensors``: the call's inputs by name, which a new
+        bucket's tile configs are timed on where ``time_new_buckets`` says so."""
         key = tuple(values[s] for s in self.symbols)
         la = self.launchers.get(key)
         if la is not None:
             self.launchers.move_to_end(key)
         else:
-            c = self.choice_for(values)
+            c = self.choice_for(values, tensors)
             ks = c.row.kernel.concrete(values)
             la = Launcher(bind(c.row.program, values), ks, self.target, c.config.at(values),
                           tuple(values[s] for s in ks.size_params))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from ..ir import Program
+
 MIN_REPLAY_MS = 2.0   # one timed replay runs at least this long (event resolution ~5 us)
 REPLAYS = 5           # timed replays; the median is returned
 MAX_CALLS = 4096      # calls captured in one graph at most
@@ -85,3 +87,32 @@ def device_ms(call, inputs: list) -> float:
         replay_ms(g)
     times = sorted(replay_ms(g) / n for _ in range(REPLAYS))
     return times[len(times) // 2]
+
+
+def strided_rows(t) -> bool:
+    """A tensor whose last dimension is not contiguous (stride 1); a dimension of one
+    has no stride that matters."""
+    import torch
+    return isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1
+
+
+def timing_tensors(program: Program, given: dict | None, device: str = "cuda") -> dict:
+    """The tensors configs are timed on: ``given`` ones (a call's own data: document ids
+    decide which blocks a data mask skips, so timing on zeros -- one document -- picks the
+    dense case's tiles) where they match the placeholder's shape, dtype and device; random
+    floats and zero integers for the rest; fresh outputs."""
+    import torch
+    out = {}
+    for ph in program.inputs:
+        dt = getattr(torch, ph.dtype)
+        t = (given or {}).get(ph.name)
+        if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(ph.shape) and t.dtype == dt \
+                and t.device.type == device:
+            out[ph.name] = t.contiguous() if strided_rows(t) else t  # as a call passes it
+        else:
+            out[ph.name] = (torch.randn(ph.shape, device=device).to(dt) if dt.is_floating_point
+                            else torch.zeros(ph.shape, dtype=dt, device=device))
+    for name in program.outputs:
+        out[name] = torch.empty(program.shape_of(name), dtype=getattr(torch, program.dtype_of(name)),
+                                device=device)
+    return out

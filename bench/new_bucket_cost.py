@@ -1,0 +1,41 @@
+"""What a new size bucket costs the first training step that meets it.
+
+    python bench/new_bucket_cost.py                     # buckets chosen by the cost model
+    NEPTUNE_EQ_TIME_NEW_BUCKETS=1 python bench/new_bucket_cost.py   # ... timed on the call
+
+One fwd+bwd of ne.flex_attention (bf16, B=2, H=16, D=128) at S=8192 -- the cold build of
+every kernel -- then one at S=2048, a bucket none of them has met: the wall time of each
+first step, synchronised.  Run it with an empty ``NEPTUNE_EQ_CACHE`` to see the cold cost.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import neptune_eq as ne  # noqa: E402
+from backward_gpu import B, D, H, variants  # noqa: E402
+
+
+def first_step_seconds(name: str, S: int) -> float:
+    kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[name]
+    q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, hkv, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    g = torch.randn_like(q)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.autograd.grad(ne.flex_attention(q, k, v, **kw), (q, k, v), g)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["window(256)", "causal"]:
+        cold, new = first_step_seconds(name, 8192), first_step_seconds(name, 2048)
+        print(f"{name}: first step at S=8192 (cold) {cold:.2f} s, then at S=2048 "
+              f"(a new bucket) {new:.2f} s", flush=True)
