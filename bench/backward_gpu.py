@@ -232,16 +232,22 @@ def profile(S: int, dtype) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
+def step_tensors(variant: str, S: int, dtype=torch.bfloat16) -> tuple:
+    """(the variant's flex kwargs, q, k, v needing gradients, an output cotangent g) for
+    one training step at length ``S``, seeded."""
+    kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[variant]
+    torch.manual_seed(0)
+    q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    return kw, q, k, v, torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+
+
 def host_profile(S: int, dtype, variant: str = "causal") -> str:
     """Where the host's time per fwd+bwd goes (cProfile, 200 warm steps) next to the
     device's (kernel time per step from the profiler): is the step host-bound here?"""
     from host_profile import host_profile as profile_host
-    kw, Hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[variant]
-    torch.manual_seed(0)
-    q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
-            for _ in range(2))
-    g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+    kw, q, k, v, g = step_tensors(variant, S, dtype)
     fn = lambda q, k, v: ne.flex_attention(q, k, v, **kw)  # noqa: E731
     flex_c = torch.compile(flex_attention)
     dev_us, kernels = device_kernels(fn, q, k, v, g)

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import neptune_eq as ne  # noqa: E402
-from backward_gpu import B, D, H, variants  # noqa: E402
+from backward_gpu import step_tensors  # noqa: E402
 from neptune_eq.dropin import flex, flex_backward  # noqa: E402
 
 
@@ -141,17 +141,11 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16
     for S in [int(s) for s in a.lengths.split(",")]:
         for name in a.variants.split(","):
             row = {"variant": name, "S": S, "device": torch.cuda.get_device_name()}
             try:
-                kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[name]
-                torch.manual_seed(0)
-                q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
-                k, v = (torch.randn(B, hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
-                        for _ in range(2))
-                g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+                kw, q, k, v, g = step_tensors(name, S)
                 fs = forms(backward_args(kw, q, k, v, g))
                 ref = fs["sequential"]()
                 for form, fn in fs.items():

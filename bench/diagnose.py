@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,15 +31,8 @@ PEERS = True
 
 
 def _host_us(fn, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    from host_profile import loop_us
+    return loop_us(fn, n)
 
 
 def _setup(op, S):

@@ -18,15 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import neptune_eq as ne  # noqa: E402
-from backward_gpu import B, D, H, variants  # noqa: E402
+from backward_gpu import step_tensors  # noqa: E402
 
 
 def first_step_seconds(name: str, S: int) -> float:
-    kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[name]
-    q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(B, hkv, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(2))
-    g = torch.randn_like(q)
+    kw, q, k, v, g = step_tensors(name, S)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     torch.autograd.grad(ne.flex_attention(q, k, v, **kw), (q, k, v), g)

@@ -31,8 +31,9 @@ from torch.nn.attention.flex_attention import flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import neptune_eq as ne  # noqa: E402
-from backward_gpu import B, D, H, variants  # noqa: E402
+from backward_gpu import B, D, H, step_tensors  # noqa: E402
 from backward_streams_probe import backward_args  # noqa: E402
+from host_profile import loop_us  # noqa: E402
 from neptune_eq.dropin import flex, flex_backward  # noqa: E402
 
 
@@ -48,19 +49,6 @@ def host_us(fn, reps: int = 200) -> float:
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return statistics.median(times) * 1e6
-
-
-def loop_us(fn, reps: int = 200) -> float:
-    """Microseconds per ``fn()`` in a loop that never synchronises (host-bound pace when
-    the host is slower than the GPU)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def segments(fn, q, k, v, g, prefix: str) -> dict:
@@ -196,16 +184,11 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     flex_c = torch.compile(flex_attention)
-    S, dtype = a.S, torch.bfloat16
+    S = a.S
     for name in a.variants.split(",") * a.rounds:
         row = {"variant": name, "S": S, "device": torch.cuda.get_device_name()}
         try:
-            kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[name]
-            torch.manual_seed(0)
-            q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
-            k, v = (torch.randn(B, hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
-                    for _ in range(2))
-            g = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+            kw, q, k, v, g = step_tensors(name, S)
             row.update(segments(lambda q, k, v: ne.flex_attention(q, k, v, **kw), q, k, v, g,
                                 "ours_"))
             row.update(segments(lambda q, k, v: flex_c(q, k, v, **kw), q, k, v, g, "flex_"))
