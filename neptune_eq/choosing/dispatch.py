@@ -70,8 +70,9 @@ def time_new_buckets(target: str) -> bool:
     tensors (``NEPTUNE_EQ_TIME_NEW_BUCKETS=1``, like ``torch.backends.cudnn.benchmark``:
     seconds once per bucket, kept in the disk cache), rather than by the cost model alone.
     Measured on an H200 (session 15, bench/backward_gpu.py): at S=2048 after a first call
-    at 8192, a timed bucket ran the training step 1.05x (window), 1.12x (13 documents) and
-    1.05x (causal) faster.  Never while a CUDA graph is being captured."""
+    at 8192, a timed bucket ran the graphed training step 1.05x (window), 1.06x (13
+    documents) and 1.05x (causal) faster than the cost model's pick.  Never while a CUDA
+    graph is being captured."""
     import os
     if target != "cuda" or os.environ.get("NEPTUNE_EQ_TIME_NEW_BUCKETS", "0") in ("", "0"):
         return False

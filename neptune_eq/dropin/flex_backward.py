@@ -66,9 +66,6 @@ def _build_backward(st, wrt, sizes, shared, lse_grad, example=None):
                                  "exp(s − m)/l = exp(s − (m + log l)) makes every row's l = 1")
     if not lse_grad and "d_lse" in bw.cotangents:
         bw = with_constant_input(bw, "d_lse", 0.0, "the loss does not read the lse")
-    # a row that sees no key (lse -inf, or the forward kernel's ~-1e30 when it was not
-    # returned) is shifted so that its every P is 0, and its lse cotangent dropped: in
-    # the row loads, not by torch ops before each call
     # the returned kernel then fixes up a row with no visible key (lse -inf, or the
     # forward kernel's ~-1e30 when it was not returned) in its row loads, not torch ops
     # before each call: its shift makes every exp(s − m) 0, its lse cotangent is dropped

@@ -169,7 +169,7 @@ def with_guarded_reads(bw: Backward, name: str, guard: str, below: float, value:
     shapes = {ph.name: ph.shape for ph in p.inputs}
     if name not in shapes or guard not in shapes or shapes[name] != shapes[guard]:
         raise ProgramError(f"Expected two inputs of one shape to guard, got {name!r} and "
-                           f"{guard!r} of {p.inputs}.")
+                           f"{guard!r}; the inputs are {shapes}.")
 
     def swap(t: Term) -> Term:
         t = t.map_args(swap)
