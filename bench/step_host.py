@@ -81,11 +81,7 @@ def ours_pieces(kw, q, k, v, g) -> dict:
         st, q_, k_, v_, captured, out, lse, d_out, d_lse))
     names, _, sizes, env = flex_backward.backward_env(st, q_, k_, v_, captured, out, lse,
                                                       d_out, d_lse)
-    groups = flex_backward.gradient_groups(names, needs,
-                                           torch.are_deterministic_algorithms_enabled())
-    if any(flex_backward.fused_group(gr) for gr in groups) and not flex_backward.fused_is_faster(
-            st, names, needs, sizes, d_lse is not None, env):
-        groups = flex_backward.gradient_groups(names, needs, deterministic=True)
+    groups = flex_backward.chosen_groups(st, names, needs, sizes, d_lse is not None, env)
     row["ours_form"] = "+".join("".join(gr) for gr in groups)
     for group, built in flex_backward.group_kernels(st, groups, sizes, d_lse is not None, env):
         bw, kern, _, _, stats, pre = built

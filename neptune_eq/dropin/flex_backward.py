@@ -332,10 +332,7 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
                                f"{t.dtype}; only float captured tensors have gradients.")
     got = {}
-    groups = gradient_groups(names, needs, torch.are_deterministic_algorithms_enabled())
-    if st.target == "cuda" and any(fused_group(g) for g in groups) and \
-            not fused_is_faster(st, names, needs, sizes, d_lse is not None, env):
-        groups = gradient_groups(names, needs, deterministic=True)
+    groups = chosen_groups(st, names, needs, sizes, d_lse is not None, env)
     for group, built in group_kernels(st, groups, sizes, d_lse is not None, env):
         bw, kern, rows, expanded, stats, pre = built
         if pre is not None:  # the fused kernel's row statistics, by their own kernel
@@ -354,6 +351,16 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
                 g = g.unflatten(1, (g.shape[1] // n, n)).sum(2)
             got[name] = g
     return [got[n].to(t.dtype) if n in got else None for n, t in zip(names, tensors)]
+
+
+def chosen_groups(st, names, needs, sizes, lse_grad: bool, env: dict) -> list[tuple[str, ...]]:
+    """The gradient groups this call runs: the fused one unless deterministic algorithms
+    are on or, on the GPU, the timer found the two-kernel form faster."""
+    groups = gradient_groups(names, needs, torch.are_deterministic_algorithms_enabled())
+    if st.target == "cuda" and any(fused_group(g) for g in groups) and \
+            not fused_is_faster(st, names, needs, sizes, lse_grad, env):
+        groups = gradient_groups(names, needs, deterministic=True)
+    return groups
 
 
 def backward_env(st, q, k, v, captured: list, out, lse, d_out, d_lse):
