@@ -19,7 +19,7 @@ import re
 
 from neptune_eq.ir import Term
 from neptune_eq.lowering.codegen import LOOP, Emitter, Tile
-from neptune_eq.lowering.kernelgen import _fold_order, _loop_body  # noqa: F401  (reused)
+from neptune_eq.lowering.kernelgen import _loop_body  # the package's fold-update emission
 from neptune_eq.lowering.lower import LoweringError, TilePlan, replace_folds
 
 ROWS = 64  # rows per consumer warpgroup (one wgmma M)
@@ -84,7 +84,7 @@ def _gl(lines: list[str]) -> list[str]:
     return [re.sub(r"\btl\.", "gl.", ln) for ln in lines]
 
 
-def _row_base(em: GluonEmitter, load: Term, row_axis_var: str) -> str:
+def _row_base(em: GluonEmitter, load: Term) -> str:
     """Row of the flattened (…, rows, cols) view where this load's tile starts, minus the
     tile's own row index: Σ_k idx_k·stride_k / row_stride over the program-constant
     positions (inputs are contiguous, so every batch/head stride is a multiple)."""
@@ -108,12 +108,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> str:
 
     # consumer prologue (scope 0) and body scopes ------------------------------------------
     em.push("    ")
-    rest = "pid_grid"
-    for a in reversed(plan.grid_axes):
-        n = plan.grid_extent(a)
-        em.emit(f"ax_{a} = {rest} % {n}")
-        em.emit(f"{rest}_{a} = {rest} // {n}")
-        rest = f"{rest}_{a}"
+    for ln in bases_prelude(plan):
+        em.emit(ln.strip())
+    for a in plan.grid_axes:
         em.env[a] = f"ax_{a}"
     em.env[ba] = ba
     em.emit(f"offs_{ba} = my_first + gl.arange(0, {ROWS}, S_ROWS)")
@@ -213,9 +210,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> str:
     rng.append("n_blocks = gl.maximum(gl.cdiv(j_hi - j_lo, B_L), 1)")
     # bases of the three streamed tensors' tiles in their flattened 2-D views
     em.push("    ")
-    a_row = _row_base(em, a_load, ba)
-    b_row = _row_base(em, b_load, LOOP)
-    c_row = _row_base(em, c_load, LOOP)
+    a_row = _row_base(em, a_load)
+    b_row = _row_base(em, b_load)
+    c_row = _row_base(em, c_load)
     bases = em.pop()
 
     sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
@@ -230,10 +227,10 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> str:
         "warpgroup_mma, warpgroup_mma_wait",
         "", "",
         "@gluon.jit",
-        f"def _producer(a_desc, b_desc, c_desc, a_smem, b_bufs, c_bufs, a_bar, b_ready, b_empty, "
-        f"c_ready, c_empty, a_row, b_row, c_row, j_lo, n_blocks, B_L: gl.constexpr):",
+        "def _producer(a_desc, b_desc, c_desc, a_smem, b_bufs, c_bufs, a_bar, b_ready, b_empty, "
+        "c_ready, c_empty, a_row, b_row, c_row, j_lo, n_blocks, B_L: gl.constexpr):",
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
-        f"    mbarrier.expect(a_bar, 2 * a_desc.block_type.nbytes)",
+        "    mbarrier.expect(a_bar, 2 * a_desc.block_type.nbytes)",
         "    tma.async_copy_global_to_shared(a_desc, [a_row, 0], a_bar, a_smem.index(0))",
         f"    tma.async_copy_global_to_shared(a_desc, [a_row + {ROWS}, 0], a_bar, a_smem.index(1))",
         "    for jb in range(n_blocks):",

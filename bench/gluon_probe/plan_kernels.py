@@ -88,7 +88,6 @@ def launch(mod, prog, tensors, block_keys, stages=2):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    d = q.shape[-1]
 
     def desc(t, rows):
         flat = t.reshape(-1, t.shape[-1])
