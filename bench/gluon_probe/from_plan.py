@@ -18,22 +18,22 @@ from __future__ import annotations
 import re
 
 from neptune_eq.ir import Term
-from neptune_eq.lowering.codegen import LOOP, Emitter, Tile
-from neptune_eq.lowering.kernelgen import _loop_body  # the package's fold-update emission
-from neptune_eq.lowering.lower import LoweringError, TilePlan, replace_folds
+from neptune_eq.lowering.codegen import LOOP, Emitter, Tile, grid_decode, init_fill
+from neptune_eq.lowering.kernelgen import _epilogue, _loop_body  # the package's emission
+from neptune_eq.lowering.lower import LoweringError, TilePlan
 
 ROWS = 64  # rows per consumer warpgroup (one wgmma M)
 
 
 class GluonEmitter(Emitter):
     """The package's tile-expression emitter, with the two contractions taken over by the
-    warp-specialised skeleton and loads/stores written without TMA branches."""
+    warp-specialised skeleton.  Loads and stores stay pointer ones: no kernel axis has a
+    descriptor range here (``ranges`` is empty), so ``descriptors`` emits no TMA branch."""
 
     def __init__(self, plan: TilePlan, name: str):
         super().__init__(plan, name)
         self.qk: tuple[Term, Term] | None = None   # the loads of the first contraction
         self.pv: Term | None = None                # the load of the second one's right side
-        self.pv_fold: str | None = None
 
     def _try_dot(self, t: Term, kaxis: str, scope: int):
         a, b = t.args
@@ -69,16 +69,6 @@ class GluonEmitter(Emitter):
             return self.bind(f"(1.0 - 2.0 / (tl.exp(2.0 * ({a.code})) + 1.0))", a.axes, "f32", scope)
         return super()._expr(t, scope)
 
-    def _load(self, t: Term, scope: int) -> Tile:
-        idx = [self.expr(a) for a in t.args]
-        axes = self.canon(sum((i.axes for i in idx), ()))
-        off = " + ".join(f"{self.bcast(i, axes)} * {t.val}_s{k}" for k, i in enumerate(idx)) or "0"
-        m = self.mask(axes)
-        dtype = self.p.dtype_of(t.val)
-        kind = "int" if dtype in ("int32", "int64") else "bool" if dtype == "bool" else dtype
-        mask = f", mask={m}, other=0" if m else ""
-        return self.bind(f"tl.load({t.val}_ptr + {off}{mask})", axes, kind, scope)
-
 
 def _gl(lines: list[str]) -> list[str]:
     return [re.sub(r"\btl\.", "gl.", ln) for ln in lines]
@@ -107,9 +97,11 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> str:
     args = [f"{t}_ptr" for t in tensors] + strides
 
     # consumer prologue (scope 0) and body scopes ------------------------------------------
+    if plan.fold_outputs or any(item.loop_axes for item in plan.epilogue):
+        raise LoweringError("Row statistics and epilogue column loops are outside the prototype.")
     em.push("    ")
-    for ln in bases_prelude(plan):
-        em.emit(ln.strip())
+    for ln in grid_decode(plan):
+        em.emit(ln)
     for a in plan.grid_axes:
         em.env[a] = f"ax_{a}"
     em.env[ba] = ba
@@ -122,7 +114,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> str:
     em.push("    ")
     for f in ps.folds:
         axes = em.canon(a for a in f.state_axes if a not in plan.grid_axes)
-        fill = "-1e30" if f.op in ("max", "rollmax") else "0.0"
+        fill = init_fill(f.op)
         shape = "[" + ", ".join(str(ROWS) if a == ba else str(plan.whole_axes[a]) for a in axes) + "]"
         lay = "S_ROWS" if len(axes) == 1 else "S_LAYOUT"
         em.emit(f"{f.name} = gl.full({shape}, {fill}, gl.float32, {lay})")
@@ -184,19 +176,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> str:
 
     # epilogue: the deferred last P·c, then the plan's epilogue expressions, stored
     em.push("    ")
-    for item in plan.epilogue:
-        if item.loop_axes:
-            raise LoweringError("An epilogue column loop is outside the skeleton.")
-        tile = em.f32(em.expr(replace_folds(item.expr, plan.state_of)))
-        idx = [em.expr(Term("var", (), a)) for a in item.axes]
-        taxes = em.canon(sum((i.axes for i in idx), ()))
-        off = " + ".join(f"{em.bcast(i, taxes)} * {item.name}_s{k}" for k, i in enumerate(idx))
-        em.emit(f"gl.store({item.name}_ptr + {off}, ({em.bcast(tile, taxes)}).to(DTYPE), "
-                f"mask={em.mask(taxes)})")
+    _epilogue(em)
     epilogue = em.pop()
     prologue = em.pop()
-    if plan.fold_outputs:
-        raise LoweringError("Fold outputs (row statistics) are not stored by the prototype yet.")
 
     a_load, b_load = em.qk
     c_load = em.pv
@@ -286,7 +268,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> str:
         "    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
         "    pid_grid = gl.program_id(1)",
         *["    " + ln for ln in rng],
-        *_gl(bases_prelude(plan)), *_gl(bases),
+        *["    " + ln for ln in grid_decode(plan)], *_gl(bases),
         f"    a_row = {a_row} + row_first",
         f"    b_row = {b_row}",
         f"    c_row = {c_row}",
@@ -311,12 +293,3 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> str:
     ]
     return "\n".join(src) + "\n"
 
-
-def bases_prelude(plan: TilePlan) -> list[str]:
-    """Grid-axis decoding for the top-level kernel (the bases read ax_<grid axis>)."""
-    out, rest = [], "pid_grid"
-    for a in reversed(plan.grid_axes):
-        n = plan.grid_extent(a)
-        out += [f"    ax_{a} = {rest} % {n}", f"    {rest}_{a} = {rest} // {n}"]
-        rest = f"{rest}_{a}"
-    return out

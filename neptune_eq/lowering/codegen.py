@@ -39,6 +39,22 @@ _SIMPLE = re.compile(r"^(-?[0-9.e+-]+|[A-Za-z_][A-Za-z_0-9]*)$")
 _ARITH = {"add", "sub", "mul", "div", "maximum", "minimum"}
 
 
+def init_fill(op: str) -> str:
+    """A fold state's starting value: the identity of its operator."""
+    return NEG if op in ("max", "rollmax") else POS if op == "min" else "0.0"
+
+
+def grid_decode(plan: TilePlan) -> list[str]:
+    """Lines that split the flat program id ``pid_grid`` into one ``ax_<a>`` per grid axis
+    (last axis fastest)."""
+    lines, rest = [], "pid_grid"
+    for a in reversed(plan.grid_axes):
+        n = plan.grid_extent(a)
+        lines += [f"ax_{a} = {rest} % {n}", f"{rest}_{a} = {rest} // {n}"]
+        rest = f"{rest}_{a}"
+    return lines
+
+
 @dataclass(frozen=True)
 class Tile:
     code: str                 # a variable name or literal

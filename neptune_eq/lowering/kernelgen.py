@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import descriptors
-from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile
+from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile, grid_decode, init_fill
 from ..ir import Term, accessed, rename_axis
 from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
@@ -97,8 +97,7 @@ def _fold_order(folds: list[Fold]) -> list[Fold]:
 
 
 def _init(em: Emitter, f: Fold, axes) -> str:
-    fill = NEG if f.op in ("max", "rollmax") else POS if f.op == "min" else "0.0"
-    return f"tl.full({em.shape(axes)}, {fill}, tl.float32)"
+    return f"tl.full({em.shape(axes)}, {init_fill(f.op)}, tl.float32)"
 
 
 def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
@@ -111,12 +110,9 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
         em.emit("pid_split = tl.program_id(2)")
     if width_axis:
         em.emit("pid_width = tl.program_id(2)")
-    rest = "pid_grid"
-    for a in reversed(plan.grid_axes):
-        n = plan.grid_extent(a)
-        em.emit(f"ax_{a} = {rest} % {n}")
-        em.emit(f"{rest}_{a} = {rest} // {n}")
-        rest = f"{rest}_{a}"
+    for line in grid_decode(plan):
+        em.emit(line)
+    for a in plan.grid_axes:
         em.env[a] = f"ax_{a}"
     ba = plan.block_axis
     em.env[ba] = ba
