@@ -33,7 +33,8 @@ from neptune_eq.choosing import choose as ch
 from neptune_eq.choosing.costmodel import device_for
 from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
-from neptune_eq.runtime.launcher import Launcher, candidate_configs, compile_in_parallel
+from neptune_eq.runtime.launcher import Launcher, candidate_configs
+from neptune_eq.runtime.tuning import compile_in_parallel
 from neptune_eq.sizes import bind
 
 TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}

@@ -20,6 +20,7 @@ from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
 from .runtime.bound_call import BoundCall
 from .runtime.timing import strided_rows, timing_tensors
+from .runtime.gluon_launch import make_launcher
 from .runtime.launcher import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
 from .choosing.dispatch import SizeDispatch, choose_bucket
 from .sizes import Guards, bind, sizes_of, specialise, symbols
@@ -181,7 +182,7 @@ class Kernel:
         """Inputs and freshly allocated outputs by name, checked, and the launcher."""
         import torch
         if self._launcher is None:
-            self._launcher = Launcher(self.program, self.kernel_source, self.target, self.config)
+            self._launcher = make_launcher(self.program, self.kernel_source, self.target, self.config)
         bound = check_inputs(self.program, args, kwargs, self.target)
         dev = "cuda" if self.target == "cuda" else "cpu"
         for name in self.program.outputs:

@@ -43,7 +43,17 @@ def main():
     fn = getattr(mod, kernel)
     sig = {n: spec["dtypes"].get(n, "constexpr" if n in spec["constexprs"] else "i32")
            for n in fn.arg_names}
-    src = ASTSource(fn, signature=sig, constexprs=spec["constexprs"])
+    if spec.get("gluon"):  # a Gluon kernel (runtime/gluon_launch.sm90_spec): TMA descriptors
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon._runtime import GluonASTSource
+        short = {"float16": "fp16", "bfloat16": "bf16"}
+        for name, (rows, width, dt) in spec["descs"].items():
+            layout = gl.NVMMASharedLayout.get_default_for([rows, width], getattr(gl, dt))
+            sig[name] = f"tensordesc<{short[dt]}[{rows}, {width}],{layout!r}>"
+        consts = {(fn.arg_names.index(k),): v for k, v in spec["constexprs"].items()}
+        src = GluonASTSource(fn, sig, consts)
+    else:
+        src = ASTSource(fn, signature=sig, constexprs=spec["constexprs"])
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})

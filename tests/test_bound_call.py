@@ -12,7 +12,7 @@ from neptune_eq import api
 from neptune_eq.dropin import flex
 from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
-from neptune_eq.runtime import launcher as launcher_mod
+from neptune_eq.runtime import launcher as launcher_mod, tuning
 from neptune_eq.runtime.bound_call import BoundCall
 from neptune_eq.runtime.launch import int_classes
 from neptune_eq.runtime.launcher import Launcher, TileConfig
@@ -191,7 +191,7 @@ def test_configs_are_timed_as_replayed_calls(monkeypatch):
     prog = kern.input_program
     ins = random_inputs(prog)
     out = torch.full(prog.shape_of("o"), float("nan"))
-    res = launcher_mod.time_configs(kern.program, kern.kernel_source, "interpreter",
+    res = tuning.time_configs(kern.program, kern.kernel_source, "interpreter",
                                     {**ins, "o": out}, [kern.config])
     assert res == [(kern.config, 1.0, "ok")] and replays[0] == 1
     ref = evaluate(prog, ins)["o"]   # the replay it timed, run once more, is right

@@ -152,7 +152,7 @@ def test_unaligned_tensors_fall_back_to_pointer_loads():
 def test_rows_under_16_bytes_run_the_pointer_form():
     """Head dim 4 in fp16: 8-byte rows, no TMA stride -- the TMA config runs pointer loads,
     and the GPU timer records the TMA configs as skipped instead of timing them."""
-    from neptune_eq.runtime.launcher import time_configs
+    from neptune_eq.runtime.tuning import time_configs
     kern = ne.superoptimize(examples.attention(1, 1, 5, 9, 4, "float16"), target="interpreter",
                             cache=False)
     prog = kern.input_program
@@ -250,7 +250,7 @@ def test_data_mask_key_ranges_compile_for_sm90():
 def test_a_config_that_fails_to_compile_is_recorded_and_skipped(monkeypatch):
     """A warp-specialised config whose compile raises (as causal + 4 warps did on Triton
     3.6) is recorded with its reason by the timer, not compiled twice, never fatal."""
-    from neptune_eq.runtime import launcher as lr
+    from neptune_eq.runtime import launcher as lr, tuning
     kern = ne.superoptimize(examples.attention(1, 1, 16, 32, 16, "float16"), target="interpreter",
                             cache=False)
     ks, prog = kern.kernel_source, kern.program
@@ -262,9 +262,9 @@ def test_a_config_that_fails_to_compile_is_recorded_and_skipped(monkeypatch):
         if self.config.warp_specialize:
             raise RuntimeError("PassManager::run failed\nunsupported load type for producer commit")
     monkeypatch.setattr(lr.Launcher, "compile", compile_)
-    monkeypatch.setattr(lr, "compile_threads", lambda: 2)
+    monkeypatch.setattr(tuning, "compile_threads", lambda: 2)
     ins = {n: torch.randn(prog.shape_of(n)).half() for n in ("q", "k", "v", "o")}
-    lr.compile_in_parallel([(prog, ks, kern.config), (prog, ks, ws)], "cuda", ins)
+    tuning.compile_in_parallel([(prog, ks, kern.config), (prog, ks, ws)], "cuda", ins)
     assert len(calls) == 2
-    res = lr.time_configs(prog, ks, "cuda", ins, [ws])
+    res = tuning.time_configs(prog, ks, "cuda", ins, [ws])
     assert res == [(ws, None, "failed: unsupported load type for producer commit")]

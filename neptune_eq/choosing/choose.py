@@ -20,8 +20,8 @@ from ..egraph.extract import Candidate
 from ..ir import Program
 from ..lowering.kernelgen import KernelSource, generate
 from ..lowering.lower import LoweringError, TilePlan, plan as make_plan
-from ..runtime.launcher import (TileConfig, candidate_configs, compile_in_parallel, load_kernel,
-                               time_configs)
+from ..runtime.launcher import TileConfig, candidate_configs, load_kernel
+from ..runtime.tuning import compile_in_parallel, time_configs
 
 
 @dataclass
@@ -120,14 +120,15 @@ def prune_configs(plan: TilePlan, configs: list[TileConfig], device: Device) -> 
     def excess(c):
         return registers_per_thread(plan, c.blocks.get(f"B_{plan.block_axis}", 16),
                                     c.blocks.get("B_L", 16), c.num_warps, False) - REGISTERS
-    pointer = [c for c in configs if not c.tma]
+    pointer = [c for c in configs if not c.tma and not c.gluon_ws]
     fits = [c for c in pointer if excess(c) <= SPILL_DROP]
     if len(fits) < min(POINTER_MIN, len(pointer)):
         fits = best(pointer, POINTER_MIN)
     pointer = [c for c in pointer if any(c is f for f in fits)]  # in the hand order
     tma = best([c for c in configs if c.tma and not c.warp_specialize], TMA_KEEP)
     ws = best([c for c in configs if c.warp_specialize], WS_KEEP)
-    return pointer + tma + ws
+    gluon = [c for c in configs if c.gluon_ws]  # a separate kernel form: each ring depth timed
+    return pointer + tma + ws + gluon
 
 
 # Calls predicted shorter than this are timed on the GPU alone (``runtime.timing``): from

@@ -18,6 +18,7 @@ from .choose import CandidateRow, choose, rank
 from .costmodel import Device
 from ..egraph.extract import Candidate
 from ..ir import Program
+from ..runtime.gluon_launch import make_launcher
 from ..runtime.launcher import Launcher, TileConfig, candidate_configs
 from ..runtime.timing import timing_tensors
 from ..sizes import Guards, bind, bucket_of, specialise
@@ -129,7 +130,7 @@ class SizeDispatch:
         else:
             c = self.choice_for(values, tensors)
             ks = c.row.kernel.concrete(values)
-            la = Launcher(bind(c.row.program, values), ks, self.target, c.config.at(values),
+            la = make_launcher(bind(c.row.program, values), ks, self.target, c.config.at(values),
                           tuple(values[s] for s in ks.size_params))
             self.launchers[key] = la
             if len(self.launchers) > MAX_LAUNCHERS:  # a growing KV cache: keep recent sizes

@@ -17,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import descriptors
-from .codegen import _TL_DTYPE, ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile, grid_decode, init_fill
-from ..ir import Term, accessed, rename_axis
+from .codegen import ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile, grid_decode, init_fill
+from ..ir import accessed
 from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
-from .scatter_code import emit_scattered
+from .fold_body import epilogue, fold_order, loop_body
+from . import gluon_ws
 from .summary_kernel import prepass_source
-from .lower import Fold, LoweringError, TilePlan, combine_width_axis, drop_atoms, replace_folds
+from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 
 
@@ -49,6 +50,8 @@ class KernelSource:
     warp_specializable: tuple = ()  # warp counts for warp-specialised configs
     prepass: object = None            # summary_kernel.Prepass: the one launch that builds them
     scattered: tuple = ()             # outputs added into atomically: zeroed before a launch
+    gluon: object = None              # gluon_ws.GluonForm: the warp-specialised form, if any
+    gluon_why: str = ""               # ... else why the plan has none
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -77,23 +80,6 @@ class KernelSource:
         if not self.split_extent:
             return pre + names
         return pre + (names[2:] if fused else names[:2])
-
-
-def _fold_order(folds: list[Fold]) -> list[Fold]:
-    """Producers before the folds that read their running values."""
-    names = {f.name for f in folds}
-    done: list[Fold] = []
-    pending = list(folds)
-    while pending:
-        for f in pending:
-            deps = {n.val for n in f.term.walk() if n.op in ("run", "prev")} & names
-            if deps <= {d.name for d in done} | {f.name}:
-                done.append(f)
-                pending.remove(f)
-                break
-        else:
-            raise LoweringError("Folds read each other's running values in a cycle.")
-    return done
 
 
 def _init(em: Emitter, f: Fold, axes) -> str:
@@ -236,7 +222,7 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = 
     loop_var = f"loop{k}"
     atoms = data_atoms(em.plan, ps) if test else []
     if not atoms:
-        _loop_body(em, k, loop_var, known)
+        loop_body(em, k, loop_var, known)
     else:  # a mask over captured tensors: skip / unmask whole blocks by their summaries
         may, must, drop = emit_block_test(em, ps, atoms, loop_var, ps.extent)
         em.emit(f"if {may}:  # some pair of this block may be visible (else: skipped)")
@@ -253,83 +239,9 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = 
 def _branch(em: Emitter, k: int, loop_var: str, known: frozenset, indent: str) -> None:
     """The loop body in its own scope (nothing it computes is shared with another branch)."""
     em.push(indent)
-    _loop_body(em, k, loop_var, known)
+    loop_body(em, k, loop_var, known)
     lines = em.pop()
     em.scopes[-1][0].extend(lines)
-
-
-def _loop_body(em: Emitter, k: int, loop_var: str, known: frozenset) -> None:
-    """Every fold of pass ``k`` updated by the current key block; ``known``: mask atoms
-    that hold on the whole block (dropped from the body)."""
-    ps = em.plan.passes[k]
-    em.env[loop_var] = LOOP
-    atoms = frozenset(rename_axis(t, "@j", loop_var) for t in known)
-    folds = [Fold(f.name, drop_atoms(rename_axis(f.term, f.axis, loop_var), atoms), f.state_axes,
-                  f.owner, f.pass_index) for f in ps.folds]
-    ordered = _fold_order(folds)
-    for f in ordered:
-        em.running[f.name] = (f.name, f"{f.name}_new")
-    blk: dict[str, str] = {}  # plain fold -> its value over this block alone
-    for f in ordered:
-        st = em.states[f.name]
-        local = _block_local(em, f, blk)
-        body = _at_block(f.term.args[0], local, "run") if local else f.term.args[0]
-        part = em.reduce_tile(f.op, body, f.axis, LOOP, -1, ps.extent)
-        partc = em.bcast(part, st.axes)
-        if f.op in ("max", "min") and em.plan.block_rebase:
-            blk[f.name] = f"{f.name}_blk"
-            em.emit(f"{f.name}_blk = {partc}")
-            em.states[f"{f.name}_blk"] = Tile(f"{f.name}_blk", st.axes, "f32")
-            partc = f"{f.name}_blk"
-        if f.op == "max":
-            upd = f"tl.maximum({f.name}, {partc})"
-        elif f.op == "min":
-            upd = f"tl.minimum({f.name}, {partc})"
-        elif f.op == "sum":
-            upd = f"{f.name} + {partc}"
-        elif f.op == "rollmax":
-            corr = em.f32(em.expr(f.term.args[1]))
-            upd = f"tl.maximum({f.name} + {em.bcast(corr, st.axes)}, {partc})"
-        else:  # rollsum / splitk: t' = t·h(R→R') + Σ_block g(R')
-            corr = em.f32(em.expr(f.term.args[1]))
-            if not set(corr.axes) <= set(st.axes):
-                raise LoweringError(f"The correction of {f.name} depends on the loop axis.")
-            if local:  # ... + h(R_blk→R')·Σ_block g(R_blk): the split-k combine, per block
-                rb = em.f32(em.expr(_at_block(f.term.args[1], local, "prev")))
-                partc = f"{partc} * {em.bcast(rb, st.axes)}"
-            upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
-        em.emit(f"{f.name}_new = {upd}")
-    for sc in ps.scattered:  # outputs summed over the rows: this block's term, atomically
-        emit_scattered(em, sc, loop_var, atoms)
-    for f in ordered:
-        em.emit(f"{f.name} = {f.name}_new")
-    em.env.pop(loop_var, None)
-    for f in ps.folds:
-        em.running.pop(f.name, None)
-
-
-def _block_local(em: Emitter, f: Fold, blk: dict[str, str]) -> dict[str, str]:
-    """Producers of rolling sum ``f`` whose block value stands in for their running one
-    (``TilePlan.block_rebase``): plain max/min folds of this pass -- a block's own value is
-    self-contained and, like the running one, a stabiliser (exp(s − m_blk) ≤ 1).  A sum's
-    block value is neither (1/√0 on a padded block), so its readers keep the running one.
-    Empty: update ``f`` the usual way."""
-    if not (em.plan.block_rebase and f.op in ("rollsum", "splitk")):
-        return {}
-    prods = accessed(f.term, ("run", "prev"))
-    if not prods or not prods <= set(blk):
-        return {}
-    return {p: blk[p] for p in prods}
-
-
-def _at_block(t: Term, local: dict[str, str], op: str) -> Term:
-    """``t`` with each ``op`` access (run / prev) of a producer in ``local`` reading the
-    producer's block value instead.  exp(s − m_blk) is exactly 1 at the block's max: the
-    fp16 P fed to the P·V dot then rounds one term per block and row exactly, as
-    FlashDecoding's splits do (measurably lower RMS error in decode)."""
-    if t.op == op and t.val in local:
-        return Term("ref", (), local[t.val])
-    return t.map_args(lambda a: _at_block(a, local, op))
 
 
 def _scratch_offset(em: Emitter, f: Fold, split: Tile) -> tuple[str, tuple[str, ...], int]:
@@ -376,7 +288,7 @@ def _combine(em: Emitter, cache: str = "") -> None:
     folds = em.plan.passes[0].folds
     by_name = {f.name: f for f in folds}
     level: dict[str, int] = {}
-    for f in _fold_order(folds):
+    for f in fold_order(folds):
         deps = accessed(f.term, ("run", "prev")) & set(by_name)
         level[f.name] = 1 + max((level[d] for d in deps), default=-1)
     ident = {"max": NEG, "rollmax": NEG, "min": POS}
@@ -440,7 +352,7 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     last.emit("tl.store(sem, 0)")
     _init_states(last)
     _combine(last, cache=", cache_modifier='.cg'")
-    _epilogue(last)
+    epilogue(last)
     body = last.pop()
     em.scopes[-1][0].extend(last.pop() + body)
     em.tmp = last.tmp
@@ -454,48 +366,15 @@ def _grid_size(plan: TilePlan) -> int:
     return n
 
 
-def _epilogue(em: Emitter) -> None:
-    plan, p = em.plan, em.p
-    for item in plan.epilogue:
-        expr = replace_folds(item.expr, plan.state_of)
-        for a in item.axes:
-            em.env.setdefault(a, a)
-        if len(item.loop_axes) > 1:
-            raise LoweringError(f"{item.name}: more than one column axis to loop over.")
-        if item.loop_axes:
-            (ca,) = item.loop_axes
-            em.env[ca] = ECOL
-            ext = p.extents[ca]
-            em.emit(f"# epilogue pass over {ca} for {item.name}")
-            em.emit(f"for c0 in range(0, {ext}, B_{ECOL}):")
-            em.push(em.scopes[0][2] + "    ")
-            em.emit(f"offs_{ECOL} = c0 + tl.arange(0, B_{ECOL})")
-            em.emit(f"mask_{ECOL} = (offs_{ECOL} < {ext}) | EVEN_{ECOL}")
-            em.ranges[ECOL] = ("c0", f"{ext}")
-            _store(em, item.name, em.expr(expr), item.axes)
-            em.scopes[1][0].extend(em.pop())
-            em.env.pop(ca)
-            em.ranges.pop(ECOL)
-        else:
-            _store(em, item.name, em.expr(expr), item.axes)
-    for f in plan.fold_outputs:
-        _store(em, f.owner, em.states[f.name], f.state_axes)
-
-
-def _store(em: Emitter, name: str, tile: Tile, axes: tuple[str, ...]) -> None:
-    p = em.p
-    idx = [em.expr(Term("var", (), a)) for a in axes]
-    taxes = em.canon(sum((i.axes for i in idx), ()))
-    off = " + ".join(f"{em.bcast(i, taxes)} * {name}_s{k}" for k, i in enumerate(idx)) or "0"
-    val = em.f32(tile)
-    code = em.bcast(val, taxes)
-    if set(val.axes) != set(taxes):
-        code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
-    dt = _TL_DTYPE[p.dtype_of(name)]
-    m = em.mask(taxes)
-    line = f"tl.store({name}_ptr + {off}, ({code}).to({dt}){', mask=' + m if m else ''})"
-    if not descriptors.store(em, name, idx, taxes, f"({code}).to({dt})", line):
-        em.emit(line)
+def _gluon_form(plan: TilePlan, name: str):
+    """(the plan's warp-specialised Gluon form or None, why not): a lowering choice the
+    timer weighs on Hopper (``runtime.gluon_launch``); the ``tl`` form always exists."""
+    try:
+        return gluon_ws.generate(plan, f"{name}_ws"), ""
+    except LoweringError as e:
+        return None, str(e)
+    except Exception as e:  # noqa: BLE001 - a gap in the Gluon emitter must not cost the tl form
+        return None, f"the Gluon emitter failed ({type(e).__name__}: {e})"
 
 
 def _kernel_text(name: str, sig: list[str], em: Emitter) -> list[str]:
@@ -553,12 +432,14 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
         _init_states(em)
         for k in range(len(plan.passes)):
             _pass_loop(em, k, split=False)
-        _epilogue(em)
+        epilogue(em)
         text = header + _kernel_text(name, ptrs + stride_args + consts, em)
         # warp specialisation was right on Triton 3.6 only around a contraction (descriptors)
         has_dot = any("tl.dot(" in line for line in text)
         scattered = tuple(sc.name for ps in plan.passes for sc in ps.scattered)
+        form, why = _gluon_form(plan, name)
         return KernelSource(name, "\n".join(text) + "\n" + pre_text, **common,
+                            gluon=form, gluon_why=why,
                             descriptors=descriptors.collect([em.desc]), scattered=scattered,
                             warp_specializable=() if scattered else descriptors.warp_specializable(
                                 em.desc, plan, bool(summaries), has_dot))
@@ -577,7 +458,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
     _combine(em)
-    _epilogue(em)
+    epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
                         + [f"B_{SPLIT}: tl.constexpr"], em)
     states.append(em.desc)
@@ -592,5 +473,6 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
                          + consts + [f"B_{SPLIT}: tl.constexpr"], em)
     return KernelSource(name, "\n".join(header + part + comb + fused) + "\n" + pre_text, **common,
                         split_extent=plan.passes[0].extent, scratch=scratch,
+                        gluon_why=_gluon_form(plan, name)[1],
                         descriptors=descriptors.collect(states),
                         combine_width=(width, plan.whole_axes[width]) if width else None)

@@ -19,8 +19,8 @@ from pathlib import Path
 from ..lowering.kernelgen import KernelSource
 from ..lowering.lower import split_factors
 from .block_summary import SummaryPrepass, build_summaries
-from .bound_call import BoundCall
-from .descriptors import TMA_NEEDS, ensure_allocator, tma_ok
+from .descriptors import ensure_allocator, tma_ok
+from .gluon_device import gluon_unavailable
 from .launch import FastLaunch, _triton_int_specialisation, class_launch_key, current_stream, launch_key
 from ..ir import Program, ProgramError
 from .triton_mode import check_interpreter_importable, enable_interpreter
@@ -67,15 +67,21 @@ def load_kernel(ks: KernelSource, interpret: bool) -> list:
 
 
 def _import_kernel(ks: KernelSource, interpret: bool) -> list:
-    digest = hashlib.sha256((ks.source + str(interpret)).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"{ks.name}_{digest}.py"
+    return import_source(ks.source, ks.name, ks.kernel_names, interpret)
+
+
+def import_source(source: str, name: str, kernel_names: list[str], interpret: bool) -> list:
+    """The named kernels of a generated module, imported from a file in the cache folder
+    (Triton and Gluon read a kernel's source from its file)."""
+    digest = hashlib.sha256((source + str(interpret)).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{name}_{digest}.py"
     if not path.exists():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(ks.source)
+        tmp.write_text(source)
         os.replace(tmp, path)
     modname = f"neptune_eq_generated_{digest}"
     if modname in sys.modules:
-        return [getattr(sys.modules[modname], n) for n in ks.kernel_names]
+        return [getattr(sys.modules[modname], n) for n in kernel_names]
     if interpret:
         enable_interpreter()
         check_interpreter_importable()
@@ -83,7 +89,7 @@ def _import_kernel(ks: KernelSource, interpret: bool) -> list:
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod
     spec.loader.exec_module(mod)
-    return [getattr(mod, n) for n in ks.kernel_names]
+    return [getattr(mod, n) for n in kernel_names]
 
 
 @dataclass
@@ -96,6 +102,8 @@ class TileConfig:
     tma: bool = False        # tiles through tensor descriptors (lowering/descriptors.py)
     warp_specialize: bool = False  # the main key loop warp-specialised (needs tma)
     loop_stages: int = 0     # pipeline depth of the main key loop (0: num_stages)
+    gluon_ws: bool = False   # the warp-specialised Gluon form (lowering/gluon_ws.py);
+    #                          num_stages is then the depth of its TMA ring
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
@@ -104,6 +112,7 @@ class TileConfig:
         sp += " tma" if self.tma else ""
         sp += " warp-specialized" if self.warp_specialize else ""
         sp += f" loop-stages={self.loop_stages}" if self.loop_stages else ""
+        sp += " gluon-ws" if self.gluon_ws else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
 
     def at(self, values: dict) -> "TileConfig":
@@ -116,7 +125,7 @@ class TileConfig:
         return {"blocks": dict(self.blocks), "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused,
                 "tma": self.tma, "warp_specialize": self.warp_specialize,
-                "loop_stages": self.loop_stages}
+                "loop_stages": self.loop_stages, "gluon_ws": self.gluon_ws}
 
     @property
     def pointer_form(self) -> "TileConfig":
@@ -162,7 +171,20 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             out.append(TileConfig(blocks, w, s, sp))
             if sp:  # and split-k in one launch: timing decides
                 out.append(TileConfig(blocks, w, s, sp, fused=True))
-    return out + lowering_variants(ks, out)
+    return out + lowering_variants(ks, out) + gluon_configs(ks)
+
+
+def gluon_configs(ks: KernelSource) -> list[TileConfig]:
+    """The warp-specialised Gluon form's configs (``lowering/gluon_ws.py``), where the plan
+    has one and this machine runs it (``gluon_device.gluon_unavailable``): 128 rows per
+    program (two consumer warpgroups), the key block its form was emitted for, and a TMA
+    ring 2 or 3 deep (3 fills 224 KiB of shared memory at width 128; timing decides).
+    Not for a decode (at most 16 rows): a 128-row program would compute mostly padding."""
+    form = getattr(ks, "gluon", None)
+    if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
+        return []
+    blocks = {f"B_{ks.block_axis}": 128, "B_L": form.widths[1]}
+    return [TileConfig(dict(blocks), 4, ring, gluon_ws=True) for ring in (2, 3)]
 
 
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
@@ -500,101 +522,3 @@ def check_inputs(program: Program, args, kwargs, target: str, symbolic: bool = F
             raise ProgramError(f"Expected {ph.name} on {want_device} (target {target}), got "
                                f"{t.device}; move it with .to('{want_device}').")
     return bound
-
-
-def compile_threads() -> int:
-    """Threads that compile tile configs at once (``NEPTUNE_EQ_COMPILE_THREADS``; 1 turns
-    it off).  Triton's compile spends most of its time in MLIR/LLVM passes and ptxas, which
-    do not hold the GIL, so threads overlap them."""
-    env = os.environ.get("NEPTUNE_EQ_COMPILE_THREADS")
-    if env is not None:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"Expected NEPTUNE_EQ_COMPILE_THREADS to be a positive int, got {env!r}.")
-        return int(env)
-    return max(1, min(16, os.cpu_count() or 1))
-
-
-# (source, config) -> why it failed to compile on a thread: the timer records it without
-# compiling it a second time (a failed warp-specialised compile costs seconds)
-_COMPILE_FAILED: dict[tuple[str, str], str] = {}
-
-
-def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], target: str,
-                        tensors: dict, values: dict | None = None) -> None:
-    """Compile the (program, kernel, config) jobs on a thread pool before they are timed
-    one by one: a cold choice compiles a dozen or more configs, ~1 s each.  A config that
-    fails here is left for ``time_configs`` to record with its reason."""
-    from concurrent.futures import ThreadPoolExecutor
-    from ..sizes import bind
-    threads = compile_threads()
-    if target != "cuda" or threads == 1 or len(jobs) < 2:
-        return
-    values = values or {}
-
-    def one(job):
-        program, ks, cfg = job
-        if ks.size_params:
-            program, ks = bind(program, values), ks.concrete(values)
-        try:
-            Launcher(program, ks, target, cfg.at(values),
-                     tuple(values[s] for s in ks.size_params)).compile(tensors)
-        except Exception as e:  # noqa: BLE001 - recorded when the config is timed
-            msg = str(e).strip().splitlines()
-            _COMPILE_FAILED[(ks.source, str(cfg.at(values)))] = msg[-1] if msg else type(e).__name__
-
-    for ks in {id(k): k for _, k, _ in jobs}.values():  # import each module once, not racing
-        load_kernel(ks.concrete(values) if ks.size_params else ks, False)
-    with ThreadPoolExecutor(threads, thread_name_prefix="neptune_eq-compile") as pool:
-        list(pool.map(one, jobs))
-
-
-def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
-                 configs: list[TileConfig], values: dict | None = None, host: bool = False
-                 ) -> list[tuple[TileConfig, float | None, str]]:
-    """Time every config on the GPU (median ms per call); failures are recorded, not
-    raised.  ``values``: the named sizes of ``tensors`` when the kernel takes them at run
-    time.  The time is the GPU's (``runtime.timing.device_ms``: replayed from a CUDA
-    graph, over copies of the inputs that exceed L2); ``host=True`` times the call from
-    the host instead (``do_bench``: host launch path included, for reports)."""
-    from triton.testing import do_bench
-    from ..sizes import bind
-    from . import timing
-    values = values or {}
-    if ks.size_params:
-        program, ks = bind(program, values), ks.concrete(values)
-    size_args = tuple(values[s] for s in ks.size_params)
-    names = [ph.name for ph in program.inputs]
-    inputs = [tensors[n] for n in names]
-    out = []
-    tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
-    copies = None
-    for cfg in configs:
-        if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
-            out.append((cfg, None, f"skipped: {TMA_NEEDS} (these inputs do not)"))
-            continue
-        why = _COMPILE_FAILED.get((ks.source, str(cfg.at(values))))
-        if why is not None:
-            out.append((cfg, None, f"failed: {why}"))
-            continue
-        try:
-            la = Launcher(program, ks, target, cfg.at(values), size_args)
-            la(tensors)  # compiles, and checks the direct launch under this key
-            # Timed as a call will run: replayed (``bound_call``).
-            try:
-                call = BoundCall(la, names, tensors, program.outputs)
-            except ValueError:  # a form the replay does not cover: the general call
-                call = lambda args: la({**tensors, **dict(zip(names, args))})  # noqa: E731
-            if host:
-                ms = do_bench(lambda: call(inputs), warmup=10, rep=40, return_mode="median")
-            else:
-                if copies is None:
-                    l2 = timing.l2_bytes(inputs[0].device)
-                    copies = timing.copy_inputs(inputs, timing.input_copies(inputs, l2))
-                ms = timing.device_ms(call, copies)
-            out.append((cfg, float(ms), "ok"))
-        except Exception as e:  # a config that does not compile (e.g. out of shared memory)
-            msg = str(e).strip().splitlines()
-            out.append((cfg, None, f"failed: {msg[-1] if msg else type(e).__name__}"))
-    if all(ms is None for _, ms, _ in out):
-        warnings.warn("No tile config compiled on the GPU: " + "; ".join(s for *_, s in out))
-    return out

@@ -1,0 +1,350 @@
+"""The warp-specialised Gluon form for Hopper (sm_90): a lowering choice of a tile plan.
+
+Triton's ``tl`` kernels stop at ~0.8x cuDNN on Hopper (bench/results/neptune_ops.md);
+cuDNN's design -- a producer warp streaming tiles by TMA into an mbarrier ring, two
+consumer warpgroups each issuing its own wgmma -- is written in Gluon
+(``triton.experimental.gluon``), and at that design a Triton kernel matches cuDNN
+(bench/results/gluon_probe_s16).  This module emits that design from a plan:
+
+* The skeleton is the lowering of one *shape* of pass, recognised from the plan's folds:
+  a pass whose folds read one contraction ``Σ_d a[.., row, d]·b[.., key, d]`` of two
+  16-bit inputs (``b``'s tiles stream through the ring) and whose one column-carrying
+  rolling sum adds a second contraction ``Σ_key P·c[.., key, e]`` (``c`` streams too).
+* The second contraction is *deferred one block*: ``o' = o·h + P·c`` becomes
+  ``a' = (a + P_prev·c_prev)·h``, so block j's math runs while block j-1's P·c is on the
+  tensor cores (FlashAttention-3's intra-warpgroup overlap).
+* Everything between the contractions -- score mods, masks, the max/sum folds and their
+  corrections, the epilogue -- is the package's own ``Emitter`` and ``fold_body`` code
+  from the plan's terms, with ``tl`` calls rewritten for Gluon and tiles laid out as the
+  wgmma accumulator.  Nothing here names attention.
+* An affine mask cuts each warpgroup's key loop into edge / interior / edge loops (the
+  interior body has the mask atoms dropped), as ``kernelgen`` does; an in-flight wgmma
+  accumulator may cross a loop boundary but not an if/else, so there is no per-block
+  branch.
+
+Scope: one unsplit, unpacked pass; no data-mask block tests, no atomically summed
+outputs, no epilogue column loops; the contraction width and ``c``'s column width are 64
+or 128 and the key block equals ``c``'s column width (one accumulator layout serves the
+score tile and the rolling state).  Plans outside it raise ``LoweringError`` and keep
+the ``tl`` forms.  The launcher (``runtime.gluon_launch``) builds the TMA descriptors.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..ir import Term
+from .block_skip import summary_specs
+from .codegen import LOOP, Emitter, Tile, grid_decode, init_fill
+from .fold_body import epilogue, loop_body
+from .lower import LoweringError, TilePlan
+
+ROWS = 64          # rows per consumer warpgroup (one wgmma M)
+CTA_ROWS = 2 * ROWS  # two consumer warpgroups per program
+WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
+
+
+@dataclass
+class GluonForm:
+    """The Gluon module of a plan and what its launcher needs."""
+    name: str
+    source: str
+    streamed: tuple[str, str, str]   # inputs (a, b, c): row tile, first and second contraction's
+    widths: tuple[int, int]          # (contraction width of a/b, column width of c = key block)
+    dtype: str                       # the 16-bit dtype of a, b and c
+    params: list[str]                # pointer parameters after the three descriptors
+
+
+class GluonEmitter(Emitter):
+    """The package's tile-expression emitter with the two contractions taken over by the
+    skeleton.  Loads and stores stay pointer ones: no kernel axis has a descriptor range
+    here (``ranges`` is empty), so ``descriptors`` emits no TMA branch."""
+
+    def __init__(self, plan: TilePlan, name: str):
+        super().__init__(plan, name)
+        self.qk: tuple[Term, Term] | None = None   # the loads of the first contraction
+        self.pv: Term | None = None                # the load of the second one's right side
+
+    def _try_dot(self, t: Term, kaxis: str, scope: int):
+        a, b = t.args
+        if kaxis in self.plan.whole_axes and a.op == "load" and b.op == "load":
+            if self.qk is not None and (a.val, b.val) != (self.qk[0].val, self.qk[1].val):
+                raise LoweringError("Two different first contractions in one pass.")
+            self.qk = self.qk or (a, b)
+            return Tile("qk", self.canon((self.plan.block_axis, LOOP)), "f32")
+        if kaxis == LOOP and b.op == "load":
+            p = self.f32(self.expr(a))
+            if self.canon(p.axes) != (self.plan.block_axis, LOOP):
+                raise LoweringError("The second contraction's left side is not a score tile.")
+            if self.pv is not None and self.pv.val != b.val:
+                raise LoweringError("Two different second contractions in one pass.")
+            self.pv = b
+            masked = f"tl.where(mask_{LOOP}[None, :], {p.code}, 0.0)"
+            self.emit(f"p_op = tl.convert_layout(({masked}).to(DTYPE), P_LAYOUT)")
+            col = next(x for x in self.load_axes(b) if x != LOOP)
+            return Tile("0.0", self.canon((self.plan.block_axis, col)), "f32")
+        raise LoweringError("A contraction the skeleton does not issue as a wgmma.")
+
+    def load_axes(self, load: Term) -> tuple[str, ...]:
+        out = []
+        for a in load.args:
+            role = self.env.get(a.val) if a.op == "var" else None
+            if isinstance(role, str) and role in self.order:
+                out.append(role)
+        return tuple(out)
+
+    def _expr(self, t: Term, scope: int) -> Tile:
+        if t.op == "tanh":  # Gluon has no sigmoid: tanh x = 1 − 2/(e^{2x} + 1)
+            a = self.float_of(self.expr(t.args[0]))
+            return self.bind(f"(1.0 - 2.0 / (tl.exp(2.0 * ({a.code})) + 1.0))", a.axes, "f32",
+                             scope)
+        return super()._expr(t, scope)
+
+
+def _gl(lines: list[str]) -> list[str]:
+    return [re.sub(r"\btl\.", "gl.", ln) for ln in lines]
+
+
+def _row_base(em: GluonEmitter, load: Term) -> str:
+    """Row of the flattened (…, rows, cols) view where this load's tile starts, less the
+    tile's own row index: Σ_k idx_k·stride_k / row_stride over the program-constant
+    positions (the launcher passes contiguous inputs only, so each stride is a multiple)."""
+    n = len(load.args)
+    parts = [f"({em.expr(a).code}) * {load.val}_s{k}" for k, a in enumerate(load.args[:n - 2])]
+    return f"({' + '.join(parts) or '0'}) // {load.val}_s{n - 2}"
+
+
+def check_scope(plan: TilePlan) -> None:
+    """Raise ``LoweringError`` (saying why) for a plan outside the skeleton's scope."""
+    if plan.split or plan.packed or len(plan.passes) != 1:
+        raise LoweringError("The warp-specialised form takes one unsplit, unpacked pass.")
+    if summary_specs(plan) or plan.passes[0].scattered:
+        raise LoweringError("Data-mask block tests and scattered outputs are not in the "
+                            "warp-specialised form.")
+    if any(item.loop_axes for item in plan.epilogue):
+        raise LoweringError("Epilogue column loops are not in the warp-specialised form.")
+    for a, n in plan.whole_axes.items():
+        if n not in WIDTHS or plan.program.extents[a] != n:
+            raise LoweringError(f"Axis {a} is {plan.program.extents[a]} wide; the "
+                                f"warp-specialised form takes widths {WIDTHS}.")
+
+
+def _interior_loops(ps, body_edge, body_in, issue, with_wait) -> list[str]:
+    """Blocks 1.. of a warpgroup: [1, in_lo) edge, [in_lo, in_hi) interior, [in_hi, n)
+    edge, where interior blocks are visible to all of this warpgroup's rows."""
+    ind = "        "
+    out = ["    in_lo = 1", "    in_hi = n_blocks"]
+    if ps.lo_offset is not None:  # first block whose first key is visible to the last row
+        out.append(f"    in_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
+                   f"+ ({ps.lo_offset}) - j_lo, 0), B_L), 1), n_blocks)")
+    if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
+        out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
+                   f"- j_lo, 0) // B_L, n_blocks), in_lo)")
+    head = ["        l0 = j_lo + jb * B_L", "        st = jb % STAGES",
+            "        ph = (jb // STAGES) & 1", "        prev = (jb - 1) % STAGES"]
+    issued = [ind + ln for ln in issue]
+    for lo, hi, body, note in (("1", "in_lo", body_edge, "edge"),
+                               ("in_lo", "in_hi", body_in, "interior: no mask"),
+                               ("in_hi", "n_blocks", body_edge, "edge")):
+        if body_edge is body_in and lo != "1":
+            break  # no mask atoms: one loop over every block
+        if body_edge is body_in:
+            hi = "n_blocks"
+        out += [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued,
+                *with_wait(body, True)]
+    return out
+
+
+def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
+    """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope."""
+    check_scope(plan)
+    ps = plan.passes[0]
+    p = plan.program
+    ba = plan.block_axis
+    em = GluonEmitter(plan, name)
+    tensors = [ph.name for ph in p.inputs] + list(p.outputs)
+    strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
+    sizes = [f"n_{s}" for s in p.meta.get("size_params", ())]
+    args = [f"{t}_ptr" for t in tensors] + strides + sizes
+
+    # consumer prologue (scope 0: axes and hoisted invariants; scope 1: fold states)
+    em.push("    ")
+    for ln in grid_decode(plan):
+        em.emit(ln)
+    for a in plan.grid_axes:
+        em.env[a] = f"ax_{a}"
+    em.env[ba] = ba
+    em.emit(f"offs_{ba} = my_first + gl.arange(0, {ROWS}, S_ROWS)")
+    em.emit(f"mask_{ba} = offs_{ba} < {plan.row_extent}")
+    for a, n in plan.whole_axes.items():
+        em.env.setdefault(a, a)
+        em.emit(f"offs_{a} = gl.arange(0, {n}, S_COLS)")
+        em.emit(f"mask_{a} = offs_{a} < {p.extents[a]}")
+    em.push("    ")
+    for f in ps.folds:
+        axes = em.canon(a for a in f.state_axes if a not in plan.grid_axes)
+        shape = "[" + ", ".join(str(ROWS) if a == ba else str(plan.whole_axes[a]) for a in axes) + "]"
+        lay = "S_ROWS" if len(axes) == 1 else "S_LAYOUT"
+        em.emit(f"{f.name} = gl.full({shape}, {init_fill(f.op)}, gl.float32, {lay})")
+        em.states[f.name] = Tile(f.name, axes, "f32")
+    prologue_tail = em.pop()
+
+    def fragment(known: frozenset) -> list[str]:
+        em.push("        ")
+        em.emit(f"offs_{LOOP} = l0 + cols")
+        # EVEN_L (constexpr): every key block is whole, and the key-extent mask folds away
+        em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_L")
+        loop_body(em, 0, "loop0", known)
+        return em.pop()
+
+    body_edge = fragment(frozenset())
+    body_in = fragment(ps.bound_atoms) if ps.bound_atoms else body_edge
+    pv_fold = next((f.name for f in ps.folds if len(f.state_axes) > len(plan.grid_axes) + 1), None)
+    if em.qk is None or em.pv is None or pv_fold is None:
+        raise LoweringError("The pass has no pair of contractions for the skeleton.")
+    streamed = (em.qk[0].val, em.qk[1].val, em.pv.val)
+    dts = {p.dtype_of(t) for t in streamed}
+    if len(dts) != 1 or not dts <= {"float16", "bfloat16"}:
+        raise LoweringError(f"The streamed inputs {streamed} must share one 16-bit dtype, "
+                            f"got {sorted(dts)}.")
+    col = next(x for x in em.load_axes(em.pv) if x != LOOP)
+    kax = next(x for x in em.load_axes(em.qk[0]) if x in plan.whole_axes)
+    widths = (plan.whole_axes[kax], plan.whole_axes[col])
+
+    def with_wait(lines: list[str], wait: bool) -> list[str]:
+        """Before the rolling state's update: wait for the deferred P·c and free its slot."""
+        out = []
+        for ln in lines:
+            if wait and ln.strip().startswith(f"{pv_fold}_new ="):
+                pad = ln[:len(ln) - len(ln.lstrip())]
+                out.append(f"{pad}{pv_fold} = warpgroup_mma_wait(0, deps=({pv_fold}, ))")
+                out.append(f"{pad}mbarrier.arrive(c_empty.index(prev), count=1)")
+            out.append(ln)
+        return out
+
+    # Block j > 0 issues its first contraction and block j-1's deferred P·c, waits for the
+    # former only, and runs the block's math while the latter is on the tensor cores.
+    issue = ["mbarrier.wait(b_ready.index(st), ph)",
+             "qk = warpgroup_mma(q_tile, b_bufs.index(st).permute((1, 0)), zero_s, "
+             "use_acc=False, is_async=True)",
+             "mbarrier.wait(c_ready.index(prev), ((jb - 1) // STAGES) & 1)",
+             f"{pv_fold} = warpgroup_mma(p_op, c_bufs.index(prev), {pv_fold}, is_async=True)",
+             "qk = warpgroup_mma_wait(1, deps=(qk, ))",
+             "mbarrier.arrive(b_empty.index(st), count=1)"]
+
+    em.push("    ")
+    epilogue(em)
+    epi = em.pop()
+    prologue = em.pop()
+
+    rng = [f"row_first = row_block * {CTA_ROWS}", f"row_last = row_first + {CTA_ROWS - 1}",
+           "j_lo = 0", f"j_hi = {ps.extent}"]
+    if ps.lo_offset is not None:  # the affine bounds of the pass over the program's rows
+        rng.append(f"j_lo = (gl.maximum(row_first + ({ps.lo_offset}), 0) // B_L) * B_L")
+    if ps.hi_offset is not None:
+        rng.append(f"j_hi = gl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
+    rng.append("n_blocks = gl.maximum(gl.cdiv(j_hi - j_lo, B_L), 1)")
+    em.push("    ")
+    a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))
+    bases = em.pop()
+
+    sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
+    shared = ", ".join(["a_smem", "b_bufs", "c_bufs", "a_bar", "b_ready", "b_empty", "c_ready",
+                        "c_empty", "pid_grid", "row_block", "j_lo", "n_blocks"] + args)
+    src = [
+        "# generated by neptune_eq (lowering/gluon_ws.py) from the program:",
+        *[f"#   {ln}" for ln in str(p).splitlines()],
+        "from triton.experimental import gluon",
+        "from triton.experimental.gluon import language as gl",
+        "from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, "
+        "warpgroup_mma, warpgroup_mma_wait",
+        "",
+        "# Triton 3.6 names the TMA tile load async_copy_global_to_shared; 3.9 async_load",
+        "tma_load = getattr(tma, 'async_load', None) or tma.async_copy_global_to_shared",
+        "", "",
+        "@gluon.jit",
+        "def _producer(a_desc, b_desc, c_desc, a_smem, b_bufs, c_bufs, a_bar, b_ready, b_empty, "
+        "c_ready, c_empty, a_row, b_row, c_row, j_lo, n_blocks, B_L: gl.constexpr):",
+        "    # one warp: the row tiles once, then b and c key blocks through the ring",
+        "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
+        "    mbarrier.expect(a_bar, 2 * a_desc.block_type.nbytes)",
+        "    tma_load(a_desc, [a_row, 0], a_bar, a_smem.index(0))",
+        f"    tma_load(a_desc, [a_row + {ROWS}, 0], a_bar, a_smem.index(1))",
+        "    for jb in range(n_blocks):",
+        "        s = jb % STAGES",
+        "        ph = (jb // STAGES) & 1",
+        "        mbarrier.wait(b_empty.index(s), ph ^ 1)",
+        "        mbarrier.expect(b_ready.index(s), b_desc.block_type.nbytes)",
+        "        tma_load(b_desc, [b_row + j_lo + jb * B_L, 0], "
+        "b_ready.index(s), b_bufs.index(s))",
+        "        mbarrier.wait(c_empty.index(s), ph ^ 1)",
+        "        mbarrier.expect(c_ready.index(s), c_desc.block_type.nbytes)",
+        "        tma_load(c_desc, [c_row + j_lo + jb * B_L, 0], "
+        "c_ready.index(s), c_bufs.index(s))",
+        "", "",
+        "@gluon.jit",
+        f"def _consumer(a_smem, b_bufs, c_bufs, a_bar, b_ready, b_empty, c_ready, c_empty, "
+        f"pid_grid, row_block, j_lo, n_blocks, {', '.join(args)}, WHICH: gl.constexpr, "
+        f"B_L: gl.constexpr, DTYPE: gl.constexpr, EVEN_L: gl.constexpr):",
+        "    # one warpgroup: 64 rows, its own wgmma issue, block math between the two",
+        "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
+        "    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
+        "warps_per_cta=[4, 1], instr_shape=[16, B_L, 16])",
+        "    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)",
+        "    S_ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)",
+        "    S_COLS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)",
+        f"    my_first = row_block * {CTA_ROWS} + WHICH * {ROWS}",
+        "    cols = gl.arange(0, B_L, S_COLS)",
+        f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
+        *_gl(prologue), *_gl(prologue_tail),
+        "    q_tile = a_smem.index(WHICH)",
+        "    mbarrier.wait(a_bar, 0)",
+        "    # block 0: the first contraction and the block's math; its P·c is issued next block",
+        "    l0 = j_lo",
+        "    mbarrier.wait(b_ready.index(0), 0)",
+        "    qk = warpgroup_mma(q_tile, b_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, "
+        "is_async=True)",
+        "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
+        "    mbarrier.arrive(b_empty.index(0), count=1)",
+        *[ln[4:] for ln in _gl(body_edge)],
+        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait)),
+        "    last = (n_blocks - 1) % STAGES",
+        "    mbarrier.wait(c_ready.index(last), ((n_blocks - 1) // STAGES) & 1)",
+        f"    {pv_fold} = warpgroup_mma(p_op, c_bufs.index(last), {pv_fold}, is_async=True)",
+        f"    {pv_fold} = warpgroup_mma_wait(0, deps=({pv_fold}, ))",
+        "    mbarrier.arrive(c_empty.index(last), count=1)",
+        *_gl(epi),
+        "", "",
+        "@gluon.jit",
+        f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr):",
+        "    DTYPE: gl.constexpr = a_desc.dtype",
+        "    D: gl.constexpr = a_desc.block_type.shape[1]",
+        "    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
+        "    pid_grid = gl.program_id(1)",
+        *["    " + ln for ln in _gl(rng)],
+        *["    " + ln for ln in grid_decode(plan)], *_gl(bases),
+        f"    a_row = {a_row} + row_first",
+        f"    b_row = {b_row}",
+        f"    c_row = {c_row}",
+        f"    a_smem = gl.allocate_shared_memory(DTYPE, [2, {ROWS}, D], a_desc.layout)",
+        "    b_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, D], b_desc.layout)",
+        "    c_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, c_desc.block_type.shape[1]], "
+        "c_desc.layout)",
+        "    a_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())",
+        *[f"    {b} = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
+          for b in ("b_ready", "b_empty", "c_ready", "c_empty")],
+        "    mbarrier.init(a_bar, count=1)",
+        "    for i in gl.static_range(STAGES):",
+        "        mbarrier.init(b_ready.index(i), count=1)",
+        "        mbarrier.init(c_ready.index(i), count=1)",
+        "        mbarrier.init(b_empty.index(i), count=2)  # both consumers read every tile",
+        "        mbarrier.init(c_empty.index(i), count=2)",
+        "    gl.warp_specialize([",
+        f"        (_consumer, ({shared}, 0, B_L, DTYPE, EVEN_L)),",
+        f"        (_consumer, ({shared}, 1, B_L, DTYPE, EVEN_L)),",
+        "        (_producer, (a_desc, b_desc, c_desc, a_smem, b_bufs, c_bufs, a_bar, b_ready, "
+        "b_empty, c_ready, c_empty, a_row, b_row, c_row, j_lo, n_blocks, B_L)),",
+        "    ], [4, 1], [232, 24])",
+    ]
+    return GluonForm(name, "\n".join(src) + "\n", streamed, widths, dts.pop(),
+                     [f"{t}_ptr" for t in tensors])

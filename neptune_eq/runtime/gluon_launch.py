@@ -1,0 +1,138 @@
+"""Run the warp-specialised Gluon form (``lowering/gluon_ws.py``) on torch tensors.
+
+Per call the launcher makes three host TMA descriptors over 2-D views of the streamed
+inputs -- ``a`` (the row tile, 64 rows per consumer warpgroup), ``b`` and ``c`` (one key
+block each) -- flattened to (rows of every batch and head, width).  The kernel finds its
+tile's first row from the strides (``gluon_ws._row_base``), so the inputs must be
+contiguous; a call whose tensors are not runs the ``tl`` form of the same tiles instead
+(slower, never wrong).  Keys past a head's end that a tile reads belong to the next head or
+are zero-filled by TMA; the kernel masks them by the key extent.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..ir import Program
+from ..lowering.gluon_ws import CTA_ROWS, ROWS, GluonForm
+from ..lowering.kernelgen import KernelSource
+from .gluon_device import gluon_unavailable
+from .launcher import Launcher, TileConfig, import_source
+
+GLUON_NEEDS = ("the warp-specialised form needs contiguous streamed inputs with a 16-byte "
+               "aligned base")
+_TORCH_NAMES = {"float16": "float16", "bfloat16": "bfloat16"}
+
+
+def load_gluon(form: GluonForm):
+    """The form's kernel function (imported once per source)."""
+    return import_source(form.source, form.name, [form.name], interpret=False)[0]
+
+
+def gluon_inputs_ok(ks: KernelSource, tensors: dict) -> bool:
+    """Whether these tensors can be streamed by the form's descriptors."""
+    form = ks.gluon
+    for name in form.streamed:
+        t = tensors.get(name)
+        if t is None or not t.is_contiguous() or t.data_ptr() % 16 or t.dim() < 2:
+            return False
+        if str(t.dtype).replace("torch.", "") != form.dtype:
+            return False
+    return True
+
+
+def make_launcher(program: Program, ks: KernelSource, target: str, config: TileConfig,
+                  size_args: tuple = ()):
+    """The launcher of ``config``: the Gluon form's for a ``gluon_ws`` config, else the
+    ``tl`` kernel's (``launcher.Launcher``)."""
+    if config.gluon_ws:
+        return GluonLauncher(program, ks, target, config, size_args)
+    return Launcher(program, ks, target, config, size_args)
+
+
+class GluonLauncher:
+    """One compiled Gluon form with its argument order and grid (on a Hopper GPU only)."""
+    gluon = True
+    tma = False          # no ``tl`` descriptors: the replay (``BoundCall``) does not cover it
+
+    def __init__(self, program: Program, ks: KernelSource, target: str, config: TileConfig,
+                 size_args: tuple = ()):
+        form = getattr(ks, "gluon", None)
+        if form is None:
+            raise ValueError(f"Config {config}: this kernel has no warp-specialised Gluon form "
+                             "(its plan is outside lowering/gluon_ws.py's scope).")
+        why = "the Triton interpreter cannot run Gluon" if target != "cuda" else gluon_unavailable()
+        if why is not None:
+            raise ValueError(f"Config {config}: the warp-specialised Gluon form cannot run "
+                             f"here: {why}. Use a tl config (gluon_ws=False).")
+        rows = config.blocks.get(f"B_{ks.block_axis}", CTA_ROWS)
+        if rows != CTA_ROWS or config.blocks.get("B_L", form.widths[1]) != form.widths[1]:
+            raise ValueError(f"Config {config}: the Gluon form runs {CTA_ROWS}-row programs with "
+                             f"{form.widths[1]}-key blocks, got {config.blocks}.")
+        self.program, self.ks, self.target, self.config = program, ks, target, config
+        self.size_args = tuple(size_args)
+        self.form = form
+        self.fn = load_gluon(form)
+        self.grid = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
+        self.tensors = [ph.name for ph in program.inputs] + list(program.outputs)
+        keys = ks.even_flags.get("EVEN_L", ("B_L", [0]))[1]
+        self.consts = dict(B_L=form.widths[1], STAGES=config.num_stages,
+                           EVEN_L=all(n % form.widths[1] == 0 for n in keys))
+        self._twin = None
+        self.fast_reason = "Triton's launch (the Gluon form)"
+
+    def _descriptors(self, tensors: dict) -> list:
+        import torch
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        gdt = getattr(gl, _TORCH_NAMES[self.form.dtype])
+        out = []
+        for name, rows in zip(self.form.streamed, (ROWS, self.form.widths[1], self.form.widths[1])):
+            t: torch.Tensor = tensors[name]
+            flat = t.view(-1, t.shape[-1])
+            block = [rows, t.shape[-1]]
+            layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+            out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout))
+        return out
+
+    def _args(self, tensors: dict) -> list:
+        args = self._descriptors(tensors) + [tensors[n] for n in self.tensors]
+        args += [s for n in self.tensors for s in tensors[n].stride()]
+        return args + list(self.size_args)
+
+    def _tl_twin(self) -> Launcher:
+        """The ``tl`` form of the same tiles, for calls the descriptors cannot take."""
+        if self._twin is None:
+            self._twin = Launcher(self.program, self.ks, self.target,
+                                  replace(self.config, gluon_ws=False, num_warps=8), self.size_args)
+        return self._twin
+
+    def __call__(self, tensors: dict):
+        if not gluon_inputs_ok(self.ks, tensors):
+            return self._tl_twin()(tensors)
+        self.fn[self.grid](*self._args(tensors), **self.consts, num_warps=4)
+
+    def compile(self, tensors: dict) -> None:
+        """Compile without launching (Triton's ``warmup``), as ``Launcher.compile``."""
+        if not gluon_inputs_ok(self.ks, tensors):
+            return self._tl_twin().compile(tensors)
+        self.fn.warmup(*self._args(tensors), grid=self.grid, **self.consts, num_warps=4)
+
+
+
+def sm90_spec(program: Program, ks: KernelSource, stages: int = 2) -> dict:
+    """The form's kernel signature for an offline sm_90 compile (``tests/sm90_compile.py``
+    compiles it without a GPU: the interpreter cannot run Gluon, so this is how the CPU
+    tests check every emitted form): pointer dtypes, descriptor tiles (rows, width, dtype),
+    constexprs; every other argument is an i32."""
+    form = ks.gluon
+    short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32",
+             "int64": "i64", "bool": "i1"}
+    keys = ks.even_flags.get("EVEN_L", ("B_L", [0]))[1]
+    bl, width = form.widths[1], form.widths[0]
+    return {"gluon": True, "num_warps": 4, "num_stages": 1,
+            "dtypes": {f"{t}_ptr": "*" + short[program.dtype_of(t)]
+                       for t in [ph.name for ph in program.inputs] + list(program.outputs)},
+            "descs": {"a_desc": [ROWS, width, form.dtype], "b_desc": [bl, width, form.dtype],
+                      "c_desc": [bl, bl, form.dtype]},
+            "constexprs": {"B_L": bl, "STAGES": stages,
+                           "EVEN_L": all(isinstance(n, int) and n % bl == 0 for n in keys)}}

@@ -1,0 +1,119 @@
+"""Tuning: compile tile configs in parallel, then time them on the GPU one by one.
+
+Each config's launcher comes from ``gluon_launch.make_launcher``: a ``tl`` kernel's
+``Launcher`` or, for a ``gluon_ws`` config, the warp-specialised Gluon form's.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+from ..ir import Program
+from ..lowering.kernelgen import KernelSource
+from .bound_call import BoundCall
+from .descriptors import TMA_NEEDS, tma_ok
+from .gluon_launch import GLUON_NEEDS, gluon_inputs_ok, load_gluon, make_launcher
+from .launcher import TileConfig, load_kernel
+
+
+def compile_threads() -> int:
+    """Threads that compile tile configs at once (``NEPTUNE_EQ_COMPILE_THREADS``; 1 turns
+    it off).  Triton's compile spends most of its time in MLIR/LLVM passes and ptxas, which
+    do not hold the GIL, so threads overlap them."""
+    env = os.environ.get("NEPTUNE_EQ_COMPILE_THREADS")
+    if env is not None:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"Expected NEPTUNE_EQ_COMPILE_THREADS to be a positive int, got {env!r}.")
+        return int(env)
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+# (source, config) -> why it failed to compile on a thread: the timer records it without
+# compiling it a second time (a failed warp-specialised compile costs seconds)
+_COMPILE_FAILED: dict[tuple[str, str], str] = {}
+
+
+def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], target: str,
+                        tensors: dict, values: dict | None = None) -> None:
+    """Compile the (program, kernel, config) jobs on a thread pool before they are timed
+    one by one: a cold choice compiles a dozen or more configs, ~1 s each.  A config that
+    fails here is left for ``time_configs`` to record with its reason."""
+    from concurrent.futures import ThreadPoolExecutor
+    from ..sizes import bind
+    threads = compile_threads()
+    if target != "cuda" or threads == 1 or len(jobs) < 2:
+        return
+    values = values or {}
+
+    def one(job):
+        program, ks, cfg = job
+        if ks.size_params:
+            program, ks = bind(program, values), ks.concrete(values)
+        try:
+            make_launcher(program, ks, target, cfg.at(values),
+                          tuple(values[s] for s in ks.size_params)).compile(tensors)
+        except Exception as e:  # noqa: BLE001 - recorded when the config is timed
+            msg = str(e).strip().splitlines()
+            _COMPILE_FAILED[(ks.source, str(cfg.at(values)))] = msg[-1] if msg else type(e).__name__
+
+    for ks in {id(k): k for _, k, _ in jobs}.values():  # import each module once, not racing
+        load_kernel(ks.concrete(values) if ks.size_params else ks, False)
+        if getattr(ks, "gluon", None) is not None:
+            load_gluon(ks.gluon)
+    with ThreadPoolExecutor(threads, thread_name_prefix="neptune_eq-compile") as pool:
+        list(pool.map(one, jobs))
+
+
+def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
+                 configs: list[TileConfig], values: dict | None = None, host: bool = False
+                 ) -> list[tuple[TileConfig, float | None, str]]:
+    """Time every config on the GPU (median ms per call); failures are recorded, not
+    raised.  ``values``: the named sizes of ``tensors`` when the kernel takes them at run
+    time.  The time is the GPU's (``runtime.timing.device_ms``: replayed from a CUDA
+    graph, over copies of the inputs that exceed L2); ``host=True`` times the call from
+    the host instead (``do_bench``: host launch path included, for reports)."""
+    from triton.testing import do_bench
+    from ..sizes import bind
+    from . import timing
+    values = values or {}
+    if ks.size_params:
+        program, ks = bind(program, values), ks.concrete(values)
+    size_args = tuple(values[s] for s in ks.size_params)
+    names = [ph.name for ph in program.inputs]
+    inputs = [tensors[n] for n in names]
+    out = []
+    tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
+    copies = None
+    for cfg in configs:
+        if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
+            out.append((cfg, None, f"skipped: {TMA_NEEDS} (these inputs do not)"))
+            continue
+        if cfg.gluon_ws and not gluon_inputs_ok(ks, tensors):
+            out.append((cfg, None, f"skipped: {GLUON_NEEDS} (these inputs do not)"))
+            continue
+        why = _COMPILE_FAILED.get((ks.source, str(cfg.at(values))))
+        if why is not None:
+            out.append((cfg, None, f"failed: {why}"))
+            continue
+        try:
+            la = make_launcher(program, ks, target, cfg.at(values), size_args)
+            la(tensors)  # compiles, and checks the direct launch under this key
+            # Timed as a call will run: replayed (``bound_call``).
+            try:
+                call = BoundCall(la, names, tensors, program.outputs)
+            except ValueError:  # a form the replay does not cover: the general call
+                call = lambda args: la({**tensors, **dict(zip(names, args))})  # noqa: E731
+            if host:
+                ms = do_bench(lambda: call(inputs), warmup=10, rep=40, return_mode="median")
+            else:
+                if copies is None:
+                    l2 = timing.l2_bytes(inputs[0].device)
+                    copies = timing.copy_inputs(inputs, timing.input_copies(inputs, l2))
+                ms = timing.device_ms(call, copies)
+            out.append((cfg, float(ms), "ok"))
+        except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+            msg = str(e).strip().splitlines()
+            out.append((cfg, None, f"failed: {msg[-1] if msg else type(e).__name__}"))
+    if all(ms is None for _, ms, _ in out):
+        warnings.warn("No tile config compiled on the GPU: " + "; ".join(s for *_, s in out))
+    return out

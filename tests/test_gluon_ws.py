@@ -1,0 +1,115 @@
+"""The warp-specialised Gluon form (lowering/gluon_ws.py): emitted from the same plans as
+the tl kernels, compiled here for sm_90 without a GPU (the interpreter cannot run Gluon),
+offered to the timer only where a Hopper GPU runs it.  Its numbers are checked on the GPU
+by bench/gluon_validate.py (against an fp32 torch reference on odd lengths, fully masked
+rows and large-magnitude scores)."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+import neptune_eq as ne
+from sm90_compile import compile_for_sm90
+from neptune_eq.choosing.choose import prune_configs
+from neptune_eq.choosing.costmodel import DEFAULT_DEVICE, DEVICES
+from neptune_eq.dropin import flex
+from neptune_eq.runtime import gluon_launch, launcher
+from neptune_eq.runtime.gluon_launch import make_launcher, sm90_spec
+from neptune_eq.runtime.launcher import TileConfig, candidate_configs
+
+
+def _kernel(d=64, dtype="float16", s=77, **mods):
+    return ne.superoptimize(ne.attention(1, 2, s, s, d, dtype, **mods), target="interpreter",
+                            cache=False)
+
+
+VARIANTS = {
+    "global-fp16-d64": dict(d=64),
+    "causal-bf16-d128": dict(d=128, dtype="bfloat16", mask_mod=lambda b, h, q, kv: q >= kv),
+    "alibi": dict(score_mod=lambda s, b, h, q, kv: s + (kv - q) * (h + 1) * -0.0625),
+    "softcap-causal": dict(score_mod=lambda s, b, h, q, kv: 30.0 * ne.tanh(s / 30.0),
+                           mask_mod=lambda b, h, q, kv: q >= kv),
+    "window": dict(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv < 32)),
+}
+
+
+def test_every_variant_compiles_for_sm90_as_producer_and_consumers(tmp_path):
+    """Each form compiles to PTX and cubin for sm_90 with TMA loads, wgmma and the
+    producer/consumer register split -- the drop-in's (named sizes B, L, S; lse output)
+    too."""
+    kerns = {name: _kernel(**kw) for name, kw in VARIANTS.items()}
+    q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
+    flex.flex_attention(q, q, q, return_lse=True)
+    (st,) = [s for s in flex.STRUCTURES.values() if s.kernel is not None
+             and s.kernel.program.shape_of(s.kernel.program.inputs[0].name)[-1] == 64]
+    kerns["flex-dropin-lse"] = st.kernel
+    for name, kern in kerns.items():
+        ks = kern.kernel_source
+        assert ks.gluon is not None, f"{name}: {ks.gluon_why}"
+        path = tmp_path / f"{name}.py"
+        path.write_text(ks.gluon.source)
+        res = compile_for_sm90(path, ks.gluon.name, sm90_spec(kern.program, ks))
+        assert res["ok"], f"{name}: {res['error']}"
+        assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
+        assert res["shared"] > 2 * 64 * 64 * 2, (name, res)  # the row tiles and the ring
+
+
+def test_an_affine_mask_cuts_the_loop_and_the_interior_body_drops_it():
+    """Causal: edge / interior / edge loops per warpgroup, no per-block branch (a wgmma
+    accumulator in flight cannot cross an if/else), and the interior body computes no
+    mask."""
+    src = _kernel(**VARIANTS["causal-bf16-d128"]).kernel_source.gluon.source
+    loops = [ln for ln in src.splitlines() if ln.strip().startswith("for jb in range(")]
+    assert [ln.split("#")[1].strip() for ln in loops[1:]] == ["edge", "interior: no mask", "edge"]
+    interior = src.split("# interior: no mask")[1].split("for jb in range(")[0]
+    assert ">=" not in interior and "if " not in interior
+    # the second contraction of block j-1 is issued before block j's math and waited after
+    assert interior.index("warpgroup_mma(p_op") < interior.index("gl.exp2(")
+    assert interior.index("gl.exp2(") < interior.index("warpgroup_mma_wait(0")
+
+
+def test_plans_outside_the_skeleton_keep_only_tl_forms(monkeypatch):
+    """Split-k decode, a head dim the skeleton does not issue: no Gluon form, and why;
+    a decode (one query row) is not offered 128-row programs."""
+    decode = ne.superoptimize(ne.attention(1, 2, 1, 300, 64), target="interpreter", cache=False)
+    split = [r.kernel for r in decode.candidates if r.plan is not None and r.plan.split]
+    assert split and all(ks.gluon is None and "unsplit" in ks.gluon_why for ks in split)
+    monkeypatch.setattr(launcher, "gluon_unavailable", lambda: None)
+    assert not any(c.gluon_ws for c in candidate_configs(decode.kernel_source, "cuda"))
+    odd = _kernel(d=48).kernel_source
+    assert odd.gluon is None and "widths" in odd.gluon_why
+
+
+def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch):
+    ks = _kernel().kernel_source
+    assert not any(c.gluon_ws for c in candidate_configs(ks, "interpreter"))
+    monkeypatch.setattr(launcher, "gluon_unavailable", lambda: "no CUDA GPU")
+    assert not any(c.gluon_ws for c in candidate_configs(ks, "cuda"))
+    monkeypatch.setattr(launcher, "gluon_unavailable", lambda: None)
+    cfgs = candidate_configs(ks, "cuda")
+    gl = [c for c in cfgs if c.gluon_ws]
+    assert [c.num_stages for c in gl] == [2, 3] and all(c.blocks["B_L"] == 64 for c in gl)
+    kept = prune_configs(_kernel().candidates[0].plan, cfgs, DEVICES[DEFAULT_DEVICE])
+    assert [c for c in kept if c.gluon_ws] == gl  # a separate form: each ring depth timed
+    assert "gluon-ws" in str(gl[0]) and gl[0].as_dict()["gluon_ws"]
+
+
+def test_a_gluon_config_off_hopper_is_a_clear_error():
+    kern = _kernel()
+    cfg = TileConfig({"B_i": 128, "B_L": 64}, 4, 2, gluon_ws=True)
+    with pytest.raises(ValueError, match="interpreter cannot run Gluon"):
+        make_launcher(kern.program, kern.kernel_source, "interpreter", cfg)
+    odd = _kernel(d=48)
+    with pytest.raises(ValueError, match="no warp-specialised Gluon form"):
+        make_launcher(odd.program, odd.kernel_source, "cuda", cfg)
+
+
+def test_non_contiguous_inputs_fall_back_to_the_tl_form():
+    """The descriptors view inputs as (rows, width): a transposed view cannot be one."""
+    ks = _kernel().kernel_source
+    q = torch.randn(1, 77, 2, 64, dtype=torch.float16).transpose(1, 2)
+    good = torch.randn(1, 2, 77, 64, dtype=torch.float16)
+    assert gluon_launch.gluon_inputs_ok(ks, {"q": good, "k": good, "v": good})
+    assert not gluon_launch.gluon_inputs_ok(ks, {"q": q, "k": good, "v": good})
+    assert not gluon_launch.gluon_inputs_ok(ks, {"q": good.bfloat16(), "k": good, "v": good})
+    assert replace(TileConfig({}, gluon_ws=True), gluon_ws=False).gluon_ws is False
