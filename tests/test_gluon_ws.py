@@ -113,3 +113,19 @@ def test_non_contiguous_inputs_fall_back_to_the_tl_form():
     assert not gluon_launch.gluon_inputs_ok(ks, {"q": q, "k": good, "v": good})
     assert not gluon_launch.gluon_inputs_ok(ks, {"q": good.bfloat16(), "k": good, "v": good})
     assert replace(TileConfig({}, gluon_ws=True), gluon_ws=False).gluon_ws is False
+
+
+def test_the_timer_rejects_a_gluon_form_that_disagrees_with_the_tl_form():
+    """The Gluon form is not translation-validated itself: on the timing inputs its
+    outputs must match the (validated) tl form's, or the config is recorded as failed."""
+    from neptune_eq.runtime.tuning import _disagreement
+    ref = {"o": torch.randn(4, 64, dtype=torch.float16)}
+    close = {"o": ref["o"] + 1e-3}
+    assert _disagreement(close, ref, ["o"]) == ""
+    assert "differs" in _disagreement({"o": ref["o"] + 0.5}, ref, ["o"])
+    nan = ref["o"].clone()
+    nan[1, 3] = float("nan")
+    assert "NaN" in _disagreement({"o": nan}, ref, ["o"])
+    lse = {"lse": torch.tensor([float("-inf"), 3.0])}  # a fully masked row agrees as -inf
+    assert _disagreement({"lse": torch.tensor([float("-inf"), 3.0001])}, lse, ["lse"]) == ""
+    assert "no tl config" in _disagreement(close, None, ["o"])

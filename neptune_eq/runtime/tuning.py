@@ -84,6 +84,7 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     out = []
     tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
     copies = None
+    reference = None  # the first tl config's outputs: what a Gluon config is checked by
     for cfg in configs:
         if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
             out.append((cfg, None, f"skipped: {TMA_NEEDS} (these inputs do not)"))
@@ -98,6 +99,13 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
         try:
             la = make_launcher(program, ks, target, cfg.at(values), size_args)
             la(tensors)  # compiles, and checks the direct launch under this key
+            if cfg.gluon_ws:  # a second kernel form: it must agree with the tl one
+                why = _disagreement(tensors, reference, program.outputs)
+                if why:
+                    out.append((cfg, None, f"failed: {why}"))
+                    continue
+            elif reference is None:
+                reference = {n: tensors[n].clone() for n in program.outputs}
             # Timed as a call will run: replayed (``bound_call``).
             try:
                 call = BoundCall(la, names, tensors, program.outputs)
@@ -117,3 +125,27 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     if all(ms is None for _, ms, _ in out):
         warnings.warn("No tile config compiled on the GPU: " + "; ".join(s for *_, s in out))
     return out
+
+
+def _disagreement(tensors: dict, reference: dict | None, outputs: list[str]) -> str:
+    """Why the Gluon form's outputs cannot be trusted on the timing inputs, or "".  Both
+    forms compute the plan's terms; they differ by accumulation order and the Gluon form's
+    SFU tanh, so they agree within a few 16-bit roundings of the output's scale.  A
+    translation-validated tl config must have run first (``prune_configs`` orders them)."""
+    if reference is None:
+        return "no tl config ran first to check the Gluon form against"
+    for n in outputs:
+        got, ref = tensors[n].float(), reference[n].float()
+        if not bool((got.isfinite() == ref.isfinite()).all()):
+            return f"the Gluon form's {n} has NaN/inf where the tl form's has none"
+        fin = ref.isfinite()
+        scale = max(1.0, ref[fin].abs().max().item()) if fin.any() else 1.0
+        err = (got[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
+        if err > _AGREE.get(str(tensors[n].dtype), 1e-2) * scale:
+            return f"the Gluon form's {n} differs from the tl form's by {err:.3g} (scale {scale:.3g})"
+    return ""
+
+
+# how far two correct forms' outputs may differ, relative to the output's scale: a few
+# roundings of the output dtype (a wrong kernel is off by O(1), or NaN)
+_AGREE = {"torch.float16": 1e-2, "torch.bfloat16": 6e-2, "torch.float32": 1e-3}
