@@ -111,7 +111,7 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
                 call = BoundCall(la, names, tensors, program.outputs)
             except ValueError:  # a form the replay does not cover: the general call
                 call = lambda args: la({**tensors, **dict(zip(names, args))})  # noqa: E731
-            if host:
+            if host or cfg.gluon_ws:  # (the Gluon form's launch path is its own: counted)
                 ms = do_bench(lambda: call(inputs), warmup=10, rep=40, return_mode="median")
             else:
                 if copies is None:
