@@ -54,6 +54,13 @@ class GluonForm:
     dtype: str                       # the 16-bit dtype of a, b and c
     params: list[str]                # pointer parameters after the three descriptors
 
+    @property
+    def tiles(self) -> list[tuple[str, int, int]]:
+        """(input, rows, width) of the TMA tile each descriptor loads: a warpgroup's rows of
+        ``a``, one key block of ``b`` and of ``c``."""
+        (a, b, c), (width, keys) = self.streamed, self.widths
+        return [(a, ROWS, width), (b, keys, width), (c, keys, keys)]
+
 
 class GluonEmitter(Emitter):
     """The package's tile-expression emitter with the two contractions taken over by the
@@ -147,28 +154,27 @@ def check_scope(plan: TilePlan) -> None:
 
 
 def _interior_loops(ps, body_edge, body_in, issue, with_wait) -> list[str]:
-    """Blocks 1.. of a warpgroup: [1, in_lo) edge, [in_lo, in_hi) interior, [in_hi, n)
-    edge, where interior blocks are visible to all of this warpgroup's rows."""
-    ind = "        "
-    out = ["    in_lo = 1", "    in_hi = n_blocks"]
-    if ps.lo_offset is not None:  # first block whose first key is visible to the last row
-        out.append(f"    in_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
-                   f"+ ({ps.lo_offset}) - j_lo, 0), B_L), 1), n_blocks)")
-    if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
-        out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
-                   f"- j_lo, 0) // B_L, n_blocks), in_lo)")
+    """Blocks 1.. of a warpgroup.  With an affine mask: [1, in_lo) edge, [in_lo, in_hi)
+    interior, [in_hi, n) edge, where interior blocks are visible to all of this
+    warpgroup's rows; without one, a single loop."""
+    out = []
+    if body_in is body_edge:
+        loops = [("1", "n_blocks", body_edge, "every block")]
+    else:
+        out = ["    in_lo = 1", "    in_hi = n_blocks"]
+        if ps.lo_offset is not None:  # first block whose first key the last row sees
+            out.append(f"    in_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
+                       f"+ ({ps.lo_offset}) - j_lo, 0), B_L), 1), n_blocks)")
+        if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
+            out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
+                       f"- j_lo, 0) // B_L, n_blocks), in_lo)")
+        loops = [("1", "in_lo", body_edge, "edge"), ("in_lo", "in_hi", body_in, "interior: no mask"),
+                 ("in_hi", "n_blocks", body_edge, "edge")]
     head = ["        l0 = j_lo + jb * B_L", "        st = jb % STAGES",
             "        ph = (jb // STAGES) & 1", "        prev = (jb - 1) % STAGES"]
-    issued = [ind + ln for ln in issue]
-    for lo, hi, body, note in (("1", "in_lo", body_edge, "edge"),
-                               ("in_lo", "in_hi", body_in, "interior: no mask"),
-                               ("in_hi", "n_blocks", body_edge, "edge")):
-        if body_edge is body_in and lo != "1":
-            break  # no mask atoms: one loop over every block
-        if body_edge is body_in:
-            hi = "n_blocks"
-        out += [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued,
-                *with_wait(body, True)]
+    issued = ["        " + ln for ln in issue]
+    for lo, hi, body, note in loops:
+        out += [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
     return out
 
 

@@ -14,7 +14,7 @@ import os
 from dataclasses import replace
 
 from ..ir import Program
-from ..lowering.gluon_ws import CTA_ROWS, ROWS, GluonForm
+from ..lowering.gluon_ws import CTA_ROWS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
 from .launch import FastLaunch, current_stream, int_classes
@@ -22,7 +22,6 @@ from .launcher import Launcher, TileConfig, import_source
 
 GLUON_NEEDS = ("the warp-specialised form needs contiguous streamed inputs with a 16-byte "
                "aligned base")
-_TORCH_NAMES = {"float16": "float16", "bfloat16": "bfloat16"}
 
 
 def load_gluon(form: GluonForm):
@@ -53,8 +52,7 @@ def make_launcher(program: Program, ks: KernelSource, target: str, config: TileC
 
 class GluonLauncher:
     """One compiled Gluon form with its argument order and grid (on a Hopper GPU only)."""
-    gluon = True
-    tma = False          # no ``tl`` descriptors: the replay (``BoundCall``) does not cover it
+    gluon = True         # ``BoundCall`` does not replay it: its own checked launch
 
     def __init__(self, program: Program, ks: KernelSource, target: str, config: TileConfig,
                  size_args: tuple = ()):
@@ -76,15 +74,12 @@ class GluonLauncher:
         self.fn = load_gluon(form)
         self.grid = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
         self.tensors = [ph.name for ph in program.inputs] + list(program.outputs)
-        keys = ks.even_flags.get("EVEN_L", ("B_L", [0]))[1]
-        self.consts = dict(B_L=form.widths[1], STAGES=config.num_stages,
-                           EVEN_L=all(n % form.widths[1] == 0 for n in keys))
+        self.consts = dict(B_L=form.widths[1], STAGES=config.num_stages, EVEN_L=_even_keys(ks))
         self._twin = None
         from triton.experimental.gluon import language as gl
-        gdt = getattr(gl, _TORCH_NAMES[form.dtype])
+        gdt = getattr(gl, form.dtype)
         self._tiles = [(name, [rows, w], gl.NVMMASharedLayout.get_default_for([rows, w], gdt))
-                       for name, rows, w in zip(form.streamed, (ROWS, form.widths[1], form.widths[1]),
-                                                (form.widths[0], form.widths[0], form.widths[1]))]
+                       for name, rows, w in form.tiles]
         # Triton's own launch re-binds ~30 arguments per call (tens of µs, longer than a
         # short prefill runs): after one checked launch per key, ``FastLaunch`` calls the
         # compiled kernel directly, as the tl kernels' ``Launcher`` does
@@ -165,12 +160,17 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2) -> dict:
     form = ks.gluon
     short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32",
              "int64": "i64", "bool": "i1"}
-    keys = ks.even_flags.get("EVEN_L", ("B_L", [0]))[1]
-    bl, width = form.widths[1], form.widths[0]
     return {"gluon": True, "num_warps": 4, "num_stages": 1,
             "dtypes": {f"{t}_ptr": "*" + short[program.dtype_of(t)]
                        for t in [ph.name for ph in program.inputs] + list(program.outputs)},
-            "descs": {"a_desc": [ROWS, width, form.dtype], "b_desc": [bl, width, form.dtype],
-                      "c_desc": [bl, bl, form.dtype]},
-            "constexprs": {"B_L": bl, "STAGES": stages,
-                           "EVEN_L": all(isinstance(n, int) and n % bl == 0 for n in keys)}}
+            "descs": {d: [rows, width, form.dtype]
+                      for d, (_, rows, width) in zip(("a_desc", "b_desc", "c_desc"), form.tiles)},
+            "constexprs": {"B_L": form.widths[1], "STAGES": stages, "EVEN_L": _even_keys(ks)}}
+
+
+def _even_keys(ks: KernelSource) -> bool:
+    """The form's EVEN_L: every key extent is a whole number of key blocks (a named size
+    not yet bound to a value counts as not)."""
+    bl = ks.gluon.widths[1]
+    keys = ks.even_flags.get("EVEN_L", ("B_L", [0]))[1]
+    return all(isinstance(n, int) and n % bl == 0 for n in keys)

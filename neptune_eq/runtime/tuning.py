@@ -58,7 +58,7 @@ def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], ta
 
     for ks in {id(k): k for _, k, _ in jobs}.values():  # import each module once, not racing
         load_kernel(ks.concrete(values) if ks.size_params else ks, False)
-        if getattr(ks, "gluon", None) is not None:
+        if any(k is ks and cfg.gluon_ws for _, k, cfg in jobs):
             load_gluon(ks.gluon)
     with ThreadPoolExecutor(threads, thread_name_prefix="neptune_eq-compile") as pool:
         list(pool.map(one, jobs))
