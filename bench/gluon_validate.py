@@ -5,7 +5,10 @@
 1. **Correctness**, per variant and shape: the variant is derived (saturate, extract,
    plan -- no timing), its Gluon form launched through ``runtime.gluon_launch`` and
    compared with an fp32 torch reference; odd lengths, D = 64 and 128, bf16 with scores
-   x8, a mask that leaves rows fully masked (their output must be 0), GQA.
+   x8, a mask that leaves rows fully masked (their output must be 0), GQA; and masks
+   over captured tensors (``DATA``): sorted documents with padding rows that see nothing,
+   the same ids shuffled (the nondecreasing flag is false: no skipping, still right),
+   jagged sequences from offsets, prefix-LM with a per-sample prefix.
 2. **The choice**: ``ne.superoptimize`` on the GPU at the timing shape, cold: which config
    the timer chose, the timer's own times of the best Gluon and the best tl config (same
    process, same inputs), and the chosen kernel's TFLOP/s beside cuDNN SDPA where it runs.
@@ -49,8 +52,43 @@ MODS = {  # variant -> (ne mods, torch score_mod(s, h, q, kv), torch mask_mod(q,
 }
 
 
-def derive(variant, b, h, s, d, dtype, kv_heads=None):
-    out = ne.attention(b, h, s, s, d, dtype, kv_heads=kv_heads, **MODS[variant][0])
+DATA = ("doc-pad", "doc-unsorted", "jagged", "prefix-lm")
+
+
+def data_case(variant, b, s, seed=0):
+    """(ne mods, torch mask_mod(q, kv) or per-batch list of them, captured tensors) of a
+    mask over captured tensors, with fresh random data of length ``s``."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randperm(s - 1, generator=g)[:6] + 1).values
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([s])])
+    ids = torch.repeat_interleave(torch.arange(7), offs.diff())
+    if variant == "prefix-lm":
+        pre = torch.randint(1, s, (b,), generator=g, dtype=torch.int32)
+        prefix = ne.placeholder((b,), "int32", "prefix")
+        mods = {"mask_mod": lambda b_, h, q, kv: (kv < prefix[b_]) | (q >= kv)}
+        masks = [lambda q, kv, p=int(p): (kv < p) | (q >= kv) for p in pre]
+        return mods, masks, {"prefix": pre.cuda()}
+    doc = ne.placeholder((s,), "int32", "doc")
+    if variant == "jagged":
+        offsets = ne.placeholder((8,), "int32", "offsets")
+        mods = {"mask_mod": lambda b_, h, q, kv: (kv >= offsets[doc[q]]) & (q >= kv)}
+        o = offs.cuda()
+        i = ids.cuda()
+        return mods, lambda q, kv: (kv >= o[i[q]]) & (q >= kv), {
+            "doc": ids.to(torch.int32).cuda(), "offsets": offs.to(torch.int32).cuda()}
+    if variant == "doc-pad":  # the first 100 tokens are padding (id -1): rows that see nothing
+        ids = torch.cat([torch.full((100,), -1), ids[100:]])
+    else:  # shuffled: not nondecreasing
+        ids = ids[torch.randperm(s, generator=g)]
+    mods = {"mask_mod": lambda b_, h, q, kv: (doc[q] == doc[kv]) & (doc[kv] >= 0) & (q >= kv)}
+    i = ids.cuda()
+    return mods, lambda q, kv: (i[q] == i[kv]) & (i[kv] >= 0) & (q >= kv), {
+        "doc": ids.to(torch.int32).cuda()}
+
+
+def derive(variant, b, h, s, d, dtype, kv_heads=None, mods=None):
+    mods = MODS[variant][0] if mods is None else mods
+    out = ne.attention(b, h, s, s, d, dtype, kv_heads=kv_heads, **mods)
     p = ne.build_program(out)
     st = EGraphStage(p, ne.rules.shipped_rule_files())
     st.saturate()
@@ -58,8 +96,12 @@ def derive(variant, b, h, s, d, dtype, kv_heads=None):
     return prog, generate(plan(prog))
 
 
-def reference(variant, q, k, v):
-    _, score_mod, mask_mod = MODS[variant]
+def reference(variant, q, k, v, mask_mod=None):
+    score_mod = MODS[variant][1] if variant in MODS else None
+    mask_mod = mask_mod or (MODS[variant][2] if variant in MODS else None)
+    if isinstance(mask_mod, list):  # one mask per batch element
+        return torch.cat([reference(variant, q[i:i + 1], k[i:i + 1], v[i:i + 1], m)
+                          for i, m in enumerate(mask_mod)])
     b, h, s, d = q.shape
     g = h // k.shape[1]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -79,7 +121,8 @@ def reference(variant, q, k, v):
 def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2):
     row = {"case": "correctness", "variant": variant, "B": b, "H": h, "S": s, "D": d,
            "dtype": dtype, "large_scores": big, "kv_heads": kv_heads, "stages": stages}
-    prog, ks = derive(variant, b, h, s, d, dtype, kv_heads)
+    mods, tmask, captured = data_case(variant, b, s) if variant in DATA else (None, None, {})
+    prog, ks = derive(variant, b, h, s, d, dtype, kv_heads, mods)
     if ks.gluon is None:
         row["error"] = f"no Gluon form: {ks.gluon_why}"
         return row
@@ -92,19 +135,19 @@ def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2):
     cfg = TileConfig({f"B_{ks.block_axis}": 128, "B_L": ks.gluon.widths[1]}, 4, stages,
                      gluon_ws=True)
     la = make_launcher(prog, ks, "cuda", cfg)
-    la({"q": q, "k": k, "v": v, "o": o})
+    la({"q": q, "k": k, "v": v, "o": o, **captured})
     first = o.clone()
-    la({"q": q, "k": k, "v": v, "o": o})  # the checked direct launch (FastLaunch)
+    la({"q": q, "k": k, "v": v, "o": o, **captured})  # the checked direct launch (FastLaunch)
     torch.cuda.synchronize()
     row["fast_launch"] = (bool(la._checked), la.fast_reason)
     row["repeat_bit_identical"] = bool(torch.equal(first, o))
-    ref = reference(variant, q, k, v)
+    ref = reference(variant, q, k, v, tmask)
     row["max_err"] = (o.float() - ref).abs().max().item()
     row["nan"] = bool(torch.isnan(o).any())
     row["ok"] = (row["max_err"] < (3e-2 if dtype == "bfloat16" else 5e-3) and not row["nan"]
                  and row["repeat_bit_identical"])
-    if variant == "masked-rows":
-        row["masked_rows_zero"] = bool((o[:, :, :5] == 0).all())
+    if variant in ("masked-rows", "doc-pad"):
+        row["masked_rows_zero"] = bool((o[:, :, :5 if variant == "masked-rows" else 100] == 0).all())
         row["ok"] = row["ok"] and row["masked_rows_zero"]
     return row
 
@@ -207,6 +250,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip-choice", action="store_true")
     ap.add_argument("--only-tanh", action="store_true", help="only the softcap tanh forms")
+    ap.add_argument("--skip-tanh", action="store_true", help="no softcap tanh forms")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -219,10 +263,10 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    for row in tanh_forms():
+    for row in () if args.skip_tanh else tanh_forms():
         rows.append(row)
         print(json.dumps(row), flush=True)
-    for variant in () if args.only_tanh else MODS:
+    for variant in () if args.only_tanh else (*MODS, *DATA):
         run(check, variant, 1, 2, 1000, 128, "float16")
         run(check, variant, 2, 2, 777, 128, "bfloat16", big=True)
         run(check, variant, 1, 3, 300, 64, "float16", stages=3)

@@ -3,6 +3,7 @@ the tl kernels, compiled here for sm_90 without a GPU (the interpreter cannot ru
 offered to the timer only where a Hopper GPU runs it.  Its numbers are checked on the GPU
 by bench/gluon_validate.py (against an fp32 torch reference on odd lengths, fully masked
 rows and large-magnitude scores)."""
+import re
 from dataclasses import replace
 
 import pytest
@@ -68,6 +69,51 @@ def test_an_affine_mask_cuts_the_loop_and_the_interior_body_drops_it():
     assert interior.index("gl.exp2(") < interior.index("warpgroup_mma_wait(0")
 
 
+DOC = ne.placeholder((77,), "int32", "doc")
+OFFSETS = ne.placeholder((5,), "int32", "offsets")
+PREFIX = ne.placeholder((1,), "int32", "prefix")
+DATA_VARIANTS = {  # masks over captured tensors with a key-range form (block_ranges)
+    "documents-causal": dict(mask_mod=lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv)),
+    "jagged": dict(mask_mod=lambda b, h, q, kv: (kv >= OFFSETS[DOC[q]]) & (q >= kv)),
+    "prefix-lm": dict(mask_mod=lambda b, h, q, kv: (kv < PREFIX[b]) | (q >= kv)),
+}
+
+
+def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
+    """A mask over captured tensors: the program's key range comes from the per-call
+    summaries before the warpgroups split (the producer streams only those blocks), the
+    blocks every row sees whole run a body without the mask's loads, the others load and
+    test it; the drop-in's document mask (named sizes) has the form too."""
+    kerns = {name: _kernel(**kw) for name, kw in DATA_VARIANTS.items()}
+    q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
+    ids = torch.tensor([0] * 15 + [1] * 25, dtype=torch.int32)
+    flex.flex_attention(q, q, q, mask_mod=lambda b, h, i, j: (ids[i] == ids[j]) & (i >= j))
+    (st,) = [s for s in flex.STRUCTURES.values() if s.kernel is not None
+             and s.kernel.kernel_source.summaries]
+    kerns["flex-dropin-documents"] = st.kernel
+    for name, kern in kerns.items():
+        ks = kern.kernel_source
+        assert ks.gluon is not None, f"{name}: {ks.gluon_why}"
+        src = ks.gluon.source
+        main = src.split(f"def {ks.gluon.name}(")[1]
+        assert "dm_lo = " in main and "n_blocks = " in main, name
+        n_sum = len(ks.summaries)  # the per-call summaries are the last pointers, as in tl
+        assert [sp.name + "_ptr" for sp in ks.summaries] == ks.gluon.params[len(ks.gluon.params) - n_sum:]
+        loops = src.split("for jb in range(")[2:]   # the consumer's: edge, interior, edge
+        assert [lp.split("#")[1].split("\n")[0].strip() for lp in loops] == \
+            ["edge", "interior: no mask", "edge"], name
+        # the mask's per-key work (documents: a read of doc at the keys) in edge loops only
+        assert len(loops[1].splitlines()) < len(loops[0].splitlines()), name
+        if name.startswith(("documents", "flex")):
+            assert re.search(r"\w+_ptr \+ offs_L", loops[0]), name
+            assert not re.search(r"\w+_ptr \+ offs_L", loops[1]), name
+        path = tmp_path / f"{name}.py"
+        path.write_text(src)
+        res = compile_for_sm90(path, ks.gluon.name, sm90_spec(kern.program, ks))
+        assert res["ok"], f"{name}: {res['error']}"
+        assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
+
+
 def test_plans_outside_the_skeleton_keep_only_tl_forms(monkeypatch):
     """Split-k decode, a head dim the skeleton does not issue: no Gluon form, and why;
     a decode (one query row) is not offered 128-row programs."""
@@ -78,6 +124,9 @@ def test_plans_outside_the_skeleton_keep_only_tl_forms(monkeypatch):
     assert not any(c.gluon_ws for c in candidate_configs(decode.kernel_source, "cuda"))
     odd = _kernel(d=48).kernel_source
     assert odd.gluon is None and "widths" in odd.gluon_why
+    # a data mask with no key-range form needs a per-block test: not in the Gluon form
+    parity = _kernel(mask_mod=lambda b, h, q, kv: DOC[kv] % 2 == 0).kernel_source
+    assert parity.summaries and parity.gluon is None and "per-block" in parity.gluon_why
 
 
 def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch):

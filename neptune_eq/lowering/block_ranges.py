@@ -102,6 +102,12 @@ def _rangeable(plan, t: Term) -> bool:
     return _boundable(plan, other)
 
 
+def data_range_form(plan, ps: Pass) -> bool:
+    """Whether every data atom of the pass has the range form (true when there are none):
+    its loops then need no per-block test."""
+    return all(_rangeable(plan, a) for a in data_atoms(plan, ps))
+
+
 def data_ranges(em: Emitter, ps: Pass, k: int) -> DataRanges | None:
     """The key ranges of pass ``k``'s data atoms (emitted in the pass's scope), or None
     when some data atom has no range form (the per-block test is used then)."""

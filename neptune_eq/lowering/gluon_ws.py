@@ -22,8 +22,16 @@ consumer warpgroups each issuing its own wgmma -- is written in Gluon
   accumulator may cross a loop boundary but not an if/else, so there is no per-block
   branch.
 
-Scope: one unsplit, unpacked pass; no data-mask block tests, no atomically summed
-outputs, no epilogue column loops; the contraction width and ``c``'s column width are 64
+* A mask over captured tensors (``doc[i] == doc[j]``, ``j >= offsets[doc[i]]``) narrows
+  the program's key range before the warpgroups start, from the per-block summaries the
+  pre-pass builds per call (``block_ranges``: nondecreasing data makes a row block's
+  visible keys one range, and the keys it sees whole another); the blocks seen whole
+  run the interior body, the others evaluate the mask per element.  Unsorted data
+  (the flag is read on the device) keeps the affine range with every block masked:
+  right, never skipping.
+
+Scope: one unsplit, unpacked pass; a data mask only in that range form (no per-block
+test); no atomically summed outputs, no epilogue column loops; the contraction width and ``c``'s column width are 64
 or 128 and the key block equals ``c``'s column width (one accumulator layout serves the
 score tile and the rolling state).  Plans outside it raise ``LoweringError`` and keep
 the ``tl`` forms.  The launcher (``runtime.gluon_launch``) builds the TMA descriptors.
@@ -34,7 +42,8 @@ import re
 from dataclasses import dataclass
 
 from ..ir import Term
-from .block_skip import summary_specs
+from .block_ranges import data_range_form, data_ranges
+from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Emitter, Tile, grid_decode, init_fill
 from .fold_body import epilogue, loop_body
 from .lower import LoweringError, TilePlan
@@ -142,9 +151,12 @@ def check_scope(plan: TilePlan) -> None:
     """Raise ``LoweringError`` (saying why) for a plan outside the skeleton's scope."""
     if plan.split or plan.packed or len(plan.passes) != 1:
         raise LoweringError("The warp-specialised form takes one unsplit, unpacked pass.")
-    if summary_specs(plan) or plan.passes[0].scattered:
-        raise LoweringError("Data-mask block tests and scattered outputs are not in the "
+    if plan.passes[0].scattered:
+        raise LoweringError("Scattered (atomically summed) outputs are not in the "
                             "warp-specialised form.")
+    if not data_range_form(plan, plan.passes[0]):
+        raise LoweringError("A data mask without a key-range form (it needs a per-block "
+                            "test) is not in the warp-specialised form.")
     if any(item.loop_axes for item in plan.epilogue):
         raise LoweringError("Epilogue column loops are not in the warp-specialised form.")
     for a, n in plan.whole_axes.items():
@@ -153,10 +165,11 @@ def check_scope(plan: TilePlan) -> None:
                                 f"warp-specialised form takes widths {WIDTHS}.")
 
 
-def _interior_loops(ps, body_edge, body_in, issue, with_wait) -> list[str]:
-    """Blocks 1.. of a warpgroup.  With an affine mask: [1, in_lo) edge, [in_lo, in_hi)
-    interior, [in_hi, n) edge, where interior blocks are visible to all of this
-    warpgroup's rows; without one, a single loop."""
+def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool) -> list[str]:
+    """Blocks 1.. of a warpgroup.  With a mask: [1, in_lo) edge, [in_lo, in_hi) interior,
+    [in_hi, n) edge, where interior blocks are visible to all of this warpgroup's rows (the
+    affine mask's interior, cut by the data mask's keys seen whole: ``dm_lo``..``dm_hi``,
+    block-aligned, from the program's key-range code); without one, a single loop."""
     out = []
     if body_in is body_edge:
         loops = [("1", "n_blocks", body_edge, "every block")]
@@ -168,6 +181,10 @@ def _interior_loops(ps, body_edge, body_in, issue, with_wait) -> list[str]:
         if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
             out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
                        f"- j_lo, 0) // B_L, n_blocks), in_lo)")
+        if data:  # ... and inside the keys every row of the program sees by the data mask
+            out += ["    in_lo = gl.minimum(gl.maximum(in_lo, (dm_lo - j_lo) // B_L), n_blocks)",
+                    "    in_hi = gl.maximum(gl.minimum(in_hi, gl.maximum(dm_hi - j_lo, 0) // B_L), "
+                    "in_lo)"]
         loops = [("1", "in_lo", body_edge, "edge"), ("in_lo", "in_hi", body_in, "interior: no mask"),
                  ("in_hi", "n_blocks", body_edge, "edge")]
     head = ["        l0 = j_lo + jb * B_L", "        st = jb % STAGES",
@@ -176,6 +193,50 @@ def _interior_loops(ps, body_edge, body_in, issue, with_wait) -> list[str]:
     for lo, hi, body, note in loops:
         out += [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
     return out
+
+
+def _key_range(plan: TilePlan, name: str) -> tuple[list[str], bool]:
+    """The program's lines fixing its key range ``[j_lo, j_lo + n_blocks·B_L)`` (what the
+    producer streams) and, with a data mask, ``dm_lo``..``dm_hi``: the keys every row of
+    the program sees whole.  Returns (Gluon lines, whether there is a data mask)."""
+    ps = plan.passes[0]
+    rng = [f"row_first = row_block * {CTA_ROWS}", f"row_last = row_first + {CTA_ROWS - 1}",
+           "j_lo = 0", f"j_hi = {ps.extent}"]
+    if ps.lo_offset is not None:  # the affine bounds of the pass over the program's rows
+        rng.append(f"j_lo = (gl.maximum(row_first + ({ps.lo_offset}), 0) // B_L) * B_L")
+    if ps.hi_offset is not None:
+        rng.append(f"j_hi = gl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
+    data = bool(data_atoms(plan, ps))
+    if data:
+        # block_ranges' code over this program's 128 rows (the launcher builds the row
+        # summaries at B_<row axis> = 128): the may / must key ranges and the flag they need
+        em = Emitter(plan, name)
+        em.push("")
+        em.push("")
+        dr = data_ranges(em, ps, 0)
+        body = em.pop()
+        rng += ["pid_block = row_block", *em.pop(), *body,
+                f"j_ra = (gl.maximum(j_lo, {dr.may[0]}) // B_L) * B_L",
+                f"j_rb = gl.maximum(gl.minimum(j_hi, {dr.may[1]}), j_ra)",
+                f"dm_lo = gl.minimum(gl.maximum({dr.must[0]}, j_ra), j_rb)",
+                f"dm_hi = gl.maximum(gl.minimum({dr.must[1]}, j_rb), dm_lo)"]
+        if dr.mono is None:
+            rng += ["j_lo = j_ra", "j_hi = j_rb"]
+        else:  # unsorted data: every block of the affine range, each masked per element
+            rng += [f"j_lo = gl.where({dr.mono}, j_ra, j_lo)",
+                    f"j_hi = gl.where({dr.mono}, j_rb, j_hi)",
+                    f"dm_hi = gl.where({dr.mono}, dm_hi, dm_lo)"]
+        # a range with no visible key still runs block 0, masked to nothing: keep it a
+        # block of this head's keys, not the next head's
+        rng.append(f"j_lo = gl.minimum(j_lo, (({ps.extent} - 1) // B_L) * B_L)")
+    rng.append("n_blocks = gl.maximum(gl.cdiv(j_hi - j_lo, B_L), 1)")
+    return _gl_main(rng), data
+
+
+def _gl_main(lines: list[str]) -> list[str]:
+    """``_gl`` for code that runs before the warpgroups split (4 warps): a bare
+    ``arange`` (the summary counts of ``block_skip``) gets the 1-D layout ``R1``."""
+    return [re.sub(r"gl\.arange\(0, (\w+)\)", r"gl.arange(0, \1, R1)", ln) for ln in _gl(lines)]
 
 
 def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
@@ -187,6 +248,10 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     em = GluonEmitter(plan, name)
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
+    for sp in summary_specs(plan):  # the data mask's per-call summaries, as the tl form's
+        tensors.append(sp.name)
+        strides += [f"{sp.name}_s{k}" for k in range(1 if sp.dim is None else
+                                                     len(p.shape_of(sp.tensor)) + 1)]
     sizes = [f"n_{s}" for s in p.meta.get("size_params", ())]
     args = [f"{t}_ptr" for t in tensors] + strides + sizes
 
@@ -221,7 +286,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         return em.pop()
 
     body_edge = fragment(frozenset())
-    body_in = fragment(ps.bound_atoms) if ps.bound_atoms else body_edge
+    known_in = ps.bound_atoms | frozenset(data_atoms(plan, ps))
+    body_in = fragment(known_in) if known_in else body_edge
     pv_fold = next((f.name for f in ps.folds if len(f.state_axes) > len(plan.grid_axes) + 1), None)
     if em.qk is None or em.pv is None or pv_fold is None:
         raise LoweringError("The pass has no pair of contractions for the skeleton.")
@@ -260,20 +326,15 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     epi = em.pop()
     prologue = em.pop()
 
-    rng = [f"row_first = row_block * {CTA_ROWS}", f"row_last = row_first + {CTA_ROWS - 1}",
-           "j_lo = 0", f"j_hi = {ps.extent}"]
-    if ps.lo_offset is not None:  # the affine bounds of the pass over the program's rows
-        rng.append(f"j_lo = (gl.maximum(row_first + ({ps.lo_offset}), 0) // B_L) * B_L")
-    if ps.hi_offset is not None:
-        rng.append(f"j_hi = gl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
-    rng.append("n_blocks = gl.maximum(gl.cdiv(j_hi - j_lo, B_L), 1)")
+    rng, data = _key_range(plan, name)
+    dm = ["dm_lo", "dm_hi"] if data else []
     em.push("    ")
     a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))
     bases = em.pop()
 
     sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
     shared = ", ".join(["a_smem", "b_bufs", "c_bufs", "a_bar", "b_ready", "b_empty", "c_ready",
-                        "c_empty", "pid_grid", "row_block", "j_lo", "n_blocks"] + args)
+                        "c_empty", "pid_grid", "row_block", "j_lo", "n_blocks"] + dm + args)
     src = [
         "# generated by neptune_eq (lowering/gluon_ws.py) from the program:",
         *[f"#   {ln}" for ln in str(p).splitlines()],
@@ -307,7 +368,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "", "",
         "@gluon.jit",
         f"def _consumer(a_smem, b_bufs, c_bufs, a_bar, b_ready, b_empty, c_ready, c_empty, "
-        f"pid_grid, row_block, j_lo, n_blocks, {', '.join(args)}, WHICH: gl.constexpr, "
+        f"pid_grid, row_block, j_lo, n_blocks, {', '.join(dm + args)}, WHICH: gl.constexpr, "
         f"B_L: gl.constexpr, DTYPE: gl.constexpr, EVEN_L: gl.constexpr):",
         "    # one warpgroup: 64 rows, its own wgmma issue, block math between the two",
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
@@ -330,7 +391,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
         "    mbarrier.arrive(b_empty.index(0), count=1)",
         *[ln[4:] for ln in _gl(body_edge)],
-        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait)),
+        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait, data)),
         "    last = (n_blocks - 1) % STAGES",
         "    mbarrier.wait(c_ready.index(last), ((n_blocks - 1) // STAGES) & 1)",
         f"    {pv_fold} = warpgroup_mma(p_op, c_bufs.index(last), {pv_fold}, is_async=True)",
@@ -344,8 +405,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    D: gl.constexpr = a_desc.block_type.shape[1]",
         "    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
         "    pid_grid = gl.program_id(1)",
-        *["    " + ln for ln in _gl(rng)],
-        *["    " + ln for ln in grid_decode(plan)], *_gl(bases),
+        "    R1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])",
+        *["    " + ln for ln in _gl(grid_decode(plan))],
+        *["    " + ln for ln in rng], *_gl(bases),
         f"    a_row = {a_row} + row_first",
         f"    b_row = {b_row}",
         f"    c_row = {c_row}",

@@ -6,7 +6,9 @@ block each) -- flattened to (rows of every batch and head, width).  The kernel f
 tile's first row from the strides (``gluon_ws._row_base``), so the inputs must be
 contiguous; a call whose tensors are not runs the ``tl`` form of the same tiles instead
 (slower, never wrong).  Keys past a head's end that a tile reads belong to the next head or
-are zero-filled by TMA; the kernel masks them by the key extent.
+are zero-filled by TMA; the kernel masks them by the key extent.  A kernel whose mask
+reads captured tensors takes their block summaries too, rebuilt per call by the tl
+module's pre-pass (``runtime.block_summary``) at the form's 128-row, ``B_L``-key blocks.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..ir import Program
 from ..lowering.gluon_ws import CTA_ROWS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
+from .block_summary import SummaryPrepass
 from .launch import FastLaunch, current_stream, int_classes
 from .launcher import Launcher, TileConfig, import_source
 
@@ -73,8 +76,13 @@ class GluonLauncher:
         self.form = form
         self.fn = load_gluon(form)
         self.grid = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
-        self.tensors = [ph.name for ph in program.inputs] + list(program.outputs)
+        self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
         self.consts = dict(B_L=form.widths[1], STAGES=config.num_stages, EVEN_L=_even_keys(ks))
+        self._pre = None
+        if ks.summaries:  # the tl module's pre-pass, at this form's blocks
+            pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
+            self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": CTA_ROWS,
+                                                    "B_L": form.widths[1]}, pre_fn)
         self._twin = None
         from triton.experimental.gluon import language as gl
         gdt = getattr(gl, form.dtype)
@@ -106,6 +114,14 @@ class GluonLauncher:
                int_classes(ints))
         return self._descriptors(tensors) + ptrs + ints, key
 
+    def _summarised(self, tensors: dict) -> tuple[dict, tuple | None]:
+        """``tensors`` with fresh (unfilled) summaries, and the pre-pass launch that fills
+        them with its arguments; (tensors, None) without a data mask."""
+        if self._pre is None:
+            return tensors, None
+        sums, launch, args, ints = self._pre.prepare(tensors)
+        return {**tensors, **sums}, (launch, args + ints, int_classes(ints))
+
     def _tl_twin(self) -> Launcher:
         """The ``tl`` form of the same tiles, for calls the descriptors cannot take."""
         if self._twin is None:
@@ -116,28 +132,39 @@ class GluonLauncher:
     def __call__(self, tensors: dict):
         if not gluon_inputs_ok(self.ks, tensors):
             return self._tl_twin()(tensors)
+        tensors, pre = self._summarised(tensors)
         args, key = self._args(tensors)
+        key = key + (pre[2] if pre else (),)  # the pre-pass's sizes count too
         ck = self._checked.get(key) if self.fast_ok else None
         if ck is not None:
-            self._launch.fast(ck, args, current_stream(key[0]))
+            stream = current_stream(key[0])
+            if pre:
+                pre[0].fast(ck[0], pre[1], stream)
+            self._launch.fast(ck[1], args, stream)
             return
-        ck = self._launch.slow(args)
+        ck = (pre[0].slow(pre[1]) if pre else None, self._launch.slow(args))
         if self.fast_ok:
             self._check_fast(tensors, key, ck)
 
     def _check_fast(self, tensors: dict, key: tuple, ck) -> None:
-        """Launch the fast way into fresh outputs; keep it only if they are bit-identical
-        to Triton's own launch (the kernel is deterministic: no atomics)."""
+        """Launch the fast way into fresh outputs (and fresh summaries); keep it only if
+        they are bit-identical to Triton's own launch (the kernel is deterministic: no
+        atomics)."""
         import torch
-        outs = {n: torch.empty_like(tensors[n]) for n in self.program.outputs}
-        args, key2 = self._args({**tensors, **outs})
-        if key2 != key:
+        fresh = {n: torch.empty_like(tensors[n]) for n in self.program.outputs}
+        fresh, pre = self._summarised({**tensors, **fresh})
+        args, key2 = self._args(fresh)
+        if key2 + (pre[2] if pre else (),) != key:
             return  # fresh outputs align differently: check on a later call
+        compared = list(self.program.outputs) + [s.name for s in self.ks.summaries]
         try:
-            self._launch.fast(ck, args, current_stream(key[0]))
+            stream = current_stream(key[0])
+            if pre:
+                pre[0].fast(ck[0], pre[1], stream)
+            self._launch.fast(ck[1], args, stream)
             same = all(torch.equal(tensors[n].contiguous().view(torch.uint8),
-                                   outs[n].contiguous().view(torch.uint8))
-                       for n in outs)
+                                   fresh[n].contiguous().view(torch.uint8))
+                       for n in compared)
         except Exception as e:  # noqa: BLE001 - Triton internals differ: keep its launch
             self.fast_ok, self.fast_reason = False, f"off: direct launch failed ({e})"
             return
@@ -150,7 +177,8 @@ class GluonLauncher:
         """Compile without launching (Triton's ``warmup``), as ``Launcher.compile``."""
         if not gluon_inputs_ok(self.ks, tensors):
             return self._tl_twin().compile(tensors)
-        self.fn.warmup(*self._args(tensors)[0], grid=self.grid, **self.consts, num_warps=4)
+        self.fn.warmup(*self._args(self._summarised(tensors)[0])[0], grid=self.grid,
+                       **self.consts, num_warps=4)
 
 def sm90_spec(program: Program, ks: KernelSource, stages: int = 2) -> dict:
     """The form's kernel signature for an offline sm_90 compile (``tests/sm90_compile.py``
@@ -160,9 +188,12 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2) -> dict:
     form = ks.gluon
     short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32",
              "int64": "i64", "bool": "i1"}
-    return {"gluon": True, "num_warps": 4, "num_stages": 1,
-            "dtypes": {f"{t}_ptr": "*" + short[program.dtype_of(t)]
-                       for t in [ph.name for ph in program.inputs] + list(program.outputs)},
+    dtypes = {f"{t}_ptr": "*" + short[program.dtype_of(t)]
+              for t in [ph.name for ph in program.inputs] + list(program.outputs)}
+    for sp in ks.summaries:  # a summary has its tensor's dtype (booleans as int32)
+        dt = program.dtype_of(sp.tensor)
+        dtypes[f"{sp.name}_ptr"] = "*" + short["int32" if dt == "bool" else dt]
+    return {"gluon": True, "num_warps": 4, "num_stages": 1, "dtypes": dtypes,
             "descs": {d: [rows, width, form.dtype]
                       for d, (_, rows, width) in zip(("a_desc", "b_desc", "c_desc"), form.tiles)},
             "constexprs": {"B_L": form.widths[1], "STAGES": stages, "EVEN_L": _even_keys(ks)}}
