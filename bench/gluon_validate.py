@@ -245,46 +245,12 @@ def tanh_forms(s_time=8192):
     return rows
 
 
-def grid_orders():
-    """``gluon_ws.ROWS_OUTER`` on and off: TFLOP/s of the Gluon form for causal and global
-    prefill at an off-grid and a long shape, and whether the two orders' outputs are
-    bit-identical (each program computes the same rows either way)."""
-    from neptune_eq.lowering import gluon_ws
-    rows, was = [], gluon_ws.ROWS_OUTER
-    shapes = ((2, 32, 3000, "bfloat16"), (1, 32, 8192, "float16"), (4, 16, 2048, "float16"))
-    try:
-        for variant in ("causal", "global"):
-            for b, h, s, dtype in shapes:
-                row = {"case": "grid-order", "variant": variant, "B": b, "H": h, "S": s,
-                       "dtype": dtype}
-                dt = getattr(torch, dtype)
-                q, k, v = (torch.randn(b, h, s, 128, device="cuda", dtype=dt) for _ in range(3))
-                outs = {}
-                for outer in (True, False):
-                    gluon_ws.ROWS_OUTER = outer
-                    prog, ks = derive(variant, b, h, s, 128, dtype)
-                    cfg = TileConfig({f"B_{ks.block_axis}": 128, "B_L": 128}, 4, 2, gluon_ws=True)
-                    la = make_launcher(prog, ks, "cuda", cfg)
-                    t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
-                    la(t)
-                    outs[outer] = t["o"].clone()
-                    ms = triton.testing.do_bench(lambda: la(t), warmup=25, rep=200)
-                    row["tflops_rows_outer" if outer else "tflops_rows_inner"] = \
-                        flops(variant, b, h, s, 128) / ms / 1e9
-                row["bit_identical"] = bool(torch.equal(outs[True], outs[False]))
-                rows.append(row)
-    finally:
-        gluon_ws.ROWS_OUTER = was
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip-choice", action="store_true")
     ap.add_argument("--only-tanh", action="store_true", help="only the softcap tanh forms")
     ap.add_argument("--skip-tanh", action="store_true", help="no softcap tanh forms")
-    ap.add_argument("--only-order", action="store_true", help="only the program-order A/B")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -297,11 +263,6 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    for row in grid_orders() if args.only_order else ():
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    args.only_tanh = args.only_tanh or args.only_order  # nothing else after the A/B
-    args.skip_tanh = args.skip_tanh or args.only_order
     for row in () if args.skip_tanh else tanh_forms():
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -51,11 +51,6 @@ from .lower import LoweringError, TilePlan
 ROWS = 64          # rows per consumer warpgroup (one wgmma M)
 CTA_ROWS = 2 * ROWS  # two consumer warpgroups per program
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
-# Program order: with the row blocks as the grid's outer axis, every head's longest row
-# block starts before any head's shorter ones (longest-first over the whole grid, as
-# FlashAttention-3's scheduler orders causal tiles); inner, each head's blocks run long to
-# short in turn and the last wave holds long blocks (bench/gluon_validate.py --only-order)
-ROWS_OUTER = True
 
 
 @dataclass
@@ -67,12 +62,6 @@ class GluonForm:
     widths: tuple[int, int]          # (contraction width of a/b, column width of c = key block)
     dtype: str                       # the 16-bit dtype of a, b and c
     params: list[str]                # pointer parameters after the three descriptors
-    rows_outer: bool = ROWS_OUTER    # grid (row blocks, programs of the rest) or transposed
-
-    def grid(self, row_blocks: int, others: int) -> tuple[int, int]:
-        """The launch grid: program ids run axis 0 fastest, so the axis of row blocks (taken
-        in reverse: a causal pass's long rows first) is outer when ``rows_outer``."""
-        return (others, row_blocks) if self.rows_outer else (row_blocks, others)
 
     @property
     def tiles(self) -> list[tuple[str, int, int]]:
@@ -414,10 +403,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr):",
         "    DTYPE: gl.constexpr = a_desc.dtype",
         "    D: gl.constexpr = a_desc.block_type.shape[1]",
-        *(["    row_block = gl.num_programs(1) - 1 - gl.program_id(1)  # long rows first",
-            "    pid_grid = gl.program_id(0)"] if ROWS_OUTER else
-          ["    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
-           "    pid_grid = gl.program_id(1)"]),
+        "    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
+        "    pid_grid = gl.program_id(1)",
         "    R1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])",
         *["    " + ln for ln in _gl(grid_decode(plan))],
         *["    " + ln for ln in rng], *_gl(bases),
@@ -445,4 +432,4 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    ], [4, 1], [232, 24])",
     ]
     return GluonForm(name, "\n".join(src) + "\n", streamed, widths, dts.pop(),
-                     [f"{t}_ptr" for t in tensors], ROWS_OUTER)
+                     [f"{t}_ptr" for t in tensors])

@@ -75,7 +75,7 @@ class GluonLauncher:
         self.size_args = tuple(size_args)
         self.form = form
         self.fn = load_gluon(form)
-        self.grid = form.grid(-(-ks.row_extent // CTA_ROWS), ks.grid_size)
+        self.grid = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
         self.consts = dict(B_L=form.widths[1], STAGES=config.num_stages, EVEN_L=_even_keys(ks))
         self._pre = None
