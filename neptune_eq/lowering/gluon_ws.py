@@ -165,21 +165,7 @@ def check_scope(plan: TilePlan) -> None:
                                 f"warp-specialised form takes widths {WIDTHS}.")
 
 
-def _before_scores(body: list[str], inflight: str) -> tuple[list[str], list[str]]:
-    """A block's math split at its first read of the score tile ``qk`` (or of the
-    accumulator still in flight): the lines before -- a mask's key offsets, its key-side
-    loads (``doc[j]``) and index tests -- depend on neither, so they are placed between
-    the wgmma issue and its wait, and a load's latency hides under the contraction
-    instead of following it."""
-    reads = re.compile(rf"\b(qk|{inflight})\b")
-    for k, ln in enumerate(body):
-        if reads.search(ln):
-            return body[:k], body[k:]
-    return body, []
-
-
-def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool,
-                    inflight: str) -> list[str]:
+def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool) -> list[str]:
     """Blocks 1.. of a warpgroup.  With a mask: [1, in_lo) edge, [in_lo, in_hi) interior,
     [in_hi, n) edge, where interior blocks are visible to all of this warpgroup's rows (the
     affine mask's interior, cut by the data mask's keys seen whole: ``dm_lo``..``dm_hi``,
@@ -205,9 +191,7 @@ def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool,
             "        ph = (jb // STAGES) & 1", "        prev = (jb - 1) % STAGES"]
     issued = ["        " + ln for ln in issue]
     for lo, hi, body, note in loops:
-        early, late = _before_scores(body, inflight)
-        out += [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued[:4], *early,
-                *issued[4:], *with_wait(late, True)]
+        out += [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
     return out
 
 
@@ -337,7 +321,6 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
              "qk = warpgroup_mma_wait(1, deps=(qk, ))",
              "mbarrier.arrive(b_empty.index(st), count=1)"]
 
-    first_early, first_late = _before_scores(body_edge, pv_fold)
     em.push("    ")
     epilogue(em)
     epi = em.pop()
@@ -405,11 +388,10 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    mbarrier.wait(b_ready.index(0), 0)",
         "    qk = warpgroup_mma(q_tile, b_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, "
         "is_async=True)",
-        *[ln[4:] for ln in _gl(first_early)],
         "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
         "    mbarrier.arrive(b_empty.index(0), count=1)",
-        *[ln[4:] for ln in _gl(first_late)],
-        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait, data, pv_fold)),
+        *[ln[4:] for ln in _gl(body_edge)],
+        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait, data)),
         "    last = (n_blocks - 1) % STAGES",
         "    mbarrier.wait(c_ready.index(last), ((n_blocks - 1) // STAGES) & 1)",
         f"    {pv_fold} = warpgroup_mma(p_op, c_bufs.index(last), {pv_fold}, is_async=True)",
