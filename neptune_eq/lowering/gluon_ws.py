@@ -62,6 +62,7 @@ class GluonForm:
     widths: tuple[int, int]          # (contraction width of a/b, column width of c = key block)
     dtype: str                       # the 16-bit dtype of a, b and c
     params: list[str]                # pointer parameters after the three descriptors
+    persistent: bool = False         # one program per SM walking the tiles (else per tile)
 
     @property
     def tiles(self) -> list[tuple[str, int, int]]:
@@ -187,8 +188,8 @@ def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool) -> lis
                     "in_lo)"]
         loops = [("1", "in_lo", body_edge, "edge"), ("in_lo", "in_hi", body_in, "interior: no mask"),
                  ("in_hi", "n_blocks", body_edge, "edge")]
-    head = ["        l0 = j_lo + jb * B_L", "        st = jb % STAGES",
-            "        ph = (jb // STAGES) & 1", "        prev = (jb - 1) % STAGES"]
+    head = ["        l0 = j_lo + jb * B_L", "        g = base + jb  # position in the ring",
+            "        st = g % STAGES", "        ph = (g // STAGES) & 1", "        prev = (g - 1) % STAGES"]
     issued = ["        " + ln for ln in issue]
     for lo, hi, body, note in loops:
         out += [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
@@ -316,7 +317,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     issue = ["mbarrier.wait(b_ready.index(st), ph)",
              "qk = warpgroup_mma(q_tile, b_bufs.index(st).permute((1, 0)), zero_s, "
              "use_acc=False, is_async=True)",
-             "mbarrier.wait(c_ready.index(prev), ((jb - 1) // STAGES) & 1)",
+             "mbarrier.wait(c_ready.index(prev), ((g - 1) // STAGES) & 1)",
              f"{pv_fold} = warpgroup_mma(p_op, c_bufs.index(prev), {pv_fold}, is_async=True)",
              "qk = warpgroup_mma_wait(1, deps=(qk, ))",
              "mbarrier.arrive(b_empty.index(st), count=1)"]
@@ -327,14 +328,82 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     prologue = em.pop()
 
     rng, data = _key_range(plan, name)
+    # Without a data mask the program is persistent: one per SM walks the tiles (row
+    # block, head), and the producer loads the next tile's rows and key blocks while the
+    # consumers finish the last one (its final P·c, the epilogue's stores).  A data mask's
+    # key range is computed before the warpgroups split (the producer warp's 24 registers
+    # do not hold its summary counts): one program per tile then.
+    persistent = not data
     dm = ["dm_lo", "dm_hi"] if data else []
     em.push("    ")
     a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))
-    bases = em.pop()
+    bases = [*_gl(em.pop()), f"    a_row = {a_row} + row_first", f"    b_row = {b_row}",
+             f"    c_row = {c_row}"]
+    grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
+    tile = ["pid_grid = t // n_rb", "row_block = n_rb - 1 - t % n_rb  # long rows first",
+            *_gl(grid_decode(plan)), *rng]
+
+    def per_tile(lines: list[str], tile_lines: list[str]) -> list[str]:
+        """``lines`` (a partition's work on one tile) run once, or for each of this
+        program's tiles with the ring position ``base`` and row-tile phase ``it`` kept."""
+        if not persistent:
+            return ["    base = 0", "    it = 0", *lines]
+        return ["    base = 0", "    it = 0",
+                "    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):",
+                *["        " + ln for ln in tile_lines], *["    " + ln for ln in lines],
+                "        base += n_blocks", "        it += 1"]
 
     sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
-    shared = ", ".join(["a_smem", "b_bufs", "c_bufs", "a_bar", "b_ready", "b_empty", "c_ready",
-                        "c_empty", "pid_grid", "row_block", "j_lo", "n_blocks"] + dm + args)
+    where = ["num_tiles", "n_rb"] if persistent else ["pid_grid", "row_block", "j_lo", "n_blocks"]
+    bars = ["a_bar", "q_empty", "b_ready", "b_empty", "c_ready", "c_empty"]
+    shared = ", ".join(["a_smem", "b_bufs", "c_bufs", *bars, *where, *dm, *args])
+    producer_args = ", ".join(["a_desc", "b_desc", "c_desc", "a_smem", "b_bufs", "c_bufs", *bars,
+                               *(["num_tiles", "n_rb", *args] if persistent
+                                 else ["a_row", "b_row", "c_row", "j_lo", "n_blocks"])])
+    producer = [
+        "    mbarrier.wait(q_empty, (it & 1) ^ 1)  # the consumers are done with the last rows",
+        "    mbarrier.expect(a_bar, 2 * a_desc.block_type.nbytes)",
+        "    tma_load(a_desc, [a_row, 0], a_bar, a_smem.index(0))",
+        f"    tma_load(a_desc, [a_row + {ROWS}, 0], a_bar, a_smem.index(1))",
+        "    for jb in range(n_blocks):",
+        "        s = (base + jb) % STAGES",
+        "        ph = ((base + jb) // STAGES) & 1",
+        "        mbarrier.wait(b_empty.index(s), ph ^ 1)",
+        "        mbarrier.expect(b_ready.index(s), b_desc.block_type.nbytes)",
+        "        tma_load(b_desc, [b_row + j_lo + jb * B_L, 0], b_ready.index(s), b_bufs.index(s))",
+        "        mbarrier.wait(c_empty.index(s), ph ^ 1)",
+        "        mbarrier.expect(c_ready.index(s), c_desc.block_type.nbytes)",
+        "        tma_load(c_desc, [c_row + j_lo + jb * B_L, 0], c_ready.index(s), c_bufs.index(s))"]
+    consumer = [
+        f"    my_first = row_block * {CTA_ROWS} + WHICH * {ROWS}",
+        *_gl(prologue), *_gl(prologue_tail),
+        "    mbarrier.wait(a_bar, it & 1)",
+        "    # block 0: the first contraction and the block's math; its P·c is issued next block",
+        "    l0 = j_lo",
+        "    st = base % STAGES",
+        "    mbarrier.wait(b_ready.index(st), (base // STAGES) & 1)",
+        "    qk = warpgroup_mma(q_tile, b_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, "
+        "is_async=True)",
+        "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
+        "    mbarrier.arrive(b_empty.index(st), count=1)",
+        *[ln[4:] for ln in _gl(body_edge)],
+        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait, data)),
+        "    mbarrier.arrive(q_empty, count=1)  # the rows are read: the next tile's may load",
+        "    last = (base + n_blocks - 1) % STAGES",
+        "    mbarrier.wait(c_ready.index(last), ((base + n_blocks - 1) // STAGES) & 1)",
+        f"    {pv_fold} = warpgroup_mma(p_op, c_bufs.index(last), {pv_fold}, is_async=True)",
+        f"    {pv_fold} = warpgroup_mma_wait(0, deps=({pv_fold}, ))",
+        "    mbarrier.arrive(c_empty.index(last), count=1)",
+        *_gl(epi)]
+    if persistent:
+        place = ["    n_rb = gl.cdiv(" + str(plan.row_extent) + f", {CTA_ROWS})",
+                 f"    num_tiles = n_rb * {grid_n}"]
+    else:
+        place = ["    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
+                 "    pid_grid = gl.program_id(1)",
+                 "    R1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])",
+                 *["    " + ln for ln in _gl(grid_decode(plan))],
+                 *["    " + ln for ln in rng], *bases]
     src = [
         "# generated by neptune_eq (lowering/gluon_ws.py) from the program:",
         *[f"#   {ln}" for ln in str(p).splitlines()],
@@ -347,29 +416,14 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "tma_load = getattr(tma, 'async_load', None) or tma.async_copy_global_to_shared",
         "", "",
         "@gluon.jit",
-        "def _producer(a_desc, b_desc, c_desc, a_smem, b_bufs, c_bufs, a_bar, b_ready, b_empty, "
-        "c_ready, c_empty, a_row, b_row, c_row, j_lo, n_blocks, B_L: gl.constexpr):",
-        "    # one warp: the row tiles once, then b and c key blocks through the ring",
+        f"def _producer({producer_args}, B_L: gl.constexpr):",
+        "    # one warp: each tile's rows, then its b and c key blocks through the ring",
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
-        "    mbarrier.expect(a_bar, 2 * a_desc.block_type.nbytes)",
-        "    tma_load(a_desc, [a_row, 0], a_bar, a_smem.index(0))",
-        f"    tma_load(a_desc, [a_row + {ROWS}, 0], a_bar, a_smem.index(1))",
-        "    for jb in range(n_blocks):",
-        "        s = jb % STAGES",
-        "        ph = (jb // STAGES) & 1",
-        "        mbarrier.wait(b_empty.index(s), ph ^ 1)",
-        "        mbarrier.expect(b_ready.index(s), b_desc.block_type.nbytes)",
-        "        tma_load(b_desc, [b_row + j_lo + jb * B_L, 0], "
-        "b_ready.index(s), b_bufs.index(s))",
-        "        mbarrier.wait(c_empty.index(s), ph ^ 1)",
-        "        mbarrier.expect(c_ready.index(s), c_desc.block_type.nbytes)",
-        "        tma_load(c_desc, [c_row + j_lo + jb * B_L, 0], "
-        "c_ready.index(s), c_bufs.index(s))",
+        *per_tile(producer, [*tile, *[ln[4:] for ln in bases]]),
         "", "",
         "@gluon.jit",
-        f"def _consumer(a_smem, b_bufs, c_bufs, a_bar, b_ready, b_empty, c_ready, c_empty, "
-        f"pid_grid, row_block, j_lo, n_blocks, {', '.join(dm + args)}, WHICH: gl.constexpr, "
-        f"B_L: gl.constexpr, DTYPE: gl.constexpr, EVEN_L: gl.constexpr):",
+        f"def _consumer({shared}, WHICH: gl.constexpr, B_L: gl.constexpr, DTYPE: gl.constexpr, "
+        "EVEN_L: gl.constexpr):",
         "    # one warpgroup: 64 rows, its own wgmma issue, block math between the two",
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
         "    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
@@ -377,48 +431,26 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)",
         "    S_ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)",
         "    S_COLS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)",
-        f"    my_first = row_block * {CTA_ROWS} + WHICH * {ROWS}",
         "    cols = gl.arange(0, B_L, S_COLS)",
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
-        *_gl(prologue), *_gl(prologue_tail),
         "    q_tile = a_smem.index(WHICH)",
-        "    mbarrier.wait(a_bar, 0)",
-        "    # block 0: the first contraction and the block's math; its P·c is issued next block",
-        "    l0 = j_lo",
-        "    mbarrier.wait(b_ready.index(0), 0)",
-        "    qk = warpgroup_mma(q_tile, b_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, "
-        "is_async=True)",
-        "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
-        "    mbarrier.arrive(b_empty.index(0), count=1)",
-        *[ln[4:] for ln in _gl(body_edge)],
-        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait, data)),
-        "    last = (n_blocks - 1) % STAGES",
-        "    mbarrier.wait(c_ready.index(last), ((n_blocks - 1) // STAGES) & 1)",
-        f"    {pv_fold} = warpgroup_mma(p_op, c_bufs.index(last), {pv_fold}, is_async=True)",
-        f"    {pv_fold} = warpgroup_mma_wait(0, deps=({pv_fold}, ))",
-        "    mbarrier.arrive(c_empty.index(last), count=1)",
-        *_gl(epi),
+        *per_tile(consumer, tile),
         "", "",
         "@gluon.jit",
         f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr):",
         "    DTYPE: gl.constexpr = a_desc.dtype",
         "    D: gl.constexpr = a_desc.block_type.shape[1]",
-        "    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
-        "    pid_grid = gl.program_id(1)",
-        "    R1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])",
-        *["    " + ln for ln in _gl(grid_decode(plan))],
-        *["    " + ln for ln in rng], *_gl(bases),
-        f"    a_row = {a_row} + row_first",
-        f"    b_row = {b_row}",
-        f"    c_row = {c_row}",
+        *place,
         f"    a_smem = gl.allocate_shared_memory(DTYPE, [2, {ROWS}, D], a_desc.layout)",
         "    b_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, D], b_desc.layout)",
         "    c_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, c_desc.block_type.shape[1]], "
         "c_desc.layout)",
-        "    a_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())",
+        *[f"    {b} = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())"
+          for b in ("a_bar", "q_empty")],
         *[f"    {b} = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
           for b in ("b_ready", "b_empty", "c_ready", "c_empty")],
         "    mbarrier.init(a_bar, count=1)",
+        "    mbarrier.init(q_empty, count=2)  # both consumers release the row tiles",
         "    for i in gl.static_range(STAGES):",
         "        mbarrier.init(b_ready.index(i), count=1)",
         "        mbarrier.init(c_ready.index(i), count=1)",
@@ -427,9 +459,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    gl.warp_specialize([",
         f"        (_consumer, ({shared}, 0, B_L, DTYPE, EVEN_L)),",
         f"        (_consumer, ({shared}, 1, B_L, DTYPE, EVEN_L)),",
-        "        (_producer, (a_desc, b_desc, c_desc, a_smem, b_bufs, c_bufs, a_bar, b_ready, "
-        "b_empty, c_ready, c_empty, a_row, b_row, c_row, j_lo, n_blocks, B_L)),",
+        f"        (_producer, ({producer_args}, B_L)),",
         "    ], [4, 1], [232, 24])",
     ]
     return GluonForm(name, "\n".join(src) + "\n", streamed, widths, dts.pop(),
-                     [f"{t}_ptr" for t in tensors])
+                     [f"{t}_ptr" for t in tensors], persistent)

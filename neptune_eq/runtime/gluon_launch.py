@@ -75,7 +75,13 @@ class GluonLauncher:
         self.size_args = tuple(size_args)
         self.form = form
         self.fn = load_gluon(form)
-        self.grid = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
+        tiles = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
+        if form.persistent:  # one program per SM (at most one per tile) walks the tiles
+            import torch
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            self.grid = (min(sms, tiles[0] * tiles[1]), 1)
+        else:
+            self.grid = tiles
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
         self.consts = dict(B_L=form.widths[1], STAGES=config.num_stages, EVEN_L=_even_keys(ks))
         self._pre = None
