@@ -114,6 +114,21 @@ def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
         assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
 
 
+def test_tiles_of_equal_work_run_persistent_programs():
+    """Without a mask moving the key range, every (row block, head) tile has the same work:
+    one program per SM walks them, and the producer's next rows wait on the consumers'
+    release; causal and data masks keep one program per tile (long rows first)."""
+    for name in ("global-fp16-d64", "alibi"):
+        form = _kernel(**VARIANTS[name]).kernel_source.gluon
+        assert form.persistent, name
+        assert "for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):" in form.source
+        producer = form.source.split("def _producer(")[1].split("def _consumer(")[0]
+        assert producer.index("mbarrier.wait(q_empty") < producer.index("tma_load(a_desc")
+    for kw in (VARIANTS["causal-bf16-d128"], DATA_VARIANTS["documents-causal"]):
+        form = _kernel(**kw).kernel_source.gluon
+        assert not form.persistent and "num_tiles" not in form.source
+
+
 def test_plans_outside_the_skeleton_keep_only_tl_forms(monkeypatch):
     """Split-k decode, a head dim the skeleton does not issue: no Gluon form, and why;
     a decode (one query row) is not offered 128-row programs."""
