@@ -245,12 +245,54 @@ def tanh_forms(s_time=8192):
     return rows
 
 
+def persistence():
+    """``gluon_ws.PERSISTENT`` on and off in one process: the Gluon form's time per call
+    (``do_bench``, host included) and replayed from a CUDA graph (device only), and
+    whether both forms' outputs are bit-identical."""
+    from neptune_eq.lowering import gluon_ws
+    rows, was = [], gluon_ws.PERSISTENT
+    cases = (("global", 1, 32, 2048, None), ("global", 1, 32, 8192, None),
+             ("global", 1, 64, 2048, 8), ("alibi", 1, 32, 2048, None), ("causal", 1, 32, 2048, None))
+    try:
+        for variant, b, h, s, kv in cases:
+            row = {"case": "persistence", "variant": variant, "B": b, "H": h, "S": s, "kv_heads": kv}
+            q = torch.randn(b, h, s, 128, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(b, kv or h, s, 128, device="cuda", dtype=torch.float16)
+                    for _ in range(2))
+            outs = {}
+            for on in (True, False):
+                gluon_ws.PERSISTENT = on
+                prog, ks = derive(variant, b, h, s, 128, "float16", kv)
+                cfg = TileConfig({f"B_{ks.block_axis}": 128, "B_L": 128}, 4, 2, gluon_ws=True)
+                la = make_launcher(prog, ks, "cuda", cfg)
+                t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
+                la(t)
+                la(t)  # the checked direct launch
+                outs[on] = t["o"].clone()
+                tag = "persistent" if on else "per_tile"
+                row[f"{tag}_is"] = ks.gluon.persistent
+                ms = triton.testing.do_bench(lambda: la(t), warmup=25, rep=200)
+                row[f"tflops_{tag}_called"] = flops(variant, b, h, s, 128) / ms / 1e9
+                try:
+                    ms = triton.testing.do_bench_cudagraph(lambda: la(t), rep=200)
+                    row[f"tflops_{tag}_graph"] = flops(variant, b, h, s, 128) / ms / 1e9
+                except Exception as e:  # noqa: BLE001 - recorded, the row still counts
+                    row[f"graph_error_{tag}"] = repr(e)[-300:]
+            row["bit_identical"] = bool(torch.equal(outs[True], outs[False]))
+            rows.append(row)
+    finally:
+        gluon_ws.PERSISTENT = was
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip-choice", action="store_true")
     ap.add_argument("--only-tanh", action="store_true", help="only the softcap tanh forms")
     ap.add_argument("--skip-tanh", action="store_true", help="no softcap tanh forms")
+    ap.add_argument("--only-persistence", action="store_true",
+                    help="only the persistent / one-program-per-tile A/B")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -263,6 +305,11 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    if args.only_persistence:
+        args.only_tanh = args.skip_tanh = True  # nothing else runs
+        for row in persistence():
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     for row in () if args.skip_tanh else tanh_forms():
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -49,6 +49,7 @@ from .fold_body import epilogue, loop_body
 from .lower import LoweringError, TilePlan
 
 ROWS = 64          # rows per consumer warpgroup (one wgmma M)
+PERSISTENT = True  # tiles of equal work walked by one program per SM (see generate)
 CTA_ROWS = 2 * ROWS  # two consumer warpgroups per program
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
 
@@ -336,7 +337,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # robin's imbalance (S=2048 344 -> 276), so they keep one program per tile, long rows
     # first, balanced by the hardware; so does a data mask, whose key range is computed
     # before the warpgroups split (the producer's 24 registers do not hold its counts).
-    persistent = not data and ps.lo_offset is None and ps.hi_offset is None
+    persistent = PERSISTENT and not data and ps.lo_offset is None and ps.hi_offset is None
     dm = ["dm_lo", "dm_hi"] if data else []
     em.push("    ")
     a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))
