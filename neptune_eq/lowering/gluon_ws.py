@@ -21,7 +21,6 @@ consumer warpgroups each issuing its own wgmma -- is written in Gluon
   interior body has the mask atoms dropped), as ``kernelgen`` does; an in-flight wgmma
   accumulator may cross a loop boundary but not an if/else, so there is no per-block
   branch.
-
 * A mask over captured tensors (``doc[i] == doc[j]``, ``j >= offsets[doc[i]]``) narrows
   the program's key range before the warpgroups start, from the per-block summaries the
   pre-pass builds per call (``block_ranges``: nondecreasing data makes a row block's
@@ -29,11 +28,14 @@ consumer warpgroups each issuing its own wgmma -- is written in Gluon
   run the interior body, the others evaluate the mask per element.  Unsorted data
   (the flag is read on the device) keeps the affine range with every block masked:
   right, never skipping.
+* Where every (row block, head) tile has the same work, the program is persistent: one
+  per SM walks the tiles, and the producer fills the ring with the next tile's blocks
+  while the consumers finish the last (``generate`` has the measurements).
 
 Scope: one unsplit, unpacked pass; a data mask only in that range form (no per-block
-test); no atomically summed outputs, no epilogue column loops; the contraction width and ``c``'s column width are 64
-or 128 and the key block equals ``c``'s column width (one accumulator layout serves the
-score tile and the rolling state).  Plans outside it raise ``LoweringError`` and keep
+test); no atomically summed outputs, no epilogue column loops; the contraction width and
+``c``'s column width are 64 or 128 and the key block equals ``c``'s column width (one
+accumulator layout serves the score tile and the rolling state).  Plans outside it raise ``LoweringError`` and keep
 the ``tl`` forms.  The launcher (``runtime.gluon_launch``) builds the TMA descriptors.
 """
 from __future__ import annotations
