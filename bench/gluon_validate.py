@@ -252,7 +252,8 @@ def persistence():
     from neptune_eq.lowering import gluon_ws
     rows, was = [], gluon_ws.PERSISTENT
     cases = (("global", 1, 32, 2048, None), ("global", 1, 32, 8192, None),
-             ("global", 1, 64, 2048, 8), ("alibi", 1, 32, 2048, None), ("causal", 1, 32, 2048, None))
+             ("global", 1, 64, 2048, 8), ("alibi", 1, 32, 2048, None), ("causal", 1, 32, 2048, None),
+             ("window", 1, 32, 2048, None), ("window", 1, 32, 8192, None))
     try:
         for variant, b, h, s, kv in cases:
             row = {"case": "persistence", "variant": variant, "B": b, "H": h, "S": s, "kv_heads": kv}

@@ -115,10 +115,11 @@ def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
 
 
 def test_tiles_of_equal_work_run_persistent_programs():
-    """Without a mask moving the key range, every (row block, head) tile has the same work:
-    one program per SM walks them, and the producer's next rows wait on the consumers'
-    release; causal and data masks keep one program per tile (long rows first)."""
-    for name in ("global-fp16-d64", "alibi"):
+    """Without a mask moving the key range -- or with one bounding it on both sides, a
+    sliding window -- every (row block, head) tile has the same work: one program per SM
+    walks them, and the producer's next rows wait on the consumers' release; causal and
+    data masks keep one program per tile (long rows first)."""
+    for name in ("global-fp16-d64", "alibi", "window"):
         form = _kernel(**VARIANTS[name]).kernel_source.gluon
         assert form.persistent, name
         assert "for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):" in form.source
