@@ -35,8 +35,9 @@ consumer warpgroups each issuing its own wgmma -- is written in Gluon
 Scope: one unsplit, unpacked pass; a data mask only in that range form (no per-block
 test); no atomically summed outputs, no epilogue column loops; the contraction width and
 ``c``'s column width are 64 or 128 and the key block equals ``c``'s column width (one
-accumulator layout serves the score tile and the rolling state).  Plans outside it raise ``LoweringError`` and keep
-the ``tl`` forms.  The launcher (``runtime.gluon_launch``) builds the TMA descriptors.
+accumulator layout serves the score tile and the rolling state).  Plans outside it raise
+``LoweringError`` and keep the ``tl`` forms.  The launcher (``runtime.gluon_launch``)
+builds the TMA descriptors.
 """
 from __future__ import annotations
 
@@ -334,9 +335,10 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # Where every tile has the same work (no mask moving the key range with the rows) the
     # program is persistent: one per SM walks the tiles (row block, head) round robin, and
     # the producer loads the next tile's rows and key blocks while the consumers finish
-    # the last one (its final P·c, the epilogue's stores) -- H200, S=2048: global 531 ->
-    # 561 TFLOP/s, GQA 540 -> 587.  Tiles of unequal work (causal) lost to the round
-    # robin's imbalance (S=2048 344 -> 276), so they keep one program per tile, long rows
+    # the last one (its final P·c, the epilogue's stores) -- H200, S=2048, same process:
+    # global 529 -> 558 TFLOP/s, GQA 64/8 541 -> 561 (bench/gluon_validate.py
+    # --only-persistence).  Tiles of unequal work (causal) lost to the round robin's
+    # imbalance (S=2048 344 -> 276), so they keep one program per tile, long rows
     # first, balanced by the hardware; so does a data mask, whose key range is computed
     # before the warpgroups split (the producer's 24 registers do not hold its counts).
     # A key range bounded on both sides (a sliding window) has the same length for every
