@@ -342,8 +342,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # first, balanced by the hardware; so does a data mask, whose key range is computed
     # before the warpgroups split (the producer's 24 registers do not hold its counts).
     # A key range bounded on both sides (a sliding window) has the same length for every
-    # row block past the first few: equal work too (window(256), called: +10.6% at S=2048,
-    # +4.7% at 8192).
+    # row block past the first few: equal work too (window(256), called: +1-11% at S=2048
+    # over two runs, +4-5% at 8192).
     persistent = PERSISTENT and not data and (ps.lo_offset is None) == (ps.hi_offset is None)
     dm = ["dm_lo", "dm_hi"] if data else []
     em.push("    ")
