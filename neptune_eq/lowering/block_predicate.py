@@ -276,6 +276,11 @@ class SummarySpec:
     dim: int | None
     block: str | None
 
+    def rank(self, program) -> int:
+        """Dims of the summary tensor: the tensor's (the summarised one counted in blocks)
+        and a trailing [min, max]; a global summary is one dim, [min, max, nondecreasing]."""
+        return 1 if self.dim is None else len(program.shape_of(self.tensor)) + 1
+
 
 def summary_dim(load: Term, tiled: dict[str, str], scalar_axes: set[str]) -> tuple[int | None, str] | None:
     """How a kernel bounds a read of a captured tensor over a block:

@@ -255,8 +255,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
     for sp in summary_specs(plan):  # the data mask's per-call summaries, as the tl form's
         tensors.append(sp.name)
-        strides += [f"{sp.name}_s{k}" for k in range(1 if sp.dim is None else
-                                                     len(p.shape_of(sp.tensor)) + 1)]
+        strides += [f"{sp.name}_s{k}" for k in range(sp.rank(p))]
     sizes = [f"n_{s}" for s in p.meta.get("size_params", ())]
     args = [f"{t}_ptr" for t in tensors] + strides + sizes
 
@@ -351,8 +350,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     bases = [*_gl(em.pop()), f"    a_row = {a_row} + row_first", f"    b_row = {b_row}",
              f"    c_row = {c_row}"]
     grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
-    tile = ["pid_grid = t // n_rb", "row_block = n_rb - 1 - t % n_rb  # long rows first",
-            *_gl(grid_decode(plan)), *rng]
+    # a tile's place (the consumers' prologue decodes the grid axes itself)
+    tile = ["pid_grid = t // n_rb", "row_block = n_rb - 1 - t % n_rb  # long rows first", *rng]
 
     def per_tile(lines: list[str], tile_lines: list[str]) -> list[str]:
         """``lines`` (a partition's work on one tile) run once, or for each of this
@@ -430,7 +429,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         f"def _producer({producer_args}, B_L: gl.constexpr):",
         "    # one warp: each tile's rows, then its b and c key blocks through the ring",
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
-        *per_tile(producer, [*tile, *[ln[4:] for ln in bases]]),
+        *per_tile(producer, [*tile, *_gl(grid_decode(plan)), *[ln[4:] for ln in bases]]),
         "", "",
         "@gluon.jit",
         f"def _consumer({shared}, WHICH: gl.constexpr, B_L: gl.constexpr, DTYPE: gl.constexpr, "

@@ -398,9 +398,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     # has the tensor's dims (the summarised one counted in blocks) plus a trailing [min, max]
     summaries = summary_specs(plan)
     for sp in summaries:
-        nd = 1 if sp.dim is None else len(p.shape_of(sp.tensor)) + 1
         tensors.append(sp.name)
-        strides += [(sp.name, k) for k in range(nd)]
+        strides += [(sp.name, k) for k in range(sp.rank(p))]
     tunables = {f"B_{ba}": 16, f"B_{LOOP}": 16}
     if any(e.loop_axes for e in plan.epilogue):
         tunables[f"B_{ECOL}"] = 16
