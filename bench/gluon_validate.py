@@ -8,12 +8,15 @@
    x8, a mask that leaves rows fully masked (their output must be 0), GQA; and masks
    over captured tensors (``DATA``): sorted documents with padding rows that see nothing,
    the same ids shuffled (the nondecreasing flag is false: no skipping, still right),
-   jagged sequences from offsets, prefix-LM with a per-sample prefix.
+   jagged sequences from offsets, prefix-LM with a per-sample prefix; each at its value
+   width's key block and at the other one (64 keys at D=128, 128 at D=64).
 2. **The choice**: ``ne.superoptimize`` on the GPU at the timing shape, cold: which config
    the timer chose, the timer's own times of the best Gluon and the best tl config (same
    process, same inputs), and the chosen kernel's TFLOP/s beside cuDNN SDPA where it runs.
 3. **The drop-in**: ``ne.flex_attention(..., return_lse=True)`` at named sizes: chosen
    config, output and lse against SDPA / torch.
+
+``--only-key-blocks``: the Gluon form's time at each key block and ring depth (one process).
 
 Writes DIR/gluon_validate.json (one row per case) and prints each row.
 """
@@ -118,9 +121,11 @@ def reference(variant, q, k, v, mask_mod=None):
     return out
 
 
-def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2):
+def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2, key_block=None):
+    key_block = key_block or d  # default: the key block as wide as the value
     row = {"case": "correctness", "variant": variant, "B": b, "H": h, "S": s, "D": d,
-           "dtype": dtype, "large_scores": big, "kv_heads": kv_heads, "stages": stages}
+           "dtype": dtype, "large_scores": big, "kv_heads": kv_heads, "stages": stages,
+           "key_block": key_block}
     mods, tmask, captured = data_case(variant, b, s) if variant in DATA else (None, None, {})
     prog, ks = derive(variant, b, h, s, d, dtype, kv_heads, mods)
     if ks.gluon is None:
@@ -132,8 +137,7 @@ def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2):
     k = torch.randn(b, hk, s, d, device="cuda", dtype=dt)
     v = torch.randn(b, hk, s, d, device="cuda", dtype=dt)
     o = torch.full((b, h, s, d), float("nan"), device="cuda", dtype=dt)
-    cfg = TileConfig({f"B_{ks.block_axis}": 128, "B_L": ks.gluon.widths[1]}, 4, stages,
-                     gluon_ws=True)
+    cfg = TileConfig({f"B_{ks.block_axis}": 128, "B_L": key_block}, 4, stages, gluon_ws=True)
     la = make_launcher(prog, ks, "cuda", cfg)
     la({"q": q, "k": k, "v": v, "o": o, **captured})
     first = o.clone()
@@ -291,6 +295,46 @@ def persistence():
     return rows
 
 
+KEY_BLOCK_CASES = (  # (variant, B, H, S, D): head dim 64 and sparse masks at head dim 128
+    ("global", 4, 32, 4096, 64), ("causal", 4, 32, 4096, 64), ("global", 2, 16, 3000, 64),
+    ("causal", 2, 16, 3000, 64), ("global", 1, 32, 8192, 128), ("causal", 1, 32, 2048, 128),
+    ("window", 1, 32, 8192, 128), ("doc-pad", 1, 16, 8192, 128), ("jagged", 1, 16, 8192, 128))
+
+
+def key_blocks():
+    """The Gluon form at each key block and ring depth, one process, same inputs: time per
+    call and replayed from a CUDA graph (TFLOP/s on visible pairs for the affine masks;
+    ms only for the data masks), and the max difference between the key blocks' outputs."""
+    from neptune_eq.lowering.gluon_ws import KEY_BLOCKS
+    rows = []
+    for variant, b, h, s, d in KEY_BLOCK_CASES:
+        row = {"case": "key-block", "variant": variant, "B": b, "H": h, "S": s, "D": d}
+        mods, _, captured = data_case(variant, b, s) if variant in DATA else (None, None, {})
+        prog, ks = derive(variant, b, h, s, d, "float16", None, mods)
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        outs = {}
+        for bl in KEY_BLOCKS:
+            for ring in (2, 3):
+                if ks.gluon.ring_bytes(bl, ring) > 224 * 1024:
+                    continue
+                la = make_launcher(prog, ks, "cuda", TileConfig(
+                    {f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True))
+                t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q), **captured}
+                la(t)
+                la(t)
+                outs[bl] = t["o"].clone()
+                tag = f"keys{bl}_ring{ring}"
+                ms = triton.testing.do_bench(lambda: la(t), warmup=25, rep=200)
+                msg = triton.testing.do_bench_cudagraph(lambda: la(t), rep=200)
+                row[f"ms_{tag}"], row[f"ms_graph_{tag}"] = ms, msg
+                if variant not in DATA:
+                    row[f"tflops_{tag}"] = flops(variant, b, h, s, d) / ms / 1e9
+                    row[f"tflops_graph_{tag}"] = flops(variant, b, h, s, d) / msg / 1e9
+        row["max_diff_between_key_blocks"] = (outs[64].float() - outs[128].float()).abs().max().item()
+        rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -299,6 +343,8 @@ def main():
     ap.add_argument("--skip-tanh", action="store_true", help="no softcap tanh forms")
     ap.add_argument("--only-persistence", action="store_true",
                     help="only the persistent / one-program-per-tile A/B")
+    ap.add_argument("--only-key-blocks", action="store_true",
+                    help="only the Gluon form at each key block and ring depth")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -311,8 +357,8 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    if args.only_persistence:
-        for row in persistence():
+    if args.only_persistence or args.only_key_blocks:
+        for row in persistence() if args.only_persistence else key_blocks():
             rows.append(row)
             print(json.dumps(row), flush=True)
         return write(rows, args.out)
@@ -323,6 +369,11 @@ def main():
         run(check, variant, 1, 2, 1000, 128, "float16")
         run(check, variant, 2, 2, 777, 128, "bfloat16", big=True)
         run(check, variant, 1, 3, 300, 64, "float16", stages=3)
+        # the key block apart from the value width: 64 keys at D=128, 128 keys at D=64
+        run(check, variant, 1, 2, 1000, 128, "float16", key_block=64)
+        run(check, variant, 2, 2, 777, 128, "bfloat16", big=True, key_block=64, stages=3)
+        run(check, variant, 1, 3, 300, 64, "float16", key_block=128)
+        run(check, variant, 2, 3, 555, 64, "bfloat16", big=True, key_block=128, stages=3)
     if not args.only_tanh:
         run(check, "causal", 1, 8, 515, 128, "bfloat16", kv_heads=2)  # GQA (unpacked plans)
         run(dropin, 2, 4, 2048, 128, "bfloat16")

@@ -55,6 +55,32 @@ def test_every_variant_compiles_for_sm90_as_producer_and_consumers(tmp_path):
         assert res["shared"] > 2 * 64 * 64 * 2, (name, res)  # the row tiles and the ring
 
 
+def test_the_key_block_is_a_launch_choice_apart_from_the_value_width(tmp_path):
+    """Head dim 64 with 128-key blocks and head dim 128 with 64-key blocks: the score tile
+    (``S_LAYOUT``, B_L columns) and the rolling state (``O_LAYOUT``, the value's columns)
+    are two accumulator layouts; a row vector scaling the state takes the state's row
+    slice.  Each compiles for sm_90, causal and with a document mask too."""
+    cases = {"global-d64-keys128": (dict(d=64), 128),
+             "causal-d64-keys128": (dict(d=64, mask_mod=VARIANTS["causal-bf16-d128"]["mask_mod"]), 128),
+             "causal-d128-keys64": (VARIANTS["causal-bf16-d128"], 64),
+             "documents-d128-keys64": (dict(d=128, **DATA_VARIANTS["documents-causal"]), 64)}
+    for name, (kw, key_block) in cases.items():
+        kern = _kernel(**kw)
+        ks = kern.kernel_source
+        src = ks.gluon.source
+        # the state's update converts the correction into the state's rows, nothing else
+        assert re.search(r"gl\.convert_layout\(\w+, O_ROWS\)\[:, None\]", src), name
+        assert "gl.full([64, " in src and "O_LAYOUT)" in src, name
+        spec = sm90_spec(kern.program, ks, key_block=key_block)
+        assert spec["descs"]["b_desc"][0] == spec["descs"]["c_desc"][0] == key_block
+        assert spec["descs"]["c_desc"][1] == kw.get("d", 64)
+        path = tmp_path / f"{name}.py"
+        path.write_text(src)
+        res = compile_for_sm90(path, ks.gluon.name, spec)
+        assert res["ok"], f"{name}: {res['error']}"
+        assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
+
+
 def test_an_affine_mask_cuts_the_loop_and_the_interior_body_drops_it():
     """Causal: edge / interior / edge loops per warpgroup, no per-block branch (a wgmma
     accumulator in flight cannot cross an if/else), and the interior body computes no
@@ -154,7 +180,12 @@ def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch
     monkeypatch.setattr(launcher, "gluon_unavailable", lambda: None)
     cfgs = candidate_configs(ks, "cuda")
     gl = [c for c in cfgs if c.gluon_ws]
-    assert [c.num_stages for c in gl] == [2, 3] and all(c.blocks["B_L"] == 64 for c in gl)
+    # head dim 64: both key blocks, each ring that fits in shared memory
+    assert [(c.blocks["B_L"], c.num_stages) for c in gl] == [(64, 2), (64, 3), (128, 2), (128, 3)]
+    wide = candidate_configs(_kernel(d=128).kernel_source, "cuda")
+    assert [(c.blocks["B_L"], c.num_stages) for c in wide if c.gluon_ws] == \
+        [(64, 2), (64, 3), (128, 2), (128, 3)]
+    assert _kernel(d=128).kernel_source.gluon.ring_bytes(128, 3) == 224 * 1024
     kept = prune_configs(_kernel().candidates[0].plan, cfgs, DEVICES[DEFAULT_DEVICE])
     assert [c for c in kept if c.gluon_ws] == gl  # a separate form: each ring depth timed
     assert "gluon-ws" in str(gl[0]) and gl[0].as_dict()["gluon_ws"]

@@ -32,10 +32,16 @@ consumer warpgroups each issuing its own wgmma -- is written in Gluon
   per SM walks the tiles, and the producer fills the ring with the next tile's blocks
   while the consumers finish the last (``generate`` has the measurements).
 
+* The key block ``B_L`` (64 or 128) is a launch constant, not tied to the widths: the
+  score tile and the rolling state are two wgmma accumulator layouts (``S_LAYOUT`` with
+  ``B_L`` columns, ``O_LAYOUT`` with ``c``'s), and a row vector meeting the state is
+  converted between their row slices -- the same rows in the same threads, so no data
+  moves.  Head dim 64 then runs 64×128 score tiles, and sparse masks at head dim 128
+  can take 64-key blocks; the timer chooses.
+
 Scope: one unsplit, unpacked pass; a data mask only in that range form (no per-block
 test); no atomically summed outputs, no epilogue column loops; the contraction width and
-``c``'s column width are 64 or 128 and the key block equals ``c``'s column width (one
-accumulator layout serves the score tile and the rolling state).  Plans outside it raise
+``c``'s column width are 64 or 128.  Plans outside it raise
 ``LoweringError`` and keep the ``tl`` forms.  The launcher (``runtime.gluon_launch``)
 builds the TMA descriptors.
 """
@@ -55,6 +61,8 @@ ROWS = 64          # rows per consumer warpgroup (one wgmma M)
 PERSISTENT = True  # tiles of equal work walked by one program per SM (see generate)
 CTA_ROWS = 2 * ROWS  # two consumer warpgroups per program
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
+KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
+SMEM_BYTES = 224 * 1024  # row tiles + ring: Hopper's 227 KiB per program, less barriers
 
 
 @dataclass
@@ -63,17 +71,21 @@ class GluonForm:
     name: str
     source: str
     streamed: tuple[str, str, str]   # inputs (a, b, c): row tile, first and second contraction's
-    widths: tuple[int, int]          # (contraction width of a/b, column width of c = key block)
+    widths: tuple[int, int]          # (contraction width of a/b, column width of c)
     dtype: str                       # the 16-bit dtype of a, b and c
     params: list[str]                # pointer parameters after the three descriptors
     persistent: bool = False         # one program per SM walking the tiles (else per tile)
 
-    @property
-    def tiles(self) -> list[tuple[str, int, int]]:
+    def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
         """(input, rows, width) of the TMA tile each descriptor loads: a warpgroup's rows of
         ``a``, one key block of ``b`` and of ``c``."""
-        (a, b, c), (width, keys) = self.streamed, self.widths
-        return [(a, ROWS, width), (b, keys, width), (c, keys, keys)]
+        (a, b, c), (width, cols) = self.streamed, self.widths
+        return [(a, ROWS, width), (b, key_block, width), (c, key_block, cols)]
+
+    def ring_bytes(self, key_block: int, stages: int) -> int:
+        """Shared memory of the row tiles and a ``stages``-deep ring of key blocks."""
+        (width, cols), size = self.widths, 2  # 16-bit inputs
+        return size * (CTA_ROWS * width + stages * key_block * (width + cols))
 
 
 class GluonEmitter(Emitter):
@@ -81,10 +93,27 @@ class GluonEmitter(Emitter):
     skeleton.  Loads and stores stay pointer ones: no kernel axis has a descriptor range
     here (``ranges`` is empty), so ``descriptors`` emits no TMA branch."""
 
-    def __init__(self, plan: TilePlan, name: str):
+    def __init__(self, plan: TilePlan, name: str, col: str):
         super().__init__(plan, name)
         self.qk: tuple[Term, Term] | None = None   # the loads of the first contraction
         self.pv: Term | None = None                # the load of the second one's right side
+        self.col = col                             # the rolling state's column axis
+
+    def layout(self, axes: tuple[str, ...]) -> str:
+        """The layout of a tile over ``axes``: the state's (``O_*``) where its column axis
+        is one of them, else the score tile's (``S_*``)."""
+        fam = "O" if self.col in axes else "S"
+        if len(axes) == 2:
+            return f"{fam}_LAYOUT"
+        return f"{fam}_ROWS" if axes == (self.plan.block_axis,) else f"{fam}_COLS"
+
+    def bcast(self, t: Tile, axes: tuple[str, ...]) -> str:
+        # a row vector (score-tile rows) meeting the state's columns takes the state's row
+        # slice: the same rows in the same threads (both are 4-warp wgmma layouts of 64
+        # rows), so the conversion moves no data
+        if self.col in axes and t.axes == (self.plan.block_axis,) and len(axes) == 2:
+            return f"tl.convert_layout({t.code}, O_ROWS)[:, None]"
+        return super().bcast(t, axes)
 
     def _try_dot(self, t: Term, kaxis: str, scope: int):
         a, b = t.args
@@ -103,6 +132,9 @@ class GluonEmitter(Emitter):
             masked = f"tl.where(mask_{LOOP}[None, :], {p.code}, 0.0)"
             self.emit(f"p_op = tl.convert_layout(({masked}).to(DTYPE), P_LAYOUT)")
             col = next(x for x in self.load_axes(b) if x != LOOP)
+            if col != self.col:
+                raise LoweringError("The second contraction's columns are not the rolling "
+                                    "state's.")
             return Tile("0.0", self.canon((self.plan.block_axis, col)), "f32")
         raise LoweringError("A contraction the skeleton does not issue as a wgmma.")
 
@@ -250,7 +282,12 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     ps = plan.passes[0]
     p = plan.program
     ba = plan.block_axis
-    em = GluonEmitter(plan, name)
+    pv_fold = next((f for f in ps.folds if len(f.state_axes) > len(plan.grid_axes) + 1), None)
+    col = next((a for a in pv_fold.state_axes if a in plan.whole_axes), None) if pv_fold else None
+    if col is None:
+        raise LoweringError("The pass has no rolling state with columns for the skeleton.")
+    pv_fold = pv_fold.name
+    em = GluonEmitter(plan, name, col)
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
     for sp in summary_specs(plan):  # the data mask's per-call summaries, as the tl form's
@@ -270,14 +307,13 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     em.emit(f"mask_{ba} = offs_{ba} < {plan.row_extent}")
     for a, n in plan.whole_axes.items():
         em.env.setdefault(a, a)
-        em.emit(f"offs_{a} = gl.arange(0, {n}, S_COLS)")
+        em.emit(f"offs_{a} = gl.arange(0, {n}, {em.layout((a,))})")
         em.emit(f"mask_{a} = offs_{a} < {p.extents[a]}")
     em.push("    ")
     for f in ps.folds:
         axes = em.canon(a for a in f.state_axes if a not in plan.grid_axes)
         shape = "[" + ", ".join(str(ROWS) if a == ba else str(plan.whole_axes[a]) for a in axes) + "]"
-        lay = "S_ROWS" if len(axes) == 1 else "S_LAYOUT"
-        em.emit(f"{f.name} = gl.full({shape}, {init_fill(f.op)}, gl.float32, {lay})")
+        em.emit(f"{f.name} = gl.full({shape}, {init_fill(f.op)}, gl.float32, {em.layout(axes)})")
         em.states[f.name] = Tile(f.name, axes, "f32")
     prologue_tail = em.pop()
 
@@ -292,15 +328,13 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     body_edge = fragment(frozenset())
     known_in = ps.bound_atoms | frozenset(data_atoms(plan, ps))
     body_in = fragment(known_in) if known_in else body_edge
-    pv_fold = next((f.name for f in ps.folds if len(f.state_axes) > len(plan.grid_axes) + 1), None)
-    if em.qk is None or em.pv is None or pv_fold is None:
+    if em.qk is None or em.pv is None:
         raise LoweringError("The pass has no pair of contractions for the skeleton.")
     streamed = (em.qk[0].val, em.qk[1].val, em.pv.val)
     dts = {p.dtype_of(t) for t in streamed}
     if len(dts) != 1 or not dts <= {"float16", "bfloat16"}:
         raise LoweringError(f"The streamed inputs {streamed} must share one 16-bit dtype, "
                             f"got {sorted(dts)}.")
-    col = next(x for x in em.load_axes(em.pv) if x != LOOP)
     kax = next(x for x in em.load_axes(em.qk[0]) if x in plan.whole_axes)
     widths = (plan.whole_axes[kax], plan.whole_axes[col])
 
@@ -438,9 +472,14 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
         "    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
         "warps_per_cta=[4, 1], instr_shape=[16, B_L, 16])",
-        "    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)",
         "    S_ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)",
         "    S_COLS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)",
+        "    # the rolling state's accumulator: c's columns wide (the key block need not be)",
+        "    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
+        "warps_per_cta=[4, 1], instr_shape=[16, c_bufs.type.shape[2], 16])",
+        "    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)",
+        "    O_COLS: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)",
+        "    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)",
         "    cols = gl.arange(0, B_L, S_COLS)",
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
         "    q_tile = a_smem.index(WHICH)",

@@ -9,6 +9,7 @@ contiguous; a call whose tensors are not runs the ``tl`` form of the same tiles 
 are zero-filled by TMA; the kernel masks them by the key extent.  A kernel whose mask
 reads captured tensors takes their block summaries too, rebuilt per call by the tl
 module's pre-pass (``runtime.block_summary``) at the form's 128-row, ``B_L``-key blocks.
+The key block is the config's (``gluon_ws.KEY_BLOCKS``), not fixed by the form.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import os
 from dataclasses import replace
 
 from ..ir import Program
-from ..lowering.gluon_ws import CTA_ROWS, GluonForm
+from ..lowering.gluon_ws import CTA_ROWS, KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
@@ -68,9 +69,11 @@ class GluonLauncher:
             raise ValueError(f"Config {config}: the warp-specialised Gluon form cannot run "
                              f"here: {why}. Use a tl config (gluon_ws=False).")
         rows = config.blocks.get(f"B_{ks.block_axis}", CTA_ROWS)
-        if rows != CTA_ROWS or config.blocks.get("B_L", form.widths[1]) != form.widths[1]:
+        key_block = config.blocks.get("B_L", form.widths[1])
+        if rows != CTA_ROWS or key_block not in KEY_BLOCKS:
             raise ValueError(f"Config {config}: the Gluon form runs {CTA_ROWS}-row programs with "
-                             f"{form.widths[1]}-key blocks, got {config.blocks}.")
+                             f"key blocks of {' or '.join(map(str, KEY_BLOCKS))}, got "
+                             f"{config.blocks}.")
         self.program, self.ks, self.target, self.config = program, ks, target, config
         self.size_args = tuple(size_args)
         self.form = form
@@ -83,17 +86,18 @@ class GluonLauncher:
         else:
             self.grid = tiles
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
-        self.consts = dict(B_L=form.widths[1], STAGES=config.num_stages, EVEN_L=_even_keys(ks))
+        self.consts = dict(B_L=key_block, STAGES=config.num_stages,
+                           EVEN_L=_even_keys(ks, key_block))
         self._pre = None
         if ks.summaries:  # the tl module's pre-pass, at this form's blocks
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
             self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": CTA_ROWS,
-                                                    "B_L": form.widths[1]}, pre_fn)
+                                                    "B_L": key_block}, pre_fn)
         self._twin = None
         from triton.experimental.gluon import language as gl
         gdt = getattr(gl, form.dtype)
         self._tiles = [(name, [rows, w], gl.NVMMASharedLayout.get_default_for([rows, w], gdt))
-                       for name, rows, w in form.tiles]
+                       for name, rows, w in form.tiles(key_block)]
         # Triton's own launch re-binds ~30 arguments per call (tens of µs, longer than a
         # short prefill runs): after one checked launch per key, ``FastLaunch`` calls the
         # compiled kernel directly, as the tl kernels' ``Launcher`` does
@@ -186,12 +190,14 @@ class GluonLauncher:
         self.fn.warmup(*self._args(self._summarised(tensors)[0])[0], grid=self.grid,
                        **self.consts, num_warps=4)
 
-def sm90_spec(program: Program, ks: KernelSource, stages: int = 2) -> dict:
+def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
+              key_block: int | None = None) -> dict:
     """The form's kernel signature for an offline sm_90 compile (``tests/sm90_compile.py``
     compiles it without a GPU: the interpreter cannot run Gluon, so this is how the CPU
     tests check every emitted form): pointer dtypes, descriptor tiles (rows, width, dtype),
     constexprs; every other argument is an i32."""
     form = ks.gluon
+    key_block = key_block or form.widths[1]
     short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32",
              "int64": "i64", "bool": "i1"}
     dtypes = {f"{t}_ptr": "*" + short[program.dtype_of(t)]
@@ -201,13 +207,14 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2) -> dict:
         dtypes[f"{sp.name}_ptr"] = "*" + short["int32" if dt == "bool" else dt]
     return {"gluon": True, "num_warps": 4, "num_stages": 1, "dtypes": dtypes,
             "descs": {d: [rows, width, form.dtype]
-                      for d, (_, rows, width) in zip(("a_desc", "b_desc", "c_desc"), form.tiles)},
-            "constexprs": {"B_L": form.widths[1], "STAGES": stages, "EVEN_L": _even_keys(ks)}}
+                      for d, (_, rows, width) in zip(("a_desc", "b_desc", "c_desc"),
+                                                     form.tiles(key_block))},
+            "constexprs": {"B_L": key_block, "STAGES": stages,
+                           "EVEN_L": _even_keys(ks, key_block)}}
 
 
-def _even_keys(ks: KernelSource) -> bool:
-    """The form's EVEN_L: every key extent is a whole number of key blocks (a named size
-    not yet bound to a value counts as not)."""
-    bl = ks.gluon.widths[1]
+def _even_keys(ks: KernelSource, bl: int) -> bool:
+    """The form's EVEN_L: every key extent is a whole number of ``bl``-key blocks (a named
+    size not yet bound to a value counts as not)."""
     keys = ks.even_flags.get("EVEN_L", ("B_L", [0]))[1]
     return all(isinstance(n, int) and n % bl == 0 for n in keys)
