@@ -75,6 +75,7 @@ class GluonForm:
     dtype: str                       # the 16-bit dtype of a, b and c
     params: list[str]                # pointer parameters after the three descriptors
     persistent: bool = False         # one program per SM walking the tiles (else per tile)
+    key_blocks: tuple[int, ...] = KEY_BLOCKS  # the key blocks worth timing (see generate)
 
     def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
         """(input, rows, width) of the TMA tile each descriptor loads: a warpgroup's rows of
@@ -511,5 +512,13 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         f"        (_producer, ({producer_args}, B_L)),",
         "    ], [4, 1], [232, 24])",
     ]
+    # Key blocks worth timing (H200, the Gluon form alone, bench/gluon_validate.py
+    # --only-key-blocks): 128 keys won wherever every row block sees a long key range --
+    # global D=128 S=8192 1.84 vs 2.04 ms, causal D=128 S=2048 0.100 vs 0.104, D=64 global
+    # and causal at S=4096 9% and 8% -- and 64 keys won where the range is narrow: a
+    # window of 256 at S=8192 0.186 vs 0.251 ms, documents 0.263 vs 0.317, jagged 0.231
+    # vs 0.285.  So 64 is offered only with a key range bounded below or a data mask.
+    narrow = ps.lo_offset is not None or data
     return GluonForm(name, "\n".join(src) + "\n", streamed, widths, dts.pop(),
-                     [f"{t}_ptr" for t in tensors], persistent)
+                     [f"{t}_ptr" for t in tensors], persistent,
+                     KEY_BLOCKS if narrow else (128,))

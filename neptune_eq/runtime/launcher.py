@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..lowering.gluon_ws import KEY_BLOCKS, SMEM_BYTES
+from ..lowering.gluon_ws import SMEM_BYTES
 from ..lowering.kernelgen import KernelSource
 from ..lowering.lower import split_factors
 from .block_summary import SummaryPrepass, build_summaries
@@ -178,16 +178,16 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
 def gluon_configs(ks: KernelSource) -> list[TileConfig]:
     """The warp-specialised Gluon form's configs (``lowering/gluon_ws.py``), where the plan
     has one and this machine runs it (``gluon_device.gluon_unavailable``): 128 rows per
-    program (two consumer warpgroups), key blocks of 64 or 128 (``gluon_ws.KEY_BLOCKS``:
-    128 fills the tensor cores better, 64 wastes less on a sparse mask's edges) and a TMA
-    ring 2 or 3 deep where it fits in shared memory (3 × 128 keys fills 224 KiB at width
-    128); timing decides.  Not for a decode (at most 16 rows): a 128-row program would
+    program (two consumer warpgroups), the key blocks the form finds worth timing
+    (``GluonForm.key_blocks``: 128 fills the tensor cores better, 64 wastes less on a
+    narrow key range) and a TMA ring 2 or 3 deep where it fits in shared memory (3 × 128
+    keys fills 224 KiB at width 128); timing decides.  Not for a decode (at most 16 rows): a 128-row program would
     compute mostly padding."""
     form = getattr(ks, "gluon", None)
     if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
         return []
     return [TileConfig({f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True)
-            for bl in KEY_BLOCKS for ring in (2, 3) if form.ring_bytes(bl, ring) <= SMEM_BYTES]
+            for bl in form.key_blocks for ring in (2, 3) if form.ring_bytes(bl, ring) <= SMEM_BYTES]
 
 
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
