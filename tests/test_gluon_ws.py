@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import neptune_eq as ne
 from sm90_compile import compile_for_sm90
@@ -17,6 +19,7 @@ from neptune_eq.dropin import flex
 from neptune_eq.runtime import gluon_launch, launcher
 from neptune_eq.runtime.gluon_launch import make_launcher, sm90_spec
 from neptune_eq.runtime.launcher import TileConfig, candidate_configs
+from neptune_eq.runtime.tile_order import tile_order, tile_work
 
 
 def _kernel(d=64, dtype="float16", s=77, **mods):
@@ -144,17 +147,62 @@ def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
 def test_tiles_of_equal_work_run_persistent_programs():
     """Without a mask moving the key range -- or with one bounding it on both sides, a
     sliding window -- every (row block, head) tile has the same work: one program per SM
-    walks them, and the producer's next rows wait on the consumers' release; causal and
-    data masks keep one program per tile (long rows first)."""
+    walks them round robin, and the producer's next rows wait on the consumers' release;
+    a data mask keeps one program per tile (long rows first)."""
     for name in ("global-fp16-d64", "alibi", "window"):
         form = _kernel(**VARIANTS[name]).kernel_source.gluon
         assert form.persistent, name
         assert "for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):" in form.source
         producer = form.source.split("def _producer(")[1].split("def _consumer(")[0]
         assert producer.index("mbarrier.wait(q_empty") < producer.index("tma_load(a_desc")
-    for kw in (VARIANTS["causal-bf16-d128"], DATA_VARIANTS["documents-causal"]):
-        form = _kernel(**kw).kernel_source.gluon
-        assert not form.persistent and "num_tiles" not in form.source
+    form = _kernel(**DATA_VARIANTS["documents-causal"]).kernel_source.gluon
+    assert not form.persistent and "num_tiles" not in form.source
+
+
+def test_causal_tiles_walk_the_launchers_balanced_order(tmp_path):
+    """Tiles of unequal work (causal: row block r sees r + 1 key blocks) are persistent
+    too, walking the order the launcher computes (a ``tile_order`` pointer: each
+    program's first entry, then tile ids); the form compiles for sm_90 so."""
+    kern = _kernel(**VARIANTS["causal-bf16-d128"])
+    ks = kern.kernel_source
+    form = ks.gluon
+    assert form.persistent and form.scheduled and form.key_offsets == (None, 1)
+    assert form.params[-1] == "tile_order_ptr"
+    for part in ("def _producer(", "def _consumer("):
+        body = form.source.split(part)[1].split("@gluon.jit")[0]
+        assert "t = gl.load(tile_order_ptr + gl.num_programs(0) + 1 + k)" in body, part
+    path = tmp_path / "causal.py"
+    path.write_text(form.source)
+    res = compile_for_sm90(path, form.name, sm90_spec(kern.program, ks))
+    assert res["ok"], res["error"]
+    assert res["tma"] and res["wgmma"] and res["setmaxnreg"], res
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_rb=st.integers(1, 40), heads=st.integers(1, 70), programs=st.integers(1, 140),
+       hi=st.sampled_from([None, 1, 300]), lo=st.sampled_from([None, -255, 0]))
+def test_the_tile_order_is_a_permutation_and_balanced(n_rb, heads, programs, hi, lo):
+    """Every tile once, each program's entries contiguous; no program's work exceeds the
+    average by more than the longest tile (list scheduling's bound), where round robin
+    can exceed it by far more."""
+    work = tile_work(n_rb, 128, n_rb * 128, 128, lo, hi)
+    order = tile_order(work, heads, programs)
+    starts, ids = order[:programs + 1], order[programs + 1:]
+    assert starts[0] == 0 and starts[-1] == len(ids) == n_rb * heads
+    assert all(a <= b for a, b in zip(starts, starts[1:]))
+    assert sorted(ids) == list(range(n_rb * heads))
+    load = [sum(work[n_rb - 1 - t % n_rb] for t in ids[a:b]) for a, b in zip(starts, starts[1:])]
+    assert max(load) <= sum(load) / programs + max(work)
+
+
+def test_tile_work_follows_the_key_range():
+    """Causal at 128-row tiles and keys: row block r visits r + 1 blocks (+1 for its
+    start and store); a window of 256 at most 3; global every block."""
+    assert tile_work(4, 128, 512, 128, None, 1) == [2, 3, 4, 5]
+    assert tile_work(4, 128, 512, 128, -255, 1) == [2, 3, 4, 4]
+    assert tile_work(3, 128, 300, 64, None, None) == [6, 6, 6]
+    with pytest.raises(ValueError, match="at least one program"):
+        tile_order([1], 1, 0)
 
 
 def test_plans_outside_the_skeleton_keep_only_tl_forms(monkeypatch):

@@ -28,9 +28,11 @@ consumer warpgroups each issuing its own wgmma -- is written in Gluon
   run the interior body, the others evaluate the mask per element.  Unsorted data
   (the flag is read on the device) keeps the affine range with every block masked:
   right, never skipping.
-* Where every (row block, head) tile has the same work, the program is persistent: one
-  per SM walks the tiles, and the producer fills the ring with the next tile's blocks
-  while the consumers finish the last (``generate`` has the measurements).
+* Without a data mask the program is persistent: one per SM walks the (row block,
+  head) tiles -- round robin where every tile has the same work, else in the balanced
+  order the launcher passes (``runtime.tile_order``) -- and the producer fills the ring
+  with the next tile's blocks while the consumers finish the last (``generate`` has the
+  measurements).
 
 * The key block ``B_L`` (64 or 128) is a launch constant, not tied to the widths: the
   score tile and the rolling state are two wgmma accumulator layouts (``S_LAYOUT`` with
@@ -58,7 +60,8 @@ from .fold_body import epilogue, loop_body
 from .lower import LoweringError, TilePlan
 
 ROWS = 64          # rows per consumer warpgroup (one wgmma M)
-PERSISTENT = True  # tiles of equal work walked by one program per SM (see generate)
+PERSISTENT = True  # tiles walked by one program per SM (see generate)
+SCHEDULED = True   # ... tiles of unequal work too, in the launcher's balanced order
 CTA_ROWS = 2 * ROWS  # two consumer warpgroups per program
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
 KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
@@ -76,6 +79,8 @@ class GluonForm:
     params: list[str]                # pointer parameters after the three descriptors
     persistent: bool = False         # one program per SM walking the tiles (else per tile)
     key_blocks: tuple[int, ...] = KEY_BLOCKS  # the key blocks worth timing (see generate)
+    scheduled: bool = False          # persistent, in the order of the ``tile_order`` argument
+    key_offsets: tuple = (None, None)  # the pass's affine key range [i + lo, i + hi)
 
     def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
         """(input, rows, width) of the TMA tile each descriptor loads: a warpgroup's rows of
@@ -289,11 +294,30 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         raise LoweringError("The pass has no rolling state with columns for the skeleton.")
     pv_fold = pv_fold.name
     em = GluonEmitter(plan, name, col)
+    # Persistent programs -- one per SM walking the (row block, head) tiles, the producer
+    # loading the next tile's rows and key blocks while the consumers finish the last one
+    # (its final P·c, the epilogue's stores) -- where every tile has the same work (no
+    # mask moving the key range with the rows, or a range bounded on both sides: a
+    # window), round robin.  H200, same process (bench/gluon_validate.py
+    # --only-persistence): global S=2048 529 -> 558 TFLOP/s, GQA 64/8 541 -> 561, window
+    # +1-11% at 2048, +4-5% at 8192.  Tiles of unequal work (causal) lost to the round
+    # robin's imbalance (S=2048 344 -> 276): with ``SCHEDULED`` they walk the order the
+    # launcher computes from each tile's key blocks (``runtime.tile_order``: longest
+    # first to the least loaded program, heads in L2-sized groups).  A data mask keeps
+    # one program per tile: its key range is computed before the warpgroups split (the
+    # producer's 24 registers do not hold its counts).
+    data = bool(data_atoms(plan, ps))
+    equal_work = (ps.lo_offset is None) == (ps.hi_offset is None)
+    persistent = PERSISTENT and not data and (equal_work or SCHEDULED)
+    scheduled = persistent and not equal_work
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
     for sp in summary_specs(plan):  # the data mask's per-call summaries, as the tl form's
         tensors.append(sp.name)
         strides += [f"{sp.name}_s{k}" for k in range(sp.rank(p))]
+    if scheduled:  # [first entry of each program (programs + 1)..., tile ids...]
+        tensors.append("tile_order")
+        strides.append("tile_order_s0")
     sizes = [f"n_{s}" for s in p.meta.get("size_params", ())]
     args = [f"{t}_ptr" for t in tensors] + strides + sizes
 
@@ -365,20 +389,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     epi = em.pop()
     prologue = em.pop()
 
-    rng, data = _key_range(plan, name)
-    # Where every tile has the same work (no mask moving the key range with the rows) the
-    # program is persistent: one per SM walks the tiles (row block, head) round robin, and
-    # the producer loads the next tile's rows and key blocks while the consumers finish
-    # the last one (its final P·c, the epilogue's stores) -- H200, S=2048, same process:
-    # global 529 -> 558 TFLOP/s, GQA 64/8 541 -> 561 (bench/gluon_validate.py
-    # --only-persistence).  Tiles of unequal work (causal) lost to the round robin's
-    # imbalance (S=2048 344 -> 276), so they keep one program per tile, long rows
-    # first, balanced by the hardware; so does a data mask, whose key range is computed
-    # before the warpgroups split (the producer's 24 registers do not hold its counts).
-    # A key range bounded on both sides (a sliding window) has the same length for every
-    # row block past the first few: equal work too (window(256), called: +1-11% at S=2048
-    # over two runs, +4-5% at 8192).
-    persistent = PERSISTENT and not data and (ps.lo_offset is None) == (ps.hi_offset is None)
+    rng, _ = _key_range(plan, name)
     dm = ["dm_lo", "dm_hi"] if data else []
     em.push("    ")
     a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))
@@ -393,8 +404,12 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         program's tiles with the ring position ``base`` and row-tile phase ``it`` kept."""
         if not persistent:
             return ["    base = 0", "    it = 0", *lines]
-        return ["    base = 0", "    it = 0",
-                "    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):",
+        walk = ["    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):"]
+        if scheduled:
+            walk = ["    first = gl.load(tile_order_ptr + gl.program_id(0))",
+                    "    for k in range(first, gl.load(tile_order_ptr + gl.program_id(0) + 1)):",
+                    "        t = gl.load(tile_order_ptr + gl.num_programs(0) + 1 + k)"]
+        return ["    base = 0", "    it = 0", *walk,
                 *["        " + ln for ln in tile_lines], *["    " + ln for ln in lines],
                 "        base += n_blocks", "        it += 1"]
 
@@ -521,4 +536,4 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     narrow = ps.lo_offset is not None or data
     return GluonForm(name, "\n".join(src) + "\n", streamed, widths, dts.pop(),
                      [f"{t}_ptr" for t in tensors], persistent,
-                     KEY_BLOCKS if narrow else (128,))
+                     KEY_BLOCKS if narrow else (128,), scheduled, (ps.lo_offset, ps.hi_offset))

@@ -21,6 +21,7 @@ from ..lowering.gluon_ws import CTA_ROWS, KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
+from .tile_order import tile_order, tile_work
 from .launch import FastLaunch, current_stream, int_classes
 from .launcher import Launcher, TileConfig, import_source
 
@@ -79,10 +80,18 @@ class GluonLauncher:
         self.form = form
         self.fn = load_gluon(form)
         tiles = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
+        self._own: dict = {}  # arguments the launcher makes itself (the tile order)
         if form.persistent:  # one program per SM (at most one per tile) walks the tiles
             import torch
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             self.grid = (min(sms, tiles[0] * tiles[1]), 1)
+            if form.scheduled:  # tiles of unequal work: the balanced order, once
+                keys = [n for n in ks.even_flags.get("EVEN_L", ("B_L", []))[1] if isinstance(n, int)]
+                work = tile_work(tiles[0], CTA_ROWS, max(keys, default=ks.row_extent), key_block,
+                                 *form.key_offsets)
+                self._own["tile_order"] = torch.tensor(
+                    tile_order(work, tiles[1], self.grid[0]), dtype=torch.int32,
+                    device=torch.cuda.current_device())
         else:
             self.grid = tiles
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
@@ -118,7 +127,7 @@ class GluonLauncher:
     def _args(self, tensors: dict) -> tuple[list, tuple]:
         """The kernel's arguments and the key a checked fast launch is reused under."""
         import torch
-        ptrs = [tensors[n] for n in self.tensors]
+        ptrs = [self._own[n] if n in self._own else tensors[n] for n in self.tensors]
         ints = [s for t in ptrs for s in t.stride()] + list(self.size_args)
         key = (torch.cuda.current_device(), tuple([t.data_ptr() & 15 == 0 for t in ptrs]),
                int_classes(ints))
@@ -205,6 +214,8 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
     for sp in ks.summaries:  # a summary has its tensor's dtype (booleans as int32)
         dt = program.dtype_of(sp.tensor)
         dtypes[f"{sp.name}_ptr"] = "*" + short["int32" if dt == "bool" else dt]
+    if form.scheduled:
+        dtypes["tile_order_ptr"] = "*i32"
     return {"gluon": True, "num_warps": 4, "num_stages": 1, "dtypes": dtypes,
             "descs": {d: [rows, width, form.dtype]
                       for d, (_, rows, width) in zip(("a_desc", "b_desc", "c_desc"),

@@ -1,0 +1,56 @@
+"""The order in which persistent Gluon programs walk tiles of unequal work.
+
+A causal mask gives row block ``r`` of a head about ``r + 1`` key blocks: walked round
+robin, one program per SM draws long and short tiles unevenly and the last programs run
+alone (H200, S=2048: 344 -> 276 TFLOP/s, bench/results/gluon_s18).  The hardware's own
+block scheduler balances a grid of one program per tile, longest first, because each
+SM takes the next tile when it frees; this module computes that schedule on the host,
+once per launcher, from the tiles' key blocks (list scheduling: each tile, longest
+first, goes to the program with the least work so far), so the programs can be
+persistent and still balanced.  Heads are taken in groups of about two waves' tiles, so
+the tiles running at one time share few heads' keys and values in L2 (a head-major order
+was 7-12% faster than a row-block-major one for global attention, session 18).
+
+The order is a permutation of the tiles: any order is correct, this one is fast.
+"""
+from __future__ import annotations
+
+import heapq
+
+
+def tile_work(n_rb: int, rows_per_tile: int, keys: int, key_block: int,
+              lo: int | None, hi: int | None) -> list[int]:
+    """Per row block, the key blocks the kernel visits in ``[i + lo, i + hi)`` over the
+    tile's rows (``gluon_ws._key_range``), plus one for the tile's own start and store."""
+    out = []
+    for rb in range(n_rb):
+        first = rb * rows_per_tile
+        last = first + rows_per_tile - 1
+        j_lo = (max(first + lo, 0) // key_block) * key_block if lo is not None else 0
+        j_hi = min(last + hi, keys) if hi is not None else keys
+        out.append(max(-(-(j_hi - j_lo) // key_block), 1) + 1)
+    return out
+
+
+def tile_order(work: list[int], heads: int, programs: int) -> list[int]:
+    """``[first entry of each program (programs + 1 values)..., tile ids...]`` where tile
+    ``t = head · n_rb + (n_rb − 1 − row block)`` (the kernel's decoding: long rows have
+    low ids).  Every tile appears once."""
+    if programs < 1 or heads < 1 or not work:
+        raise ValueError(f"tile_order: expected at least one program, head and row block, "
+                         f"got programs={programs}, heads={heads}, row blocks={len(work)}.")
+    n_rb = len(work)
+    group = max(1, -(-2 * programs // n_rb))  # heads in about two waves of tiles
+    loads = [(0, p) for p in range(programs)]
+    lists: list[list[int]] = [[] for _ in range(programs)]
+    for g0 in range(0, heads, group):
+        tiles = sorted(((work[rb], h, rb) for h in range(g0, min(g0 + group, heads))
+                        for rb in range(n_rb)), key=lambda x: (-x[0], x[1], -x[2]))
+        for w, h, rb in tiles:
+            load, p = heapq.heappop(loads)
+            lists[p].append(h * n_rb + n_rb - 1 - rb)
+            heapq.heappush(loads, (load + w, p))
+    starts = [0]
+    for ts in lists:
+        starts.append(starts[-1] + len(ts))
+    return starts + [t for ts in lists for t in ts]
