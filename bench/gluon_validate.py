@@ -289,6 +289,11 @@ def persistence():
                 except Exception as e:  # noqa: BLE001 - recorded, the row still counts
                     row[f"graph_error_{tag}"] = repr(e)[-300:]
             row["bit_identical"] = bool(torch.equal(outs[True], outs[False]))
+            row["max_diff_between_forms"] = (outs[True].float() - outs[False].float()).abs().max().item()
+            if s <= 3000:  # each form against the fp32 reference, many tiles per program
+                ref = reference(variant, q, k, v)
+                for on, tag in ((True, "persistent"), (False, "per_tile")):
+                    row[f"max_err_{tag}"] = (outs[on].float() - ref).abs().max().item()
             rows.append(row)
     finally:
         gluon_ws.PERSISTENT = was
