@@ -80,7 +80,8 @@ class GluonLauncher:
         self.form = form
         self.fn = load_gluon(form)
         tiles = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
-        self._own: dict = {}  # arguments the launcher makes itself (the tile order)
+        self._order: list[int] = []   # the tile order of a scheduled form (host copy)
+        self._order_on: dict = {}      # ... on each device it ran on
         if form.persistent:  # one program per SM (at most one per tile) walks the tiles
             import torch
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -89,9 +90,7 @@ class GluonLauncher:
                 keys = [n for n in ks.even_flags.get("EVEN_L", ("B_L", []))[1] if isinstance(n, int)]
                 work = tile_work(tiles[0], CTA_ROWS, max(keys, default=ks.row_extent), key_block,
                                  *form.key_offsets)
-                self._own["tile_order"] = torch.tensor(
-                    tile_order(work, tiles[1], self.grid[0]), dtype=torch.int32,
-                    device=torch.cuda.current_device())
+                self._order = tile_order(work, tiles[1], self.grid[0])
         else:
             self.grid = tiles
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
@@ -127,7 +126,12 @@ class GluonLauncher:
     def _args(self, tensors: dict) -> tuple[list, tuple]:
         """The kernel's arguments and the key a checked fast launch is reused under."""
         import torch
-        ptrs = [self._own[n] if n in self._own else tensors[n] for n in self.tensors]
+        if self._order:  # the launcher's own argument, kept on each device it runs on
+            dev = torch.cuda.current_device()
+            if dev not in self._order_on:
+                self._order_on[dev] = torch.tensor(self._order, dtype=torch.int32, device=dev)
+            tensors = {**tensors, "tile_order": self._order_on[dev]}
+        ptrs = [tensors[n] for n in self.tensors]
         ints = [s for t in ptrs for s in t.stride()] + list(self.size_args)
         key = (torch.cuda.current_device(), tuple([t.data_ptr() & 15 == 0 for t in ptrs]),
                int_classes(ints))

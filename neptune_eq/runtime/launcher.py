@@ -181,8 +181,8 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
     program (two consumer warpgroups), the key blocks the form finds worth timing
     (``GluonForm.key_blocks``: 128 fills the tensor cores better, 64 wastes less on a
     narrow key range) and a TMA ring 2 or 3 deep where it fits in shared memory (3 × 128
-    keys fills 224 KiB at width 128); timing decides.  Not for a decode (at most 16 rows): a 128-row program would
-    compute mostly padding."""
+    keys fills 224 KiB at width 128); timing decides.  Not for a decode (at most 16
+    rows): a 128-row program would compute mostly padding."""
     form = getattr(ks, "gluon", None)
     if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
         return []
