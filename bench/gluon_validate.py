@@ -121,6 +121,12 @@ def reference(variant, q, k, v, mask_mod=None):
     return out
 
 
+def gluon_launcher(prog, ks, key_block=128, ring=2):
+    """The Gluon form of ``ks`` at one key block and ring depth (128-row programs)."""
+    return make_launcher(prog, ks, "cuda", TileConfig(
+        {f"B_{ks.block_axis}": 128, "B_L": key_block}, 4, ring, gluon_ws=True))
+
+
 def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2, key_block=None):
     key_block = key_block or d  # default: the key block as wide as the value
     row = {"case": "correctness", "variant": variant, "B": b, "H": h, "S": s, "D": d,
@@ -137,8 +143,7 @@ def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2, key_bl
     k = torch.randn(b, hk, s, d, device="cuda", dtype=dt)
     v = torch.randn(b, hk, s, d, device="cuda", dtype=dt)
     o = torch.full((b, h, s, d), float("nan"), device="cuda", dtype=dt)
-    cfg = TileConfig({f"B_{ks.block_axis}": 128, "B_L": key_block}, 4, stages, gluon_ws=True)
-    la = make_launcher(prog, ks, "cuda", cfg)
+    la = gluon_launcher(prog, ks, key_block, stages)
     la({"q": q, "k": k, "v": v, "o": o, **captured})
     first = o.clone()
     la({"q": q, "k": k, "v": v, "o": o, **captured})  # the checked direct launch (FastLaunch)
@@ -234,8 +239,7 @@ def tanh_forms(s_time=8192):
                            for _ in range(3))
                 q = q * 8 if big else q
                 o = torch.empty_like(q)
-                cfg = TileConfig({f"B_{ks.block_axis}": 128, "B_L": 128}, 4, 2, gluon_ws=True)
-                la = make_launcher(prog, ks, "cuda", cfg)
+                la = gluon_launcher(prog, ks)
                 t = {"q": q, "k": k, "v": v, "o": o}
                 la(t)
                 if s == s_time:
@@ -273,8 +277,7 @@ def persistence():
             for on in (True, False):
                 gluon_ws.PERSISTENT = on
                 prog, ks = derive(variant, b, h, s, 128, "float16", kv)
-                cfg = TileConfig({f"B_{ks.block_axis}": 128, "B_L": 128}, 4, 2, gluon_ws=True)
-                la = make_launcher(prog, ks, "cuda", cfg)
+                la = gluon_launcher(prog, ks)
                 t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
                 la(t)
                 la(t)  # the checked direct launch
@@ -310,7 +313,7 @@ def key_blocks():
     """The Gluon form at each key block and ring depth, one process, same inputs: time per
     call and replayed from a CUDA graph (TFLOP/s on visible pairs for the affine masks;
     ms only for the data masks), and the max difference between the key blocks' outputs."""
-    from neptune_eq.lowering.gluon_ws import KEY_BLOCKS
+    from neptune_eq.lowering.gluon_ws import KEY_BLOCKS, SMEM_BYTES
     rows = []
     for variant, b, h, s, d in KEY_BLOCK_CASES:
         row = {"case": "key-block", "variant": variant, "B": b, "H": h, "S": s, "D": d}
@@ -320,10 +323,9 @@ def key_blocks():
         outs = {}
         for bl in KEY_BLOCKS:
             for ring in (2, 3):
-                if ks.gluon.ring_bytes(bl, ring) > 224 * 1024:
+                if ks.gluon.ring_bytes(bl, ring) > SMEM_BYTES:
                     continue
-                la = make_launcher(prog, ks, "cuda", TileConfig(
-                    {f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True))
+                la = gluon_launcher(prog, ks, bl, ring)
                 t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q), **captured}
                 la(t)
                 la(t)

@@ -237,10 +237,10 @@ def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool) -> lis
     return out
 
 
-def _key_range(plan: TilePlan, name: str) -> tuple[list[str], bool]:
-    """The program's lines fixing its key range ``[j_lo, j_lo + n_blocks·B_L)`` (what the
-    producer streams) and, with a data mask, ``dm_lo``..``dm_hi``: the keys every row of
-    the program sees whole.  Returns (Gluon lines, whether there is a data mask)."""
+def _key_range(plan: TilePlan, name: str, data: bool) -> list[str]:
+    """The program's Gluon lines fixing its key range ``[j_lo, j_lo + n_blocks·B_L)``
+    (what the producer streams) and, with a data mask (``data``), ``dm_lo``..``dm_hi``:
+    the keys every row of the program sees whole."""
     ps = plan.passes[0]
     rng = [f"row_first = row_block * {CTA_ROWS}", f"row_last = row_first + {CTA_ROWS - 1}",
            "j_lo = 0", f"j_hi = {ps.extent}"]
@@ -248,7 +248,6 @@ def _key_range(plan: TilePlan, name: str) -> tuple[list[str], bool]:
         rng.append(f"j_lo = (gl.maximum(row_first + ({ps.lo_offset}), 0) // B_L) * B_L")
     if ps.hi_offset is not None:
         rng.append(f"j_hi = gl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
-    data = bool(data_atoms(plan, ps))
     if data:
         # block_ranges' code over this program's 128 rows (the launcher builds the row
         # summaries at B_<row axis> = 128): the may / must key ranges and the flag they need
@@ -272,7 +271,7 @@ def _key_range(plan: TilePlan, name: str) -> tuple[list[str], bool]:
         # block of this head's keys, not the next head's
         rng.append(f"j_lo = gl.minimum(j_lo, (({ps.extent} - 1) // B_L) * B_L)")
     rng.append("n_blocks = gl.maximum(gl.cdiv(j_hi - j_lo, B_L), 1)")
-    return _gl_main(rng), data
+    return _gl_main(rng)
 
 
 def _gl_main(lines: list[str]) -> list[str]:
@@ -307,7 +306,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # GQA 64/8 387 -> 449, softcap+causal 279 -> 349, S=8192 519 -> 513.  A data mask keeps
     # one program per tile: its key range is computed before the warpgroups split (the
     # producer's 24 registers do not hold its counts).
-    data = bool(data_atoms(plan, ps))
+    atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
+    data = bool(atoms)
     equal_work = (ps.lo_offset is None) == (ps.hi_offset is None)
     persistent = PERSISTENT and not data and (equal_work or SCHEDULED)
     scheduled = persistent and not equal_work
@@ -352,7 +352,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         return em.pop()
 
     body_edge = fragment(frozenset())
-    known_in = ps.bound_atoms | frozenset(data_atoms(plan, ps))
+    known_in = ps.bound_atoms | frozenset(atoms)
     body_in = fragment(known_in) if known_in else body_edge
     if em.qk is None or em.pv is None:
         raise LoweringError("The pass has no pair of contractions for the skeleton.")
@@ -390,7 +390,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     epi = em.pop()
     prologue = em.pop()
 
-    rng, _ = _key_range(plan, name)
+    rng = _key_range(plan, name, data)
     dm = ["dm_lo", "dm_hi"] if data else []
     em.push("    ")
     a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))

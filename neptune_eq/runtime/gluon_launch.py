@@ -87,7 +87,7 @@ class GluonLauncher:
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             self.grid = (min(sms, tiles[0] * tiles[1]), 1)
             if form.scheduled:  # tiles of unequal work: the balanced order, once
-                keys = [n for n in ks.even_flags.get("EVEN_L", ("B_L", []))[1] if isinstance(n, int)]
+                keys = [n for n in _key_extents(ks) if isinstance(n, int)]
                 work = tile_work(tiles[0], CTA_ROWS, max(keys, default=ks.row_extent), key_block,
                                  *form.key_offsets)
                 self._order = tile_order(work, tiles[1], self.grid[0])
@@ -126,15 +126,14 @@ class GluonLauncher:
     def _args(self, tensors: dict) -> tuple[list, tuple]:
         """The kernel's arguments and the key a checked fast launch is reused under."""
         import torch
+        dev = torch.cuda.current_device()
         if self._order:  # the launcher's own argument, kept on each device it runs on
-            dev = torch.cuda.current_device()
             if dev not in self._order_on:
                 self._order_on[dev] = torch.tensor(self._order, dtype=torch.int32, device=dev)
             tensors = {**tensors, "tile_order": self._order_on[dev]}
         ptrs = [tensors[n] for n in self.tensors]
         ints = [s for t in ptrs for s in t.stride()] + list(self.size_args)
-        key = (torch.cuda.current_device(), tuple([t.data_ptr() & 15 == 0 for t in ptrs]),
-               int_classes(ints))
+        key = (dev, tuple([t.data_ptr() & 15 == 0 for t in ptrs]), int_classes(ints))
         return self._descriptors(tensors) + ptrs + ints, key
 
     def _summarised(self, tensors: dict) -> tuple[dict, tuple | None]:
@@ -231,5 +230,10 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
 def _even_keys(ks: KernelSource, bl: int) -> bool:
     """The form's EVEN_L: every key extent is a whole number of ``bl``-key blocks (a named
     size not yet bound to a value counts as not)."""
-    keys = ks.even_flags.get("EVEN_L", ("B_L", [0]))[1]
-    return all(isinstance(n, int) and n % bl == 0 for n in keys)
+    return all(isinstance(n, int) and n % bl == 0 for n in _key_extents(ks))
+
+
+def _key_extents(ks: KernelSource) -> list:
+    """The extents the key loop runs over (ints, or names of sizes not yet bound), as the
+    kernel's EVEN_L flag records them."""
+    return ks.even_flags.get("EVEN_L", ("B_L", []))[1]
