@@ -92,6 +92,23 @@ class GluonForm:
         (width, cols), size = self.widths, 2  # 16-bit inputs
         return size * (CTA_ROWS * width + stages * key_block * (width + cols))
 
+    @property
+    def default_key_block(self) -> int:
+        """The key block of a config that names none: the column width where offered."""
+        return self.widths[1] if self.widths[1] in self.key_blocks else self.key_blocks[0]
+
+    @property
+    def descs(self) -> tuple[str, ...]:
+        """The kernel's descriptor parameters, one per entry of ``tiles``."""
+        return ("a_desc", "b_desc", "c_desc")
+
+    def rings(self, key_block: int) -> tuple[int, ...]:
+        """Ring depths worth timing: 64-key blocks at 2 deep only (3 deep was within 1% on
+        every narrow-range case -- window, documents, jagged; H200,
+        bench/results/gluon_s19/key_blocks_h200.json -- and each Gluon config costs
+        seconds of compile in a cold superoptimize)."""
+        return (2, 3) if key_block == 128 else (2,)
+
 
 class GluonEmitter(Emitter):
     """The package's tile-expression emitter with the two contractions taken over by the
@@ -207,19 +224,21 @@ def check_scope(plan: TilePlan) -> None:
                                 f"warp-specialised form takes widths {WIDTHS}.")
 
 
-def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool) -> list[str]:
-    """Blocks 1.. of a warpgroup.  With a mask: [1, in_lo) edge, [in_lo, in_hi) interior,
+def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool,
+                    first: int = 1) -> list[str]:
+    """Blocks ``first``.. of a warpgroup (the forward's block 0 runs apart: it has no
+    deferred product).  With a mask: [first, in_lo) edge, [in_lo, in_hi) interior,
     [in_hi, n) edge, where interior blocks are visible to all of this warpgroup's rows (the
     affine mask's interior, cut by the data mask's keys seen whole: ``dm_lo``..``dm_hi``,
     block-aligned, from the program's key-range code); without one, a single loop."""
     out = []
     if body_in is body_edge:
-        loops = [("1", "n_blocks", body_edge, "every block")]
+        loops = [(f"{first}", "n_blocks", body_edge, "every block")]
     else:
-        out = ["    in_lo = 1", "    in_hi = n_blocks"]
+        out = [f"    in_lo = {first}", "    in_hi = n_blocks"]
         if ps.lo_offset is not None:  # first block whose first key the last row sees
             out.append(f"    in_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
-                       f"+ ({ps.lo_offset}) - j_lo, 0), B_L), 1), n_blocks)")
+                       f"+ ({ps.lo_offset}) - j_lo, 0), B_L), {first}), n_blocks)")
         if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
             out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
                        f"- j_lo, 0) // B_L, n_blocks), in_lo)")
@@ -227,7 +246,8 @@ def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool) -> lis
             out += ["    in_lo = gl.minimum(gl.maximum(in_lo, (dm_lo - j_lo) // B_L), n_blocks)",
                     "    in_hi = gl.maximum(gl.minimum(in_hi, gl.maximum(dm_hi - j_lo, 0) // B_L), "
                     "in_lo)"]
-        loops = [("1", "in_lo", body_edge, "edge"), ("in_lo", "in_hi", body_in, "interior: no mask"),
+        loops = [(f"{first}", "in_lo", body_edge, "edge"),
+                 ("in_lo", "in_hi", body_in, "interior: no mask"),
                  ("in_hi", "n_blocks", body_edge, "edge")]
     head = ["        l0 = j_lo + jb * B_L", "        g = base + jb  # position in the ring",
             "        st = g % STAGES", "        ph = (g // STAGES) & 1", "        prev = (g - 1) % STAGES"]

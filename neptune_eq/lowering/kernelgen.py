@@ -22,7 +22,7 @@ from ..ir import accessed
 from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
 from .fold_body import epilogue, fold_order, loop_body
-from . import gluon_ws
+from . import gluon_sums, gluon_ws
 from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
@@ -369,12 +369,16 @@ def _grid_size(plan: TilePlan) -> int:
 def _gluon_form(plan: TilePlan, name: str):
     """(the plan's warp-specialised Gluon form or None, why not): a lowering choice the
     timer weighs on Hopper (``runtime.gluon_launch``); the ``tl`` form always exists."""
-    try:
-        return gluon_ws.generate(plan, f"{name}_ws"), ""
-    except LoweringError as e:
-        return None, str(e)
-    except Exception as e:  # noqa: BLE001 - a gap in the Gluon emitter must not cost the tl form
-        return None, f"the Gluon emitter failed ({type(e).__name__}: {e})"
+    whys = []
+    for skeleton in (gluon_ws, gluon_sums):  # the rolling-softmax pass, the pass of sums
+        try:
+            return skeleton.generate(plan, f"{name}_ws"), ""
+        except LoweringError as e:
+            whys.append(f"{skeleton.__name__.rsplit('.', 1)[-1]}: {e}")
+        except Exception as e:  # noqa: BLE001 - a gap in a Gluon emitter must not cost the tl form
+            whys.append(f"{skeleton.__name__.rsplit('.', 1)[-1]}: the Gluon emitter failed "
+                        f"({type(e).__name__}: {e})")
+    return None, "; ".join(whys)
 
 
 def _kernel_text(name: str, sig: list[str], em: Emitter) -> list[str]:

@@ -70,7 +70,7 @@ class GluonLauncher:
             raise ValueError(f"Config {config}: the warp-specialised Gluon form cannot run "
                              f"here: {why}. Use a tl config (gluon_ws=False).")
         rows = config.blocks.get(f"B_{ks.block_axis}", CTA_ROWS)
-        key_block = config.blocks.get("B_L", form.widths[1])
+        key_block = config.blocks.get("B_L", form.default_key_block)
         if rows != CTA_ROWS or key_block not in KEY_BLOCKS:
             raise ValueError(f"Config {config}: the Gluon form runs {CTA_ROWS}-row programs with "
                              f"key blocks of {' or '.join(map(str, KEY_BLOCKS))}, got "
@@ -209,7 +209,7 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
     tests check every emitted form): pointer dtypes, descriptor tiles (rows, width, dtype),
     constexprs; every other argument is an i32."""
     form = ks.gluon
-    key_block = key_block or form.widths[1]
+    key_block = key_block or form.default_key_block
     short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32",
              "int64": "i64", "bool": "i1"}
     dtypes = {f"{t}_ptr": "*" + short[program.dtype_of(t)]
@@ -221,8 +221,7 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
         dtypes["tile_order_ptr"] = "*i32"
     return {"gluon": True, "num_warps": 4, "num_stages": 1, "dtypes": dtypes,
             "descs": {d: [rows, width, form.dtype]
-                      for d, (_, rows, width) in zip(("a_desc", "b_desc", "c_desc"),
-                                                     form.tiles(key_block))},
+                      for d, (_, rows, width) in zip(form.descs, form.tiles(key_block))},
             "constexprs": {"B_L": key_block, "STAGES": stages,
                            "EVEN_L": _even_keys(ks, key_block)}}
 

@@ -186,11 +186,8 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
     form = getattr(ks, "gluon", None)
     if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
         return []
-    # 64-key blocks at a 2-deep ring only: 3 deep was within 1% on every narrow-range case
-    # (window, documents, jagged; H200, bench/results/gluon_s19/key_blocks_h200.json), and
-    # each Gluon config costs seconds of compile in a cold superoptimize
     return [TileConfig({f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True)
-            for bl in form.key_blocks for ring in ((2, 3) if bl == 128 else (2,))
+            for bl in form.key_blocks for ring in form.rings(bl)
             if form.ring_bytes(bl, ring) <= SMEM_BYTES]
 
 

@@ -1,0 +1,363 @@
+"""The warp-specialised Gluon form of a pass of plain sums over two streamed inputs (sm_90).
+
+``gluon_ws`` lowers the rolling-softmax pass (the forward).  This module lowers the other
+shape the rules derive: a pass whose every fold is a plain sum ``Σ_L X[row, L]·c[L, col]``
+of a score-like tile ``X`` and a streamed input ``c``, where ``X`` is built elementwise
+from whole-axis contractions ``Σ_d a[row, d]·b[L, d]`` of a *row-resident* input ``a``
+with a streamed ``b``.  FlashAttention-2's dK/dV loop is that shape, derived from the
+plain backward program (``frontend.autodiff``, ``rules/backward.egg``): rows are keys,
+``Sᵀ = K·Qᵀ`` and ``dPᵀ = V·dOᵀ`` the whole-axis contractions, ``dV = Σ Pᵀ·dO`` and
+``dK = Σ dSᵀ·Q`` the sums -- and each streamed tile (Q, dO) feeds both kinds of product.
+Nothing here names attention; a pair of any such products lowers the same way.
+
+The skeleton is ``gluon_ws``'s: one producer warp streams each block of every streamed
+input by TMA into a ring of its own (mbarrier ready/empty pairs), two consumer
+warpgroups of 64 rows each hold their rows of the resident inputs in shared memory and
+issue their own wgmma.  Per block a consumer issues every whole-axis contraction at once
+(async), waits for each only where the block math first reads it, accumulates the sums
+in registers with wgmma (the left operand from registers, as FlashAttention-3's), and
+frees the ring slots when its last product is done.  The overlap is between the two
+warpgroups: while one computes its exps the other's products run.
+
+The block math between the products -- the recomputed P, masks, dS -- is the package's
+``Emitter``/``fold_body`` code from the plan's terms, rewritten for Gluon as in
+``gluon_ws``; an affine mask cuts the loop into edge / interior / edge loops the same way.
+
+Scope: one unsplit, unpacked pass of sums only; no mask over captured tensors, no
+atomically summed outputs; one column axis; widths 64 or 128.  One program per tile of
+128 rows (not persistent).  Plans outside it raise ``LoweringError`` and keep the ``tl``
+forms.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..ir import Term
+from .block_skip import data_atoms
+from .codegen import LOOP, Tile, grid_decode, init_fill
+from .fold_body import epilogue, loop_body
+from .gluon_ws import (CTA_ROWS, ROWS, GluonEmitter, GluonForm, _gl, _interior_loops,
+                       _key_range, _row_base, check_scope)
+from .lower import LoweringError, TilePlan
+
+
+@dataclass
+class GluonSumsForm(GluonForm):
+    """A ``GluonForm`` with any number of resident and streamed inputs: descriptors
+    ``r0_desc``.. (64 rows of a resident input) then ``s0_desc``.. (one block of a
+    streamed one), in that order before the pointer parameters."""
+    resident: tuple[str, ...] = ()
+    streams: tuple[str, ...] = ()
+    in_widths: dict = field(default_factory=dict)   # input -> its contraction/column width
+
+    @property
+    def descs(self) -> tuple[str, ...]:
+        return (tuple(f"r{k}_desc" for k in range(len(self.resident)))
+                + tuple(f"s{k}_desc" for k in range(len(self.streams))))
+
+    def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
+        return ([(r, ROWS, self.in_widths[r]) for r in self.resident]
+                + [(s, key_block, self.in_widths[s]) for s in self.streams])
+
+    def ring_bytes(self, key_block: int, stages: int) -> int:
+        rows = sum(CTA_ROWS * self.in_widths[r] for r in self.resident)
+        ring = sum(stages * key_block * self.in_widths[s] for s in self.streams)
+        return 2 * (rows + ring)  # 16-bit inputs
+
+    def rings(self, key_block: int) -> tuple[int, ...]:
+        return (2, 3)
+
+
+class SumsEmitter(GluonEmitter):
+    """Takes over the pass's contractions: whole-axis ones of a resident and a streamed
+    load become named wgmma results the skeleton issues at the block's start; loop-axis
+    ones become placeholders ``ACC<n>`` that the skeleton turns into a wgmma accumulating
+    into the fold's state."""
+
+    def __init__(self, plan: TilePlan, name: str, col: str):
+        super().__init__(plan, name, col)
+        self.first: list[tuple[str, str, str]] = []   # (result, resident, streamed)
+        self.acc: list[tuple[str, str]] = []          # (operand var, streamed input)
+        self.loads: dict[str, Term] = {}              # input -> its one load (signature)
+
+    def _role(self, load: Term) -> str:
+        """'resident' (over the row block and a whole axis), 'streamed' (the loop axis and
+        a whole axis), else raise; each input is always loaded at the same place."""
+        axes = set(self.load_axes(load))
+        wide = axes & set(self.plan.whole_axes)
+        role = ("resident" if axes - wide == {self.plan.block_axis} else
+                "streamed" if axes - wide == {LOOP} else None)
+        if role is None or len(wide) != 1 or len(load.args) < 2:
+            raise LoweringError(f"A load of {load.val} the skeleton cannot stream or keep "
+                                "resident.")
+        sig = self._load_signature(load)
+        seen = self.loads.setdefault(load.val, load)
+        if self._load_signature(seen) != sig:
+            raise LoweringError(f"{load.val} is loaded at two places in one block.")
+        return role
+
+    def _try_dot(self, t: Term, kaxis: str, scope: int):
+        a, b = t.args
+        if kaxis in self.plan.whole_axes and a.op == "load" and b.op == "load":
+            roles = {self._role(a): a, self._role(b): b}
+            if set(roles) != {"resident", "streamed"}:
+                raise LoweringError("A whole-axis contraction not of a resident and a "
+                                    "streamed input.")
+            key = (roles["resident"].val, roles["streamed"].val)
+            for res, r, s in self.first:
+                if (r, s) == key:
+                    return Tile(res, self.canon((self.plan.block_axis, LOOP)), "f32")
+            res = f"mma{len(self.first)}"
+            self.first.append((res, *key))
+            return Tile(res, self.canon((self.plan.block_axis, LOOP)), "f32")
+        if kaxis == LOOP:
+            load, other = (b, a) if b.op == "load" else (a, b)
+            if load.op != "load" or self._role(load) != "streamed":
+                raise LoweringError("A loop-axis contraction without a streamed right side.")
+            x = self.f32(self.expr(other))
+            if self.canon(x.axes) != (self.plan.block_axis, LOOP):
+                raise LoweringError("A loop-axis contraction whose left side is not a "
+                                    "(row, loop) tile.")
+            col = next(x for x in self.load_axes(load) if x != LOOP)
+            if col != self.col:
+                raise LoweringError("A sum whose columns are not the pass's column axis.")
+            n = len(self.acc)
+            masked = f"tl.where(mask_{LOOP}[None, :], {x.code}, 0.0)"
+            self.emit(f"op{n} = tl.convert_layout(({masked}).to(DTYPE), P_LAYOUT)")
+            self.acc.append((f"op{n}", load.val))
+            return Tile(f"ACC{n}", self.canon((self.plan.block_axis, col)), "f32")
+        raise LoweringError("A contraction the sums skeleton does not issue as a wgmma.")
+
+
+def _scheduled_body(lines: list[str], em: SumsEmitter, folds: set[str], bufs: dict) -> list[str]:
+    """A block's fragment with the wgmma issue and waits: each fold's ``X_new = X + ACCn``
+    becomes ``X = warpgroup_mma(opn, <ring slot>, X)`` (async), its ``X = X_new`` goes, and
+    before the first line reading a result still in flight the consumer waits for it
+    (and everything issued before it: wgmma groups complete in order)."""
+    pending = [res for res, _, _ in em.first]
+    out: list[str] = []
+    issued = set()
+    for ln in lines:
+        m = re.match(r"(\s*)(\w+)_new = (\2) \+ ACC(\d+)$", ln)
+        if m and m.group(2) in folds:
+            pad, f, n = m.group(1), m.group(2), int(m.group(4))
+            op, stream = em.acc[n]
+            out.append(f"{pad}{f} = warpgroup_mma({op}, {bufs[stream]}.index(st), {f}, "
+                       "is_async=True)")
+            pending.append(f)
+            issued.add(f)
+            continue
+        m = re.match(r"\s*(\w+) = (\w+)_new$", ln)
+        if m and m.group(1) == m.group(2) and m.group(1) in issued:
+            continue
+        if re.search(r"\bACC\d+\b", ln) or any(re.search(rf"\b{f}_new\b", ln) for f in issued):
+            raise LoweringError("A sum's block term is used other than added to its state.")
+        used = [k for k, name in enumerate(pending) if re.search(rf"\b{name}\b", ln)]
+        if used:
+            done, pending = pending[:used[-1] + 1], pending[used[-1] + 1:]
+            out.append(_wait(ln[:len(ln) - len(ln.lstrip())], done, len(pending)))
+        out.append(ln)
+    if issued != folds:
+        raise LoweringError("A sum of the pass is not a loop-axis contraction.")
+    pad = "        "
+    if pending:
+        out.append(_wait(pad, pending, 0))
+    out += [f"{pad}mbarrier.arrive(empty{k}.index(st), count=1)" for k in range(len(bufs))]
+    return out
+
+
+def _wait(pad: str, names: list[str], outstanding: int) -> str:
+    """Wait until at most ``outstanding`` wgmma groups are in flight; ``names`` (the
+    results now complete) pass through the wait, as Gluon requires before they are read."""
+    lhs = names[0] if len(names) == 1 else ", ".join(names)
+    return (f"{pad}{lhs} = warpgroup_mma_wait({outstanding}, deps=({', '.join(names)}, ))")
+
+
+def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
+    """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope."""
+    check_scope(plan)
+    ps = plan.passes[0]
+    p = plan.program
+    ba = plan.block_axis
+    if data_atoms(plan, ps):
+        raise LoweringError("A mask over captured tensors is not in the sums skeleton.")
+    if not ps.folds or any(f.op != "sum" for f in ps.folds):
+        raise LoweringError("The sums skeleton takes a pass of plain sums only.")
+    cols = {a for f in ps.folds for a in f.state_axes if a in plan.whole_axes}
+    if len(cols) != 1 or any(len(f.state_axes) != len(plan.grid_axes) + 2 for f in ps.folds):
+        raise LoweringError("The sums skeleton takes sums over (rows, one column axis).")
+    (col,) = cols
+    em = SumsEmitter(plan, name, col)
+
+    em.push("    ")
+    for ln in grid_decode(plan):
+        em.emit(ln)
+    for a in plan.grid_axes:
+        em.env[a] = f"ax_{a}"
+    em.env[ba] = ba
+    em.emit(f"offs_{ba} = my_first + gl.arange(0, {ROWS}, S_ROWS)")
+    em.emit(f"mask_{ba} = offs_{ba} < {plan.row_extent}")
+    for a, n in plan.whole_axes.items():
+        em.env.setdefault(a, a)
+        em.emit(f"offs_{a} = gl.arange(0, {n}, {em.layout((a,))})")
+        em.emit(f"mask_{a} = offs_{a} < {p.extents[a]}")
+    em.push("    ")
+    for f in ps.folds:
+        em.emit(f"{f.name} = gl.full([{ROWS}, {plan.whole_axes[col]}], {init_fill(f.op)}, "
+                "gl.float32, O_LAYOUT)")
+        em.states[f.name] = Tile(f.name, em.canon((ba, col)), "f32")
+    prologue_tail = em.pop()
+
+    def fragment(known: frozenset) -> list[str]:
+        em.push("        ")
+        em.emit(f"offs_{LOOP} = l0 + cols")
+        em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_L")
+        loop_body(em, 0, "loop0", known)
+        return em.pop()
+
+    body_edge = fragment(frozenset())
+    body_in = fragment(ps.bound_atoms) if ps.bound_atoms else body_edge
+    if not em.first or not em.acc:
+        raise LoweringError("The pass has no products for the sums skeleton.")
+    resident = tuple(dict.fromkeys(r for _, r, _ in em.first))
+    streams = tuple(dict.fromkeys([s for _, _, s in em.first] + [s for _, s in em.acc]))
+    dts = {p.dtype_of(t) for t in resident + streams}
+    if len(dts) != 1 or not dts <= {"float16", "bfloat16"}:
+        raise LoweringError(f"The inputs {resident + streams} must share one 16-bit dtype, "
+                            f"got {sorted(dts)}.")
+    widths = {}
+    for t in resident + streams:
+        (w,) = [a for a in em.load_axes(em.loads[t]) if a in plan.whole_axes]
+        widths[t] = plan.whole_axes[w]
+    bufs = {s: f"ring{k}" for k, s in enumerate(streams)}
+    folds = {f.name for f in ps.folds}
+
+    def with_wait(lines: list[str], _wait: bool) -> list[str]:
+        return _scheduled_body(lines, em, folds, bufs)
+
+    row_tile = {r: f"rows{k}.index(WHICH)" for k, r in enumerate(resident)}
+    issue = [f"mbarrier.wait(ready{k}.index(st), ph)" for k in range(len(streams))]
+    issue += [f"{res} = warpgroup_mma({row_tile[r]}, {bufs[s]}.index(st).permute((1, 0)), "
+              "zero_s, use_acc=False, is_async=True)" for res, r, s in em.first]
+
+    em.push("    ")
+    epilogue(em)
+    epi = em.pop()
+    prologue = em.pop()
+
+    rng = _key_range(plan, name, False)
+    em.push("    ")
+    bases = {t: _row_base(em, em.loads[t]) for t in resident + streams}
+    base_lines = [*_gl(em.pop()),
+                  *[f"    rbase{k} = {bases[r]} + row_first" for k, r in enumerate(resident)],
+                  *[f"    sbase{k} = {bases[s]}" for k, s in enumerate(streams)]]
+    # the rows that see the most blocks go first: the last row blocks under a range
+    # bounded above (j < i + hi), the first under one bounded below (j >= i + lo)
+    first_heavy = ps.lo_offset is not None and ps.hi_offset is None
+    place = [("    row_block = gl.program_id(0)" if first_heavy else
+              "    row_block = gl.num_programs(0) - 1 - gl.program_id(0)") + "  # long rows first",
+             "    pid_grid = gl.program_id(1)",
+             *["    " + ln for ln in _gl(grid_decode(plan))],
+             *["    " + ln for ln in rng], *base_lines]
+
+    tensors = [ph.name for ph in p.inputs] + list(p.outputs)
+    strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
+    sizes = [f"n_{s}" for s in p.meta.get("size_params", ())]
+    args = [f"{t}_ptr" for t in tensors] + strides + sizes
+    nr, ns = len(resident), len(streams)
+    rdescs = [f"r{k}_desc" for k in range(nr)]
+    sdescs = [f"s{k}_desc" for k in range(ns)]
+    rows = [f"rows{k}" for k in range(nr)]
+    rings = [f"ring{k}" for k in range(ns)]
+    bars = ["rows_bar"] + [f"{b}{k}" for k in range(ns) for b in ("ready", "empty")]
+    shared = ", ".join([*rows, *rings, *bars, "j_lo", "n_blocks", *args])
+    producer_args = ", ".join([*rdescs, *sdescs, *rows, *rings, *bars,
+                               *[f"rbase{k}" for k in range(nr)],
+                               *[f"sbase{k}" for k in range(ns)], "j_lo", "n_blocks"])
+    row_bytes = " + ".join(f"{d}.block_type.nbytes" for d in rdescs)
+    producer = ["    # one warp: the resident rows once, then each streamed block through its ring",
+                "    STAGES: gl.constexpr = ring0.type.shape[0]",
+                f"    mbarrier.expect(rows_bar, 2 * ({row_bytes}))"]
+    for k in range(nr):
+        producer += [f"    tma_load(r{k}_desc, [rbase{k}, 0], rows_bar, rows{k}.index(0))",
+                     f"    tma_load(r{k}_desc, [rbase{k} + {ROWS}, 0], rows_bar, rows{k}.index(1))"]
+    producer += ["    for jb in range(n_blocks):",
+                 "        s = jb % STAGES",
+                 "        ph = (jb // STAGES) & 1"]
+    for k in range(ns):
+        producer += [f"        mbarrier.wait(empty{k}.index(s), ph ^ 1)",
+                     f"        mbarrier.expect(ready{k}.index(s), s{k}_desc.block_type.nbytes)",
+                     f"        tma_load(s{k}_desc, [sbase{k} + j_lo + jb * B_L, 0], ready{k}.index(s), "
+                     f"ring{k}.index(s))"]
+    loops = _interior_loops(ps, body_edge, body_in, issue, with_wait, False, first=0)
+    consumer = [
+        "    # one warpgroup: 64 rows, its own wgmma issue, the block math between products",
+        "    STAGES: gl.constexpr = ring0.type.shape[0]",
+        "    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
+        "warps_per_cta=[4, 1], instr_shape=[16, B_L, 16])",
+        "    S_ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)",
+        "    S_COLS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)",
+        "    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
+        f"warps_per_cta=[4, 1], instr_shape=[16, {plan.whole_axes[col]}, 16])",
+        "    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)",
+        "    O_COLS: gl.constexpr = gl.SliceLayout(0, O_LAYOUT)",
+        "    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)",
+        "    cols = gl.arange(0, B_L, S_COLS)",
+        f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
+        f"    my_first = row_block * {CTA_ROWS} + WHICH * {ROWS}",
+        *_gl(prologue), *_gl(prologue_tail),
+        "    mbarrier.wait(rows_bar, 0)",
+        "    base = 0",
+        *_gl(loops),
+        *_gl(epi)]
+    src = [
+        "# generated by neptune_eq (lowering/gluon_sums.py) from the program:",
+        *[f"#   {ln}" for ln in str(p).splitlines()],
+        "from triton.experimental import gluon",
+        "from triton.experimental.gluon import language as gl",
+        "from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, "
+        "warpgroup_mma, warpgroup_mma_wait",
+        "",
+        "# Triton 3.6 names the TMA tile load async_copy_global_to_shared; 3.9 async_load",
+        "tma_load = getattr(tma, 'async_load', None) or tma.async_copy_global_to_shared",
+        "", "",
+        "@gluon.jit",
+        f"def _producer({producer_args}, B_L: gl.constexpr):",
+        *producer,
+        "", "",
+        "@gluon.jit",
+        f"def _consumer({shared}, row_block, pid_grid, WHICH: gl.constexpr, B_L: gl.constexpr, "
+        "DTYPE: gl.constexpr, EVEN_L: gl.constexpr):",
+        *consumer,
+        "", "",
+        "@gluon.jit",
+        f"def {name}({', '.join(rdescs + sdescs + args)}, B_L: gl.constexpr, "
+        "STAGES: gl.constexpr, EVEN_L: gl.constexpr):",
+        "    DTYPE: gl.constexpr = r0_desc.dtype",
+        "    R1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])",
+        *place,
+        *[f"    rows{k} = gl.allocate_shared_memory(DTYPE, [2, {ROWS}, r{k}_desc.block_type.shape[1]], "
+          f"r{k}_desc.layout)" for k in range(nr)],
+        *[f"    ring{k} = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, s{k}_desc.block_type.shape[1]], "
+          f"s{k}_desc.layout)" for k in range(ns)],
+        "    rows_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())",
+        "    mbarrier.init(rows_bar, count=1)",
+        *[f"    {b}{k} = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
+          for k in range(ns) for b in ("ready", "empty")],
+        "    for i in gl.static_range(STAGES):",
+        *[ln for k in range(ns) for ln in (
+            f"        mbarrier.init(ready{k}.index(i), count=1)",
+            f"        mbarrier.init(empty{k}.index(i), count=2)  # both consumers read every block")],
+        "    gl.warp_specialize([",
+        f"        (_consumer, ({shared}, row_block, pid_grid, 0, B_L, DTYPE, EVEN_L)),",
+        f"        (_consumer, ({shared}, row_block, pid_grid, 1, B_L, DTYPE, EVEN_L)),",
+        f"        (_producer, ({producer_args}, B_L)),",
+        "    ], [4, 1], [232, 24])",
+    ]
+    key_blocks = (64, 128) if max(widths.values()) <= 64 else (64,)
+    return GluonSumsForm(name, "\n".join(src) + "\n", resident + streams,
+                         (widths[resident[0]], plan.whole_axes[col]), dts.pop(),
+                         [f"{t}_ptr" for t in tensors], False, key_blocks, False,
+                         (ps.lo_offset, ps.hi_offset), resident=resident, streams=streams,
+                         in_widths=widths)
