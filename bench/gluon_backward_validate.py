@@ -44,15 +44,23 @@ VARIANTS = {  # name -> (score_mod(s, b, h, q, kv) for ne and torch, mask_mod(b,
 NE_SCORE = {"softcap": lambda s, b, h, q, kv: 30.0 * ne.tanh(s / 30.0)}
 
 
-def dkdv_kernel(variant, d, dtype):
+KERNELS = {}  # (variant, d, dtype, heads) -> dK/dV kernel
+
+
+def dkdv_kernel(variant, d, dtype, h):
     """The drop-in's dK/dV kernel for ``variant`` (built once per structure)."""
+    if (variant, d, dtype, h) in KERNELS:  # (a structure's head count is fixed)
+        return KERNELS[variant, d, dtype, h]
     score, mask = VARIANTS[variant]
     score = NE_SCORE.get(variant, score)
-    q = torch.randn(1, 2, 64, d, device=DEV, dtype=dtype)
+    q = torch.randn(1, h, 64, d, device=DEV, dtype=dtype)
+    before = set(flex.STRUCTURES)
     flex.flex_attention(q, q, q, score_mod=score, mask_mod=mask)
-    st = list(flex.STRUCTURES.values())[-1]  # the structure this call built or found
+    (skey,) = set(flex.STRUCTURES) - before  # the structure this call traced
+    st = flex.STRUCTURES[skey]
     _, kern, *_ = flex_backward.backward_kernel(st, ("k", "v"), {"B": 1, "L": 64, "S": 64},
                                                 shared=True, lse_grad=False)
+    KERNELS[variant, d, dtype, h] = kern
     return kern
 
 
@@ -113,7 +121,7 @@ def check(variant, b, h, s, d, dtype, big=False):
     dt = getattr(torch, dtype)
     row = {"case": "correctness", "variant": variant, "B": b, "H": h, "S": s, "D": d,
            "dtype": dtype, "large_scores": big}
-    kern = dkdv_kernel(variant, d, dt)
+    kern = dkdv_kernel(variant, d, dt, h)
     prog, g, t = launchers(kern, {"B": b, "L": s, "S": s})
     ins, stat, dots, dk, dv = inputs(kern, variant, b, h, s, d, dt, big)
     tol = 5e-2 if dtype == "bfloat16" else 1e-2
@@ -136,6 +144,7 @@ def check(variant, b, h, s, d, dtype, big=False):
         row[f"{form}_err_dv"] = (out["d_v"].double() - dv).abs().max().item()
         row[f"{form}_nan"] = bool(torch.isnan(out["d_k"]).any() or torch.isnan(out["d_v"]).any())
     row["scale"] = scale
+    row["gluon_ran"] = g is not None and g._twin is None  # not the tl twin's fallback
     row["ok"] = (not row["gluon_nan"] and max(row["gluon_err_dk"], row["gluon_err_dv"]) < tol * scale
                  and max(row["gluon_err_dk"], row["gluon_err_dv"])
                  <= 2 * max(row["tl_err_dk"], row["tl_err_dv"]) + 1e-6)
@@ -144,7 +153,7 @@ def check(variant, b, h, s, d, dtype, big=False):
 
 def timing(variant, b, h, s, d, dtype):
     dt = getattr(torch, dtype)
-    kern = dkdv_kernel(variant, d, dt)
+    kern = dkdv_kernel(variant, d, dt, h)
     prog, g, t = launchers(kern, {"B": b, "L": s, "S": s})
     ins = {n: torch.randn(b, h, s, d, device=DEV, dtype=dt) for n in ("q", "k", "v", "d_o")}
     for ph in kern.program.inputs:
@@ -162,6 +171,7 @@ def timing(variant, b, h, s, d, dtype):
         row[f"{form}_ms"] = ms
         row[f"{form}_tflops"] = fl / ms / 1e9
     row["speedup"] = row["tl_ms"] / row["gluon_ms"]
+    row["gluon_ran"] = g._twin is None
     return row
 
 
@@ -194,7 +204,7 @@ def main():
     for variant in args.variants:
         run(check, variant, 1, 2, 1000, 128, "float16")
         run(check, variant, 2, 2, 777, 128, "bfloat16", big=True)
-        run(check, variant, 1, 3, 300, 64, "float16")
+        run(check, variant, 1, 2, 300, 64, "float16")
     for variant in [] if args.skip_timing else args.timing_variants:
         for s in (8192, 2048):
             run(timing, variant, 2, 16, s, 128, "bfloat16")

@@ -184,3 +184,18 @@ def test_import_loads_no_heavy_stage():
             "if m in sys.modules]; print(','.join(heavy))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == ""
+
+
+def test_a_value_at_the_edge_of_fp16s_range_may_round_either_way():
+    """Near fp16's largest value (65504) an fp32 accumulation right to the tolerance may
+    store the finite maximum or the infinity; both are right (measured in dK kernels on
+    an H100: 65525.5 stored as 65504, -65518.8 as -inf).  Past the range only the
+    infinity is, and a finite value far off is still caught."""
+    from neptune_eq.choosing.translation_validation import range_edge
+    r = torch.tensor([65525.5, -65518.8, -130166.0, -130166.0, 70000.0, 1000.0], dtype=torch.float64)
+    c = torch.tensor([65504.0, -float("inf"), -float("inf"), -65504.0, 65504.0, 5.0],
+                     dtype=torch.float64)
+    edge, wrong = range_edge(r, c, "float16", 1e-2)
+    assert edge.tolist() == [True, True, True, True, True, False]
+    assert wrong.tolist() == [False, False, False, True, True, False]
+    assert not range_edge(r, c, "float32", 1e-3)[0].any()  # fp32 outputs: no edge here
