@@ -44,28 +44,36 @@ VARIANTS = {  # name -> (score_mod(s, b, h, q, kv) for ne and torch, mask_mod(b,
 NE_SCORE = {"softcap": lambda s, b, h, q, kv: 30.0 * ne.tanh(s / 30.0)}
 
 
-KERNELS = {}  # (variant, d, dtype, heads) -> dK/dV kernel
+KERNELS = {}  # (variant, d, dtype, heads, group) -> kernel
+GROUPS = {"kv": ("k", "v"), "kvq": ("k", "v", "q")}  # dK/dV alone; dQ added atomically too
 
 
-def dkdv_kernel(variant, d, dtype, h):
-    """The drop-in's dK/dV kernel for ``variant`` (built once per structure)."""
-    if (variant, d, dtype, h) in KERNELS:  # (a structure's head count is fixed)
-        return KERNELS[variant, d, dtype, h]
+def dkdv_kernel(variant, d, dtype, h, group="kv"):
+    """The drop-in's dK/dV kernel for ``variant`` (built once per structure): ``kv``
+    beside dQ's own kernel (``shared``), ``kvq`` the fused one adding dQ atomically."""
+    key = (variant, d, dtype, h, group)  # (a structure's head count is fixed)
+    if key in KERNELS:
+        return KERNELS[key]
     score, mask = VARIANTS[variant]
     score = NE_SCORE.get(variant, score)
-    q = torch.randn(1, h, 64, d, device=DEV, dtype=dtype)
-    before = set(flex.STRUCTURES)
-    flex.flex_attention(q, q, q, score_mod=score, mask_mod=mask)
-    (skey,) = set(flex.STRUCTURES) - before  # the structure this call traced
-    st = flex.STRUCTURES[skey]
-    _, kern, *_ = flex_backward.backward_kernel(st, ("k", "v"), {"B": 1, "L": 64, "S": 64},
-                                                shared=True, lse_grad=False)
-    KERNELS[variant, d, dtype, h] = kern
+    st = next((s for (v, dd, dt, hh, _), s in STRUCTS.items() if (v, dd, dt, hh) == key[:4]), None)
+    if st is None:
+        q = torch.randn(1, h, 64, d, device=DEV, dtype=dtype)
+        before = set(flex.STRUCTURES)
+        flex.flex_attention(q, q, q, score_mod=score, mask_mod=mask)
+        (skey,) = set(flex.STRUCTURES) - before  # the structure this call traced
+        st = STRUCTS[key] = flex.STRUCTURES[skey]
+    _, kern, *_ = flex_backward.backward_kernel(st, GROUPS[group], {"B": 1, "L": 64, "S": 64},
+                                                shared=group == "kv", lse_grad=False)
+    KERNELS[key] = kern
     return kern
 
 
+STRUCTS = {}
+
+
 def reference(variant, q, k, v, d_o):
-    """(lse, Σ_e dO·O, dK, dV) of the plain attention in fp64 (a row that sees no key:
+    """(lse, Σ_e dO·O, dK, dV, dQ) of the plain attention in fp64 (a row that sees no key:
     P = 0, lse = -inf)."""
     score, mask = VARIANTS[variant]
     q, k, v, d_o = (t.double().requires_grad_(t is not d_o) for t in (q, k, v, d_o))
@@ -86,18 +94,18 @@ def reference(variant, q, k, v, d_o):
     o = p @ v
     (o * d_o).sum().backward()
     lse = (mx + torch.log(den)).squeeze(-1)
-    return lse, (d_o * o).sum(-1).detach(), k.grad, v.grad
+    return lse, (d_o * o).sum(-1).detach(), k.grad, v.grad, q.grad
 
 
-def launchers(kern, values):
+def launchers(kern, values, gluon=True):
     """(program, Gluon launcher, tl launcher) of the kernel at concrete sizes."""
     ks = kern.kernel_source
-    if ks.gluon is None and DEV == "cuda":
+    if ks.gluon is None and DEV == "cuda" and gluon:
         raise RuntimeError(f"no Gluon form: {ks.gluon_why}")
     prog = bind(specialise(kern.program, values, Guards()), values)
     conc = ks.concrete(values)
     size_args = tuple(values[s] for s in ks.size_params)
-    g = None if DEV == "cpu" else make_launcher(prog, conc, "cuda", TileConfig({f"B_{ks.block_axis}": 128, "B_L": 64}, 4, 2,
+    g = None if DEV == "cpu" or not gluon else make_launcher(prog, conc, "cuda", TileConfig({f"B_{ks.block_axis}": 128, "B_L": 64}, 4, 2,
                                                       gluon_ws=True), size_args)
     t = make_launcher(prog, conc, TARGET, TileConfig({f"B_{ks.block_axis}": 128, "B_L": 64}, 8, 3),
                       size_args)
@@ -110,68 +118,92 @@ def inputs(kern, variant, b, h, s, d, dtype, big=False, seed=0):
     k = torch.randn(b, h, s, d, device=DEV, dtype=dtype)
     v = torch.randn(b, h, s, d, device=DEV, dtype=dtype)
     d_o = torch.randn(b, h, s, d, device=DEV, dtype=dtype)
-    lse, dots, dk, dv = reference(variant, q, k, v, d_o)
+    lse, dots, *grads = reference(variant, q, k, v, d_o)
     names = {ph.name for ph in kern.program.inputs}
     t = {"q": q, "k": k, "v": v, "d_o": d_o, "mx": lse.float()}
     stat = [n for n in names if n not in t]  # the row dots' input (its sign from the adjoint)
-    return t, stat, dots.float(), dk, dv
+    return t, stat, dots.float(), dict(zip(("d_k", "d_v", "d_q"), grads))
 
 
-def check(variant, b, h, s, d, dtype, big=False):
+def fresh_outputs(kern, like, fill=float("nan")):
+    """The kernel's outputs, NaN-filled (a fused dQ: fp32, zeroed by the launcher)."""
+    return {n: torch.full(like.shape, fill, device=like.device,
+                          dtype=getattr(torch, kern.program.dtype_of(n)))
+            for n in kern.program.outputs}
+
+
+def check(variant, b, h, s, d, dtype, big=False, group="kv"):
     dt = getattr(torch, dtype)
     row = {"case": "correctness", "variant": variant, "B": b, "H": h, "S": s, "D": d,
            "dtype": dtype, "large_scores": big}
-    kern = dkdv_kernel(variant, d, dt, h)
+    row["group"] = group
+    kern = dkdv_kernel(variant, d, dt, h, group)
     prog, g, t = launchers(kern, {"B": b, "L": s, "S": s})
-    ins, stat, dots, dk, dv = inputs(kern, variant, b, h, s, d, dt, big)
+    ins, stat, dots, ref = inputs(kern, variant, b, h, s, d, dt, big)
+    names = list(kern.program.outputs)
     tol = 5e-2 if dtype == "bfloat16" else 1e-2
+    scale = max(max(ref[n].abs().max().item() for n in names), 1.0)
+
+    def err(out):
+        return max((out[n].double() - ref[n]).abs().max().item() for n in names)
     for sign in (-1.0, 1.0):  # the adjoint reads the row dots as ±Σ dO·O: the tl form tells
         ins.update({n: sign * dots for n in stat})
-        out_t = {n: torch.full_like(ins["k"], float("nan")) for n in ("d_k", "d_v")}
+        out_t = fresh_outputs(kern, ins["k"])
         t({**ins, **out_t})
-        scale = max(dk.abs().max().item(), dv.abs().max().item(), 1.0)
-        if max((out_t["d_k"].double() - dk).abs().max().item(),
-               (out_t["d_v"].double() - dv).abs().max().item()) < tol * scale:
+        if err(out_t) < tol * scale:
             break
-    out_g = {n: torch.full_like(ins["k"], float("nan")) for n in ("d_k", "d_v")}
+    out_g = fresh_outputs(kern, ins["k"])
     if g is None:  # no GPU: the harness checks itself on the tl form
         out_g = out_t
     else:
         g({**ins, **out_g})
         torch.cuda.synchronize()
     for form, out in (("tl", out_t), ("gluon", out_g)):
-        row[f"{form}_err_dk"] = (out["d_k"].double() - dk).abs().max().item()
-        row[f"{form}_err_dv"] = (out["d_v"].double() - dv).abs().max().item()
-        row[f"{form}_nan"] = bool(torch.isnan(out["d_k"]).any() or torch.isnan(out["d_v"]).any())
+        for n in names:
+            row[f"{form}_err_{n}"] = (out[n].double() - ref[n]).abs().max().item()
+        row[f"{form}_nan"] = any(bool(torch.isnan(out[n]).any()) for n in names)
     row["scale"] = scale
     row["gluon_ran"] = g is not None and g._twin is None  # not the tl twin's fallback
-    row["ok"] = (not row["gluon_nan"] and max(row["gluon_err_dk"], row["gluon_err_dv"]) < tol * scale
-                 and max(row["gluon_err_dk"], row["gluon_err_dv"])
-                 <= 2 * max(row["tl_err_dk"], row["tl_err_dv"]) + 1e-6)
+    row["ok"] = (not row["gluon_nan"] and err(out_g) < tol * scale
+                 and err(out_g) <= 2 * err(out_t) + 1e-6)
     return row
 
 
 def timing(variant, b, h, s, d, dtype):
+    """dK/dV alone (tl, Gluon), dQ's own kernel (tl), and the fused kernel (tl, Gluon)."""
     dt = getattr(torch, dtype)
-    kern = dkdv_kernel(variant, d, dt, h)
-    prog, g, t = launchers(kern, {"B": b, "L": s, "S": s})
     ins = {n: torch.randn(b, h, s, d, device=DEV, dtype=dt) for n in ("q", "k", "v", "d_o")}
-    for ph in kern.program.inputs:
-        if ph.name not in ins:  # row vectors: the lse and the row dots
-            ins[ph.name] = torch.randn(b, h, s, device=DEV, dtype=torch.float32).abs() + 5
-    outs = {n: torch.empty_like(ins["k"]) for n in ("d_k", "d_v")}
+    ins["mx"] = torch.randn(b, h, s, device=DEV, dtype=torch.float32).abs() + 5
     frac = 0.5 if VARIANTS[variant][1] is not None and variant != "masked-rows" else 1.0
     if variant == "window":
         frac = 256 / s
-    fl = 4 * 2 * b * h * s * s * d * frac  # four products of 2·S²·D each
+    pair = 2 * b * h * s * s * d * frac  # one product of 2·S²·D (visible pairs)
     row = {"case": "timing", "variant": variant, "B": b, "H": h, "S": s, "D": d, "dtype": dtype}
-    for form, la in (("tl", t), ("gluon", g)):
-        la({**ins, **outs})
-        ms = triton.testing.do_bench(lambda: la({**ins, **outs}), warmup=25, rep=200)
-        row[f"{form}_ms"] = ms
-        row[f"{form}_tflops"] = fl / ms / 1e9
-    row["speedup"] = row["tl_ms"] / row["gluon_ms"]
-    row["gluon_ran"] = g._twin is None
+    for group, products in (("kv", 4), ("q", 3), ("kvq", 5)):
+        if group == "q":
+            st = next(v for k, v in STRUCTS.items() if k[:4] == (variant, d, dt, h))
+            kern = flex_backward.backward_kernel(st, ("q",), {"B": 1, "L": 64, "S": 64},
+                                                 shared=True, lse_grad=False)[1]
+        else:
+            kern = dkdv_kernel(variant, d, dt, h, group)
+        prog, g, t = launchers(kern, {"B": b, "L": s, "S": s}) if group != "q" else (
+            None, None, launchers(kern, {"B": b, "L": s, "S": s}, gluon=False)[2])
+        for ph in kern.program.inputs:
+            if ph.name not in ins:  # the row dots
+                ins[ph.name] = torch.randn(b, h, s, device=DEV, dtype=torch.float32)
+        outs = fresh_outputs(kern, ins["k"], 0.0)
+        for form, la in (("tl", t), ("gluon", g)):
+            if la is None:
+                continue
+            la({**ins, **outs})
+            ms = triton.testing.do_bench(lambda: la({**ins, **outs}), warmup=25, rep=200)
+            row[f"{group}_{form}_ms"] = ms
+            row[f"{group}_{form}_tflops"] = products * pair / ms / 1e9
+        if g is not None:
+            row[f"{group}_gluon_ran"] = g._twin is None
+    row["two_kernels_tl_ms"] = row["kv_tl_ms"] + row["q_tl_ms"]
+    row["two_kernels_best_ms"] = min(row["kv_tl_ms"], row["kv_gluon_ms"]) + row["q_tl_ms"]
+    row["fused_best_ms"] = min(row["kvq_tl_ms"], row["kvq_gluon_ms"])
     return row
 
 
@@ -187,6 +219,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     ap.add_argument("--timing-variants", nargs="*", default=["plain", "causal", "softcap"])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -202,9 +235,10 @@ def main():
         write(rows, args.out)  # each row as it comes: a run cut short keeps what it had
 
     for variant in args.variants:
-        run(check, variant, 1, 2, 1000, 128, "float16")
-        run(check, variant, 2, 2, 777, 128, "bfloat16", big=True)
-        run(check, variant, 1, 2, 300, 64, "float16")
+        for group in args.groups:
+            run(check, variant, 1, 2, 1000, 128, "float16", group=group)
+            run(check, variant, 2, 2, 777, 128, "bfloat16", big=True, group=group)
+            run(check, variant, 1, 2, 300, 64, "float16", group=group)
     for variant in [] if args.skip_timing else args.timing_variants:
         for s in (8192, 2048):
             run(timing, variant, 2, 16, s, 128, "bfloat16")

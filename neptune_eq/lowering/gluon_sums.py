@@ -50,6 +50,7 @@ class GluonSumsForm(GluonForm):
     resident: tuple[str, ...] = ()
     streams: tuple[str, ...] = ()
     in_widths: dict = field(default_factory=dict)   # input -> its contraction/column width
+    transposed: int = 0   # sums over the rows: a [2, 64, B_L] buffer of Xᵀ each
 
     @property
     def descs(self) -> tuple[str, ...]:
@@ -63,7 +64,7 @@ class GluonSumsForm(GluonForm):
     def ring_bytes(self, key_block: int, stages: int) -> int:
         rows = sum(CTA_ROWS * self.in_widths[r] for r in self.resident)
         ring = sum(stages * key_block * self.in_widths[s] for s in self.streams)
-        return 2 * (rows + ring)  # 16-bit inputs
+        return 2 * (rows + ring + self.transposed * CTA_ROWS * key_block)  # 16-bit tiles
 
     def rings(self, key_block: int) -> tuple[int, ...]:
         return (2, 3)
@@ -80,6 +81,7 @@ class SumsEmitter(GluonEmitter):
         self.first: list[tuple[str, str, str]] = []   # (result, resident, streamed)
         self.acc: list[tuple[str, str]] = []          # (operand var, streamed input)
         self.loads: dict[str, Term] = {}              # input -> its one load (signature)
+        self.scattered: list[str] = []                # resident input of each sum over rows
 
     def _role(self, load: Term) -> str:
         """'resident' (over the row block and a whole axis), 'streamed' (the loop axis and
@@ -127,7 +129,38 @@ class SumsEmitter(GluonEmitter):
             self.emit(f"op{n} = tl.convert_layout(({masked}).to(DTYPE), P_LAYOUT)")
             self.acc.append((f"op{n}", load.val))
             return Tile(f"ACC{n}", self.canon((self.plan.block_axis, col)), "f32")
+        if kaxis == self.plan.block_axis:
+            # a scattered output's block term Σ_{rows} X[row, L]·a[row, w] (dQ = dS·K):
+            # Xᵀ goes through shared memory (the wgmma's left operand, read transposed),
+            # ``a``'s resident rows are the right one; the result is added atomically
+            load, other = (b, a) if b.op == "load" else (a, b)
+            if load.op != "load" or self._role(load) != "resident":
+                raise LoweringError("A sum over the rows without a resident right side.")
+            x = self.f32(self.expr(other))
+            if self.canon(x.axes) != (self.plan.block_axis, LOOP):
+                raise LoweringError("A sum over the rows whose left side is not a "
+                                    "(row, loop) tile.")
+            w = next(x for x in self.load_axes(load) if x != self.plan.block_axis)
+            if self.plan.whole_axes[w] != self.plan.whole_axes[self.col]:
+                raise LoweringError("A scattered output narrower or wider than the sums.")
+            n = len(self.scattered)
+            self.scattered.append(load.val)
+            self.emit(f"tbuf{n}.index(WHICH).store(tl.where(mask_{self.plan.block_axis}[:, None], "
+                      f"{x.code}, 0.0).to(DTYPE))")
+            self.emit("fence_async_shared()")
+            self.emit(f"sc{n} = warpgroup_mma(tbuf{n}.index(WHICH).permute((1, 0)), "
+                      f"__rows_{load.val}__, zero_o, use_acc=False, is_async=True)")
+            return Tile(f"sc{n}", self.canon((LOOP, w)), "f32")
         raise LoweringError("A contraction the sums skeleton does not issue as a wgmma.")
+
+    def bcast(self, t: Tile, axes: tuple[str, ...]) -> str:
+        # a scattered output's tile (loop axis, whole axis) is a wgmma accumulator over the
+        # loop's rows: its offsets and masks take that layout's row and column slices
+        if len(axes) == 2 and axes[0] == LOOP and self.plan.block_axis not in axes and len(t.axes) == 1:
+            (a,) = t.axes
+            return (f"tl.convert_layout({t.code}, O_ROWS)[:, None]" if a == LOOP
+                    else f"tl.convert_layout({t.code}, O_COLS)[None, :]")
+        return super().bcast(t, axes)
 
 
 def _scheduled_body(lines: list[str], em: SumsEmitter, folds: set[str], bufs: dict) -> list[str]:
@@ -147,6 +180,11 @@ def _scheduled_body(lines: list[str], em: SumsEmitter, folds: set[str], bufs: di
                        "is_async=True)")
             pending.append(f)
             issued.add(f)
+            continue
+        m = re.match(r"\s*(sc\d+) = warpgroup_mma\(", ln)
+        if m:  # a scattered output's product: in flight until its atomic add reads it
+            out.append(ln)
+            pending.append(m.group(1))
             continue
         m = re.match(r"\s*(\w+) = (\w+)_new$", ln)
         if m and m.group(1) == m.group(2) and m.group(1) in issued:
@@ -176,7 +214,7 @@ def _wait(pad: str, names: list[str], outstanding: int) -> str:
 
 def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope."""
-    check_scope(plan)
+    check_scope(plan, scattered_ok=True)
     ps = plan.passes[0]
     p = plan.program
     ba = plan.block_axis
@@ -220,7 +258,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     body_in = fragment(ps.bound_atoms) if ps.bound_atoms else body_edge
     if not em.first or not em.acc:
         raise LoweringError("The pass has no products for the sums skeleton.")
-    resident = tuple(dict.fromkeys(r for _, r, _ in em.first))
+    resident = tuple(dict.fromkeys([r for _, r, _ in em.first] + em.scattered))
     streams = tuple(dict.fromkeys([s for _, _, s in em.first] + [s for _, s in em.acc]))
     dts = {p.dtype_of(t) for t in resident + streams}
     if len(dts) != 1 or not dts <= {"float16", "bfloat16"}:
@@ -233,10 +271,12 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     bufs = {s: f"ring{k}" for k, s in enumerate(streams)}
     folds = {f.name for f in ps.folds}
 
+    row_tile = {r: f"rows{k}.index(WHICH)" for k, r in enumerate(resident)}
+
     def with_wait(lines: list[str], _wait: bool) -> list[str]:
+        lines = [re.sub(r"__rows_(\w+)__", lambda m: row_tile[m.group(1)], ln) for ln in lines]
         return _scheduled_body(lines, em, folds, bufs)
 
-    row_tile = {r: f"rows{k}.index(WHICH)" for k, r in enumerate(resident)}
     issue = [f"mbarrier.wait(ready{k}.index(st), ph)" for k in range(len(streams))]
     issue += [f"{res} = warpgroup_mma({row_tile[r]}, {bufs[s]}.index(st).permute((1, 0)), "
               "zero_s, use_acc=False, is_async=True)" for res, r, s in em.first]
@@ -271,7 +311,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     rows = [f"rows{k}" for k in range(nr)]
     rings = [f"ring{k}" for k in range(ns)]
     bars = ["rows_bar"] + [f"{b}{k}" for k in range(ns) for b in ("ready", "empty")]
-    shared = ", ".join([*rows, *rings, *bars, "j_lo", "n_blocks", *args])
+    tbufs = [f"tbuf{k}" for k in range(len(em.scattered))]  # Xᵀ of each sum over the rows
+    shared = ", ".join([*rows, *rings, *tbufs, *bars, "j_lo", "n_blocks", *args])
     producer_args = ", ".join([*rdescs, *sdescs, *rows, *rings, *bars,
                                *[f"rbase{k}" for k in range(nr)],
                                *[f"sbase{k}" for k in range(ns)], "j_lo", "n_blocks"])
@@ -305,6 +346,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         "    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)",
         "    cols = gl.arange(0, B_L, S_COLS)",
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
+        f"    zero_o = gl.zeros([{ROWS}, {plan.whole_axes[col]}], gl.float32, O_LAYOUT)",
         f"    my_first = row_block * {CTA_ROWS} + WHICH * {ROWS}",
         *_gl(prologue), *_gl(prologue_tail),
         "    mbarrier.wait(rows_bar, 0)",
@@ -317,7 +359,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         "from triton.experimental import gluon",
         "from triton.experimental.gluon import language as gl",
         "from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, "
-        "warpgroup_mma, warpgroup_mma_wait",
+        "warpgroup_mma, warpgroup_mma_wait, fence_async_shared",
         "",
         "# Triton 3.6 names the TMA tile load async_copy_global_to_shared; 3.9 async_load",
         "tma_load = getattr(tma, 'async_load', None) or tma.async_copy_global_to_shared",
@@ -341,6 +383,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
           f"r{k}_desc.layout)" for k in range(nr)],
         *[f"    ring{k} = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, s{k}_desc.block_type.shape[1]], "
           f"s{k}_desc.layout)" for k in range(ns)],
+        *[f"    tbuf{k} = gl.allocate_shared_memory(DTYPE, [2, {ROWS}, B_L], gl.NVMMASharedLayout("
+          "swizzle_byte_width=128, element_bitwidth=16, rank=2))" for k in range(len(tbufs))],
         "    rows_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())",
         "    mbarrier.init(rows_bar, count=1)",
         *[f"    {b}{k} = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
@@ -360,4 +404,4 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
                          (widths[resident[0]], plan.whole_axes[col]), dts.pop(),
                          [f"{t}_ptr" for t in tensors], False, key_blocks, False,
                          (ps.lo_offset, ps.hi_offset), resident=resident, streams=streams,
-                         in_widths=widths)
+                         in_widths=widths, transposed=len(tbufs))

@@ -206,11 +206,12 @@ def _row_base(em: GluonEmitter, load: Term) -> str:
     return f"({' + '.join(parts) or '0'}) // {load.val}_s{n - 2}"
 
 
-def check_scope(plan: TilePlan) -> None:
-    """Raise ``LoweringError`` (saying why) for a plan outside the skeleton's scope."""
+def check_scope(plan: TilePlan, scattered_ok: bool = False) -> None:
+    """Raise ``LoweringError`` (saying why) for a plan outside the skeleton's scope
+    (``scattered_ok``: atomically summed outputs are in it, as in ``gluon_sums``)."""
     if plan.split or plan.packed or len(plan.passes) != 1:
         raise LoweringError("The warp-specialised form takes one unsplit, unpacked pass.")
-    if plan.passes[0].scattered:
+    if plan.passes[0].scattered and not scattered_ok:
         raise LoweringError("Scattered (atomically summed) outputs are not in the "
                             "warp-specialised form.")
     if not data_range_form(plan, plan.passes[0]):
