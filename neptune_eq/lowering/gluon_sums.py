@@ -23,10 +23,15 @@ The block math between the products -- the recomputed P, masks, dS -- is the pac
 ``Emitter``/``fold_body`` code from the plan's terms, rewritten for Gluon as in
 ``gluon_ws``; an affine mask cuts the loop into edge / interior / edge loops the same way.
 
-Scope: one unsplit, unpacked pass of sums only; no mask over captured tensors, no
-atomically summed outputs; one column axis; widths 64 or 128.  One program per tile of
-128 rows (not persistent).  Plans outside it raise ``LoweringError`` and keep the ``tl``
-forms.
+An output summed over the rows (the fused backward's ``dQ = Σ_keys dS·K``) is a third
+product: each warpgroup stores its ``Xᵀ`` tile to shared memory, reads it back as the
+wgmma's transposed left operand against its resident rows, and adds the result
+atomically.  It is right but slow (``generate`` has the measurements), so it is built and
+not offered to the timer.
+
+Scope: one unsplit, unpacked pass of sums only; no mask over captured tensors; one column
+axis; widths 64 or 128.  One program per tile of 128 rows (not persistent).  Plans
+outside it raise ``LoweringError`` and keep the ``tl`` forms.
 """
 from __future__ import annotations
 
@@ -67,7 +72,7 @@ class GluonSumsForm(GluonForm):
         return 2 * (rows + ring + self.transposed * CTA_ROWS * key_block)  # 16-bit tiles
 
     def rings(self, key_block: int) -> tuple[int, ...]:
-        return (2, 3)
+        return (2,)  # the depth measured; each Gluon config costs seconds of cold compile
 
 
 class SumsEmitter(GluonEmitter):
@@ -82,6 +87,7 @@ class SumsEmitter(GluonEmitter):
         self.acc: list[tuple[str, str]] = []          # (operand var, streamed input)
         self.loads: dict[str, Term] = {}              # input -> its one load (signature)
         self.scattered: list[str] = []                # resident input of each sum over rows
+        self.frag_scattered: list[str] = []           # ... in the body being emitted
 
     def _role(self, load: Term) -> str:
         """'resident' (over the row block and a whole axis), 'streamed' (the loop axis and
@@ -143,8 +149,10 @@ class SumsEmitter(GluonEmitter):
             w = next(x for x in self.load_axes(load) if x != self.plan.block_axis)
             if self.plan.whole_axes[w] != self.plan.whole_axes[self.col]:
                 raise LoweringError("A scattered output narrower or wider than the sums.")
-            n = len(self.scattered)
-            self.scattered.append(load.val)
+            n = len(self.frag_scattered)  # its buffer: the n-th of this block's body
+            self.frag_scattered.append(load.val)
+            if n == len(self.scattered):
+                self.scattered.append(load.val)
             self.emit(f"tbuf{n}.index(WHICH).store(tl.where(mask_{self.plan.block_axis}[:, None], "
                       f"{x.code}, 0.0).to(DTYPE))")
             self.emit("fence_async_shared()")
@@ -248,6 +256,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     prologue_tail = em.pop()
 
     def fragment(known: frozenset) -> list[str]:
+        em.frag_scattered = []  # (the edge and interior bodies reuse the Xᵀ buffers)
         em.push("        ")
         em.emit(f"offs_{LOOP} = l0 + cols")
         em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_L")
@@ -399,7 +408,16 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         f"        (_producer, ({producer_args}, B_L)),",
         "    ], [4, 1], [232, 24])",
     ]
-    key_blocks = (64, 128) if max(widths.values()) <= 64 else (64,)
+    # What the timer is offered (H100, bf16 B=2 H=16 D=128, against the tl forms in one
+    # process; bench/results/gluon_backward_s20/timing_h100.json): the dK/dV pass alone
+    # won causal S=8192 (1.95 vs 2.08 ms) and lost plain (3.86 vs 3.72; S=2048 0.29 vs
+    # 0.26) and softcap (4.01 vs 2.76: the tanh's registers spill), so it is timed, at
+    # 64-row key blocks (two 64×64 score tiles and two 64×128 sums per warpgroup fill its
+    # registers; 128 only at width 64).  With dQ added atomically per warpgroup it ran
+    # 1.6x slower than the tl fused form everywhere (plain S=8192 10.2 vs 6.5 ms: a third
+    # 64×128 accumulator spills, and each warpgroup adds its own 64 keys' dQ): built and
+    # checked (bench/gluon_backward_validate.py), not offered.
+    key_blocks = () if tbufs else (64, 128) if max(widths.values()) <= 64 else (64,)
     return GluonSumsForm(name, "\n".join(src) + "\n", resident + streams,
                          (widths[resident[0]], plan.whole_axes[col]), dts.pop(),
                          [f"{t}_ptr" for t in tensors], False, key_blocks, False,
