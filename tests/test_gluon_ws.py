@@ -45,7 +45,8 @@ def test_every_variant_compiles_for_sm90_as_producer_and_consumers(tmp_path):
     q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
     flex.flex_attention(q, q, q, return_lse=True)
     (st,) = [s for s in flex.STRUCTURES.values() if s.kernel is not None
-             and s.kernel.program.shape_of(s.kernel.program.inputs[0].name)[-1] == 64]
+             and s.kernel.program.shape_of(s.kernel.program.inputs[0].name)[-1] == 64
+             and s.kernel.program.dtype_of(s.kernel.program.inputs[0].name) == "float16"]
     kerns["flex-dropin-lse"] = st.kernel
     for name, kern in kerns.items():
         ks = kern.kernel_source
