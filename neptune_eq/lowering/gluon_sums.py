@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from ..ir import Term
 from .block_skip import data_atoms
 from .codegen import LOOP, Tile, grid_decode, init_fill
-from .fold_body import epilogue, loop_body
+from .fold_body import epilogue
 from .gluon_ws import (CTA_ROWS, ROWS, GluonEmitter, GluonForm, _gl, _interior_loops,
-                       _key_range, _row_base, check_scope, consumer_axes, source_header)
+                       _key_range, _row_base, block_fragment, check_scope, consumer_axes,
+                       source_header)
 from .lower import LoweringError, TilePlan
 
 
@@ -245,11 +246,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
 
     def fragment(known: frozenset) -> list[str]:
         em.frag_scattered = []  # (the edge and interior bodies reuse the Xᵀ buffers)
-        em.push("        ")
-        em.emit(f"offs_{LOOP} = l0 + cols")
-        em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_L")
-        loop_body(em, 0, "loop0", known)
-        return em.pop()
+        return block_fragment(em, known)
 
     body_edge = fragment(frozenset())
     body_in = fragment(ps.bound_atoms) if ps.bound_atoms else body_edge

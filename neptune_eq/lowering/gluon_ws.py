@@ -214,6 +214,17 @@ def consumer_axes(em: Emitter) -> None:
         em.emit(f"mask_{a} = offs_{a} < {plan.program.extents[a]}")
 
 
+def block_fragment(em: Emitter, known: frozenset) -> list[str]:
+    """One key block's math (the pass's fold updates from the plan's terms), ``known``:
+    mask atoms that hold on the whole block."""
+    em.push("        ")
+    em.emit(f"offs_{LOOP} = l0 + cols")
+    # EVEN_L (constexpr): every key block is whole, and the key-extent mask folds away
+    em.emit(f"mask_{LOOP} = (offs_{LOOP} < {em.plan.passes[0].extent}) | EVEN_L")
+    loop_body(em, 0, "loop0", known)
+    return em.pop()
+
+
 def source_header(module: str, program, extra: str = "") -> list[str]:
     """The first lines of a generated Gluon module: where it came from, its imports
     (``extra``: more names from the Hopper module) and the TMA load under both names."""
@@ -389,12 +400,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     prologue_tail = em.pop()
 
     def fragment(known: frozenset) -> list[str]:
-        em.push("        ")
-        em.emit(f"offs_{LOOP} = l0 + cols")
-        # EVEN_L (constexpr): every key block is whole, and the key-extent mask folds away
-        em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_L")
-        loop_body(em, 0, "loop0", known)
-        return em.pop()
+        return block_fragment(em, known)
 
     body_edge = fragment(frozenset())
     known_in = ps.bound_atoms | frozenset(atoms)
