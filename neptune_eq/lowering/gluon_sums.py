@@ -89,6 +89,8 @@ class SumsEmitter(GluonEmitter):
         self.loads: dict[str, Term] = {}              # input -> its one load (signature)
         self.scattered: list[str] = []                # resident input of each sum over rows
         self.frag_scattered: list[str] = []           # ... in the body being emitted
+        # a sum over the rows 128 wide: the two warpgroups split its columns
+        self.split = plan.whole_axes.get(col, 0) == 128
 
     def _role(self, load: Term) -> str:
         """'resident' (over the row block and a whole axis), 'streamed' (the loop axis and
@@ -153,11 +155,23 @@ class SumsEmitter(GluonEmitter):
             self.frag_scattered.append(load.val)
             if n == len(self.scattered):
                 self.scattered.append(load.val)
+            if self.split:  # the other warpgroup has read the last block's tile
+                self.emit(f"mbarrier.wait(tfree{n}, (g & 1) ^ 1)")
             self.emit(f"tbuf{n}.index(WHICH).store(tl.where(mask_{self.plan.block_axis}[:, None], "
                       f"{x.code}, 0.0).to(DTYPE))")
             self.emit("fence_async_shared()")
-            self.emit(f"sc{n} = warpgroup_mma(tbuf{n}.index(WHICH).permute((1, 0)), "
-                      f"__rows_{load.val}__, zero_o, use_acc=False, is_async=True)")
+            if not self.split:  # this warpgroup's rows, every column
+                self.emit(f"sc{n} = warpgroup_mma(tbuf{n}.index(WHICH).permute((1, 0)), "
+                          f"__rows0_{load.val}__, zero_h, use_acc=False, is_async=True)")
+                return Tile(f"sc{n}", self.canon((LOOP, w)), "f32")
+            # FlashAttention-3's layout: both warpgroups' rows, this warpgroup's half of the
+            # columns (a 64×64 accumulator, not 64×128), once both halves of Xᵀ are in
+            self.emit(f"mbarrier.arrive(tfull{n}, count=1)")
+            self.emit(f"mbarrier.wait(tfull{n}, g & 1)")
+            for h in (0, 1):
+                acc = "zero_h, use_acc=False" if h == 0 else f"sc{n}"
+                self.emit(f"sc{n} = warpgroup_mma(tbuf{n}.index({h}).permute((1, 0)), "
+                          f"__rows{h}_{load.val}__, {acc}, is_async=True)")
             return Tile(f"sc{n}", self.canon((LOOP, w)), "f32")
         raise LoweringError("A contraction the sums skeleton does not issue as a wgmma.")
 
@@ -166,8 +180,17 @@ class SumsEmitter(GluonEmitter):
         # loop's rows: its offsets and masks take that layout's row and column slices
         if len(axes) == 2 and axes[0] == LOOP and self.plan.block_axis not in axes and len(t.axes) == 1:
             (a,) = t.axes
-            return (f"tl.convert_layout({t.code}, O_ROWS)[:, None]" if a == LOOP
-                    else f"tl.convert_layout({t.code}, O_COLS)[None, :]")
+            if a == LOOP:
+                return f"tl.convert_layout({t.code}, H_ROWS)[:, None]"
+            if not self.split:
+                return f"tl.convert_layout({t.code}, H_COLS)[None, :]"
+            half = self.plan.whole_axes[a] // 2  # this warpgroup's half of the columns
+            cols = f"(WHICH * {half} + tl.arange(0, {half}, H_COLS))"
+            if t.code == f"offs_{a}":
+                return f"{cols}[None, :]"
+            if t.code == f"mask_{a}":
+                return f"({cols} < {self.p.extents[a]})[None, :]"
+            raise LoweringError("A scattered output's column term other than its offsets.")
         return super().bcast(t, axes)
 
 
@@ -190,9 +213,10 @@ def _scheduled_body(lines: list[str], em: SumsEmitter, folds: set[str], bufs: di
             issued.add(f)
             continue
         m = re.match(r"\s*(sc\d+) = warpgroup_mma\(", ln)
-        if m:  # a scattered output's product: in flight until its atomic add reads it
+        if m:  # a scattered output's product(s): in flight until its atomic add reads it
             out.append(ln)
-            pending.append(m.group(1))
+            if m.group(1) not in pending:
+                pending.append(m.group(1))
             continue
         m = re.match(r"\s*(\w+) = (\w+)_new$", ln)
         if m and m.group(1) == m.group(2) and m.group(1) in issued:
@@ -210,6 +234,8 @@ def _scheduled_body(lines: list[str], em: SumsEmitter, folds: set[str], bufs: di
     if pending:
         out.append(_wait(pad, pending, 0))
     out += [f"{pad}mbarrier.arrive(empty{k}.index(st), count=1)" for k in range(len(bufs))]
+    if em.split:  # this warpgroup is done with both halves of each Xᵀ tile
+        out += [f"{pad}mbarrier.arrive(tfree{k}, count=1)" for k in range(len(em.frag_scattered))]
     return out
 
 
@@ -267,8 +293,17 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
 
     row_tile = {r: f"rows{k}.index(WHICH)" for k, r in enumerate(resident)}
 
+    def rows_of(name: str, h: int) -> str:
+        """The resident rows a sum over the rows reads: this warpgroup's, or (columns
+        split) warpgroup ``h``'s rows at this warpgroup's half of the columns."""
+        if not em.split:
+            return row_tile[name]
+        half = widths[name] // 2
+        return f"rows{resident.index(name)}.index({h}).slice(WHICH * {half}, {half}, dim=1)"
+
     def with_wait(lines: list[str], _wait: bool) -> list[str]:
-        lines = [re.sub(r"__rows_(\w+)__", lambda m: row_tile[m.group(1)], ln) for ln in lines]
+        lines = [re.sub(r"__rows(\d)_(\w+)__", lambda m: rows_of(m.group(2), int(m.group(1))), ln)
+                 for ln in lines]
         return _scheduled_body(lines, em, folds, bufs)
 
     issue = [f"mbarrier.wait(ready{k}.index(st), ph)" for k in range(len(streams))]
@@ -306,7 +341,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     rings = [f"ring{k}" for k in range(ns)]
     bars = ["rows_bar"] + [f"{b}{k}" for k in range(ns) for b in ("ready", "empty")]
     tbufs = [f"tbuf{k}" for k in range(len(em.scattered))]  # Xᵀ of each sum over the rows
-    shared = ", ".join([*rows, *rings, *tbufs, *bars, "j_lo", "n_blocks", *args])
+    tbars = [f"{b}{k}" for k in range(len(tbufs)) for b in ("tfull", "tfree")] if em.split else []
+    hw = plan.whole_axes[col] // (2 if em.split else 1)
+    shared = ", ".join([*rows, *rings, *tbufs, *tbars, *bars, "j_lo", "n_blocks", *args])
     producer_args = ", ".join([*rdescs, *sdescs, *rows, *rings, *bars,
                                *[f"rbase{k}" for k in range(nr)],
                                *[f"sbase{k}" for k in range(ns)], "j_lo", "n_blocks"])
@@ -340,7 +377,12 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         "    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)",
         "    cols = gl.arange(0, B_L, S_COLS)",
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
-        f"    zero_o = gl.zeros([{ROWS}, {plan.whole_axes[col]}], gl.float32, O_LAYOUT)",
+        # a sum over the rows: its accumulator, this warpgroup's columns (all, or half)
+        "    H_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
+        f"warps_per_cta=[4, 1], instr_shape=[16, {hw}, 16])",
+        "    H_ROWS: gl.constexpr = gl.SliceLayout(1, H_LAYOUT)",
+        "    H_COLS: gl.constexpr = gl.SliceLayout(0, H_LAYOUT)",
+        f"    zero_h = gl.zeros([{ROWS}, {hw}], gl.float32, H_LAYOUT)",
         f"    my_first = row_block * {CTA_ROWS} + WHICH * {ROWS}",
         *_gl(prologue), *_gl(prologue_tail),
         "    mbarrier.wait(rows_bar, 0)",
@@ -373,6 +415,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
           "swizzle_byte_width=128, element_bitwidth=16, rank=2))" for k in range(len(tbufs))],
         "    rows_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())",
         "    mbarrier.init(rows_bar, count=1)",
+        *[ln for b in tbars for ln in (
+            f"    {b} = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())",
+            f"    mbarrier.init({b}, count=2)  # both consumer warpgroups")],
         *[f"    {b}{k} = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
           for k in range(ns) for b in ("ready", "empty")],
         "    for i in gl.static_range(STAGES):",
