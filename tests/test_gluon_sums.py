@@ -63,19 +63,28 @@ def test_the_dkdv_pass_compiles_for_sm90_as_producer_and_consumers(tmp_path, mon
 
 def test_the_fused_pass_adds_dq_through_a_transposed_tile_and_is_not_offered(tmp_path,
                                                                            monkeypatch):
-    """dQ = Σ_keys dS·K: each warpgroup stores its dSᵀ tile, reads it back as the
-    wgmma's transposed left operand against its K rows and adds the product atomically
-    (masked by the query rows).  Right on the GPU, 1.6x slower than the tl fused form:
-    built, compiled, not offered to the timer."""
+    """dQ = Σ_keys dS·K: each warpgroup stores its dSᵀ tile; once both halves are in,
+    each reads both back as the wgmma's transposed left operand against its half of K's
+    columns and adds that 64×64 product atomically (masked by the query rows); a free
+    barrier keeps the next block from overwriting a tile still read.  Right on the GPU,
+    1.3x slower than the tl fused form: built, compiled, not offered to the timer."""
     kern = _backward_kernel(monkeypatch, ("k", "v", "q"))
     form = kern.kernel_source.gluon
     assert isinstance(form, gluon_sums.GluonSumsForm), kern.kernel_source.gluon_why
     assert form.transposed == 1 and form.key_blocks == ()
     src = form.source
-    assert "tbuf0.index(WHICH).permute((1, 0)), rows0.index(WHICH)" in src
-    assert src.index("fence_async_shared()") < src.index("sc0 = warpgroup_mma(")
-    assert src.index("sc0 = warpgroup_mma_wait(") < src.index("gl.atomic_add(d_q_ptr")
-    assert "gl.convert_layout(mask_L, O_ROWS)[:, None]" in src
+    # both warpgroups' dSᵀ halves against this warpgroup's half of K's columns
+    for h in (0, 1):
+        assert (f"tbuf0.index({h}).permute((1, 0)), rows0.index({h}).slice(WHICH * 64, 64, "
+                "dim=1)") in src
+    order = ["mbarrier.wait(tfree0, (g & 1) ^ 1)", "tbuf0.index(WHICH).store(",
+             "fence_async_shared()", "mbarrier.arrive(tfull0, count=1)",
+             "mbarrier.wait(tfull0, g & 1)", "sc0 = warpgroup_mma(", "sc0 = warpgroup_mma_wait(",
+             "gl.atomic_add(d_q_ptr", "mbarrier.arrive(tfree0, count=1)"]
+    at = [src.index(x) for x in order]
+    assert at == sorted(at), order
+    assert "gl.convert_layout(mask_L, H_ROWS)[:, None]" in src
+    assert "(WHICH * 64 + gl.arange(0, 64, H_COLS))[None, :] * d_q_s3" in src
     path = tmp_path / "fused.py"
     path.write_text(src)
     res = compile_for_sm90(path, form.name, sm90_spec(kern.program, kern.kernel_source,

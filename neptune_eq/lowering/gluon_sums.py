@@ -24,10 +24,12 @@ The block math between the products -- the recomputed P, masks, dS -- is the pac
 ``gluon_ws``; an affine mask cuts the loop into edge / interior / edge loops the same way.
 
 An output summed over the rows (the fused backward's ``dQ = Σ_keys dS·K``) is a third
-product: each warpgroup stores its ``Xᵀ`` tile to shared memory, reads it back as the
-wgmma's transposed left operand against its resident rows, and adds the result
-atomically.  It is right but slow (``generate`` has the measurements), so it is built and
-not offered to the timer.
+product: each warpgroup stores its ``Xᵀ`` tile to shared memory and reads tiles back as
+the wgmma's transposed left operand against resident rows, then adds the result
+atomically.  At width 128 the two warpgroups split the columns, as FlashAttention-3 does
+(both halves of ``Xᵀ`` behind a full/free mbarrier pair, a 64×64 accumulator each).  It
+is right but slower than the ``tl`` fused form (``generate`` has the measurements), so
+it is built and not offered to the timer.
 
 Scope: one unsplit, unpacked pass of sums only; no mask over captured tensors; one column
 axis; widths 64 or 128.  One program per tile of 128 rows (not persistent).  Plans
@@ -435,10 +437,13 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     # won causal S=8192 (1.95 vs 2.08 ms) and lost plain (3.86 vs 3.72; S=2048 0.29 vs
     # 0.26) and softcap (4.01 vs 2.76: the tanh's registers spill), so it is timed, at
     # 64-row key blocks (two 64×64 score tiles and two 64×128 sums per warpgroup fill its
-    # registers; 128 only at width 64).  With dQ added atomically per warpgroup it ran
-    # 1.6x slower than the tl fused form everywhere (plain S=8192 10.2 vs 6.5 ms: a third
-    # 64×128 accumulator spills, and each warpgroup adds its own 64 keys' dQ): built and
-    # checked (bench/gluon_backward_validate.py), not offered.
+    # registers; 128 only at width 64).  With dQ added atomically it stays slower than
+    # the tl fused form: per warpgroup over its own 64 keys 1.6x (plain S=8192 10.2 vs
+    # 6.5 ms: a third 64×128 accumulator spills), with the columns split between the
+    # warpgroups 1.3x (8.4 vs 6.5; causal 4.6 vs 3.5; fused_split_columns_h100.json) --
+    # the per-block full/free barriers lock the two warpgroups together, which takes
+    # away the overlap between them the pass relies on: built and checked
+    # (bench/gluon_backward_validate.py), not offered.
     key_blocks = () if tbufs else (64, 128) if max(widths.values()) <= 64 else (64,)
     return GluonSumsForm(name, "\n".join(src) + "\n", resident + streams,
                          (widths[resident[0]], plan.whole_axes[col]), dts.pop(),
