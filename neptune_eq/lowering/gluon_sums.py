@@ -61,6 +61,10 @@ class GluonSumsForm(GluonForm):
     transposed: int = 0   # sums over the rows: a [2, 64, B_L] buffer of Xᵀ each
 
     @property
+    def default_key_block(self) -> int:
+        return self.key_blocks[0] if self.key_blocks else 64  # (not offered: as measured)
+
+    @property
     def descs(self) -> tuple[str, ...]:
         return (tuple(f"r{k}_desc" for k in range(len(self.resident)))
                 + tuple(f"s{k}_desc" for k in range(len(self.streams))))

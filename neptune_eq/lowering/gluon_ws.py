@@ -95,9 +95,7 @@ class GluonForm:
     @property
     def default_key_block(self) -> int:
         """The key block of a config that names none: the column width where offered."""
-        if self.widths[1] in self.key_blocks or not self.key_blocks:  # (none: not offered)
-            return self.widths[1] if self.widths[1] in KEY_BLOCKS else KEY_BLOCKS[0]
-        return self.key_blocks[0]
+        return self.widths[1] if self.widths[1] in self.key_blocks else self.key_blocks[0]
 
     @property
     def descs(self) -> tuple[str, ...]:
