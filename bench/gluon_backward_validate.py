@@ -28,6 +28,7 @@ from neptune_eq.dropin import flex, flex_backward
 from neptune_eq.runtime.gluon_launch import make_launcher
 from neptune_eq.runtime.launcher import TileConfig
 from neptune_eq.sizes import Guards, bind, specialise
+from gluon_validate import row_runner  # noqa: E402 (bench/ is the script's directory)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the harness's own check, tl only
 TARGET = "cuda" if DEV == "cuda" else "interpreter"
@@ -44,32 +45,30 @@ VARIANTS = {  # name -> (score_mod(s, b, h, q, kv) for ne and torch, mask_mod(b,
 NE_SCORE = {"softcap": lambda s, b, h, q, kv: 30.0 * ne.tanh(s / 30.0)}
 
 
-KERNELS = {}  # (variant, d, dtype, heads, group) -> kernel
+STRUCTS = {}  # (variant, d, dtype, heads) -> the drop-in's structure (its heads are fixed)
 GROUPS = {"kv": ("k", "v"), "kvq": ("k", "v", "q")}  # dK/dV alone; dQ added atomically too
 
 
-def dkdv_kernel(variant, d, dtype, h, group="kv"):
-    """The drop-in's dK/dV kernel for ``variant`` (built once per structure): ``kv``
-    beside dQ's own kernel (``shared``), ``kvq`` the fused one adding dQ atomically."""
-    key = (variant, d, dtype, h, group)  # (a structure's head count is fixed)
-    if key in KERNELS:
-        return KERNELS[key]
-    score, mask = VARIANTS[variant]
-    score = NE_SCORE.get(variant, score)
-    st = next((s for (v, dd, dt, hh, _), s in STRUCTS.items() if (v, dd, dt, hh) == key[:4]), None)
-    if st is None:
+def structure(variant, d, dtype, h):
+    """The drop-in's structure of ``variant`` at head dim ``d``, ``h`` heads (traced once)."""
+    key = (variant, d, dtype, h)
+    if key not in STRUCTS:
+        score, mask = VARIANTS[variant]
         q = torch.randn(1, h, 64, d, device=DEV, dtype=dtype)
         before = set(flex.STRUCTURES)
-        flex.flex_attention(q, q, q, score_mod=score, mask_mod=mask)
+        flex.flex_attention(q, q, q, score_mod=NE_SCORE.get(variant, score), mask_mod=mask)
         (skey,) = set(flex.STRUCTURES) - before  # the structure this call traced
-        st = STRUCTS[key] = flex.STRUCTURES[skey]
-    _, kern, *_ = flex_backward.backward_kernel(st, GROUPS[group], {"B": 1, "L": 64, "S": 64},
-                                                shared=group == "kv", lse_grad=False)
-    KERNELS[key] = kern
-    return kern
+        STRUCTS[key] = flex.STRUCTURES[skey]
+    return STRUCTS[key]
 
 
-STRUCTS = {}
+def backward_kernel(variant, d, dtype, h, group):
+    """The structure's backward kernel for ``group``: ``kv`` and ``q`` beside each other
+    (``shared``: dK/dV reads the row dots dQ's kernel returns), ``kvq`` the fused one
+    adding dQ atomically.  (``flex_backward`` keeps each structure's kernels: built once.)"""
+    return flex_backward.backward_kernel(structure(variant, d, dtype, h),
+                                         GROUPS.get(group, (group,)), {"B": 1, "L": 64, "S": 64},
+                                         shared=group != "kvq", lse_grad=False)[1]
 
 
 def reference(variant, q, k, v, d_o):
@@ -137,7 +136,7 @@ def check(variant, b, h, s, d, dtype, big=False, group="kv"):
     row = {"case": "correctness", "variant": variant, "B": b, "H": h, "S": s, "D": d,
            "dtype": dtype, "large_scores": big}
     row["group"] = group
-    kern = dkdv_kernel(variant, d, dt, h, group)
+    kern = backward_kernel(variant, d, dt, h, group)
     prog, g, t = launchers(kern, {"B": b, "L": s, "S": s})
     ins, stat, dots, ref = inputs(kern, variant, b, h, s, d, dt, big)
     names = list(kern.program.outputs)
@@ -180,12 +179,7 @@ def timing(variant, b, h, s, d, dtype):
     pair = 2 * b * h * s * s * d * frac  # one product of 2·S²·D (visible pairs)
     row = {"case": "timing", "variant": variant, "B": b, "H": h, "S": s, "D": d, "dtype": dtype}
     for group, products in (("kv", 4), ("q", 3), ("kvq", 5)):
-        if group == "q":
-            st = next(v for k, v in STRUCTS.items() if k[:4] == (variant, d, dt, h))
-            kern = flex_backward.backward_kernel(st, ("q",), {"B": 1, "L": 64, "S": 64},
-                                                 shared=True, lse_grad=False)[1]
-        else:
-            kern = dkdv_kernel(variant, d, dt, h, group)
+        kern = backward_kernel(variant, d, dt, h, group)
         prog, g, t = launchers(kern, {"B": b, "L": s, "S": s}, gluon=group != "q")
         for ph in prog.inputs:
             if ph.name not in ins:  # the row dots (dK/dV's), O (dQ's kernel computes them)
@@ -227,14 +221,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     rows = []
 
-    def run(fn, *a, **kw):
-        try:
-            row = fn(*a, **kw)
-        except Exception as e:  # recorded; the next case still runs
-            row = {"case": fn.__name__, "args": repr(a), "error": repr(e)[-800:]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        write(rows, args.out)  # each row as it comes: a run cut short keeps what it had
+    # each row written as it comes: a run cut short keeps what it had
+    run = row_runner(rows, lambda rows: write(rows, args.out))
 
     for variant in args.variants:
         for group in args.groups:

@@ -342,6 +342,21 @@ def key_blocks():
     return rows
 
 
+def row_runner(rows, after=None):
+    """``run(fn, *args)``: one case's row (or its error: the next case still runs),
+    appended to ``rows`` and printed; then ``after(rows)`` (e.g. write them so far)."""
+    def run(fn, *a, **kw):
+        try:
+            row = fn(*a, **kw)
+        except Exception as e:  # recorded; the next case still runs
+            row = {"case": fn.__name__, "args": repr(a), "error": repr(e)[-800:]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if after is not None:
+            after(rows)
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -358,14 +373,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     rows = []
 
-    def run(fn, *a, **kw):
-        try:
-            row = fn(*a, **kw)
-        except Exception as e:  # recorded; the next case still runs
-            row = {"case": fn.__name__, "args": repr(a), "error": repr(e)[-800:]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
+    run = row_runner(rows)
     if args.only_persistence or args.only_key_blocks:
         for row in persistence() if args.only_persistence else key_blocks():
             rows.append(row)

@@ -23,7 +23,7 @@ from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
 from .tile_order import tile_order, tile_work
 from .launch import FastLaunch, current_stream, int_classes
-from .launcher import Launcher, TileConfig, import_source
+from .launcher import Launcher, TileConfig, import_source, same_outputs
 
 GLUON_NEEDS = ("the warp-specialised form needs contiguous streamed inputs with a 16-byte "
                "aligned base")
@@ -187,11 +187,7 @@ class GluonLauncher:
             if pre:
                 pre[0].fast(ck[0], pre[1], stream)
             self._launch.fast(ck[1], args, stream)
-            same = all(torch.allclose(tensors[n], fresh[n], rtol=1e-4, atol=1e-6)
-                       if n in self.ks.scattered else
-                       torch.equal(tensors[n].contiguous().view(torch.uint8),
-                                   fresh[n].contiguous().view(torch.uint8))
-                       for n in compared)
+            same = same_outputs(self.ks, tensors, fresh, compared)
         except Exception as e:  # noqa: BLE001 - Triton internals differ: keep its launch
             self.fast_ok, self.fast_reason = False, f"off: direct launch failed ({e})"
             return

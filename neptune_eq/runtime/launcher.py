@@ -191,6 +191,16 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
             if form.ring_bytes(bl, ring) <= SMEM_BYTES]
 
 
+def same_outputs(ks: KernelSource, want: dict, got: dict, names) -> bool:
+    """Whether a direct launch wrote what Triton's own launch did, for the tensors
+    ``names``: bit for bit, except outputs summed atomically, which add in no fixed
+    order (equal up to rounding)."""
+    import torch
+    return all(torch.allclose(want[n], got[n], rtol=1e-4, atol=1e-6) if n in ks.scattered
+               else torch.equal(want[n].contiguous().view(torch.uint8),
+                                got[n].contiguous().view(torch.uint8)) for n in names)
+
+
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
     """The GPU-only lowering choices of each pointer config: its tiles through tensor
     descriptors (TMA), and -- where ``ks.warp_specializable`` says Triton can -- the main key
@@ -465,11 +475,7 @@ class Launcher:
         try:
             for fl, ck, a in zip(steps, cks, arg_lists):
                 fl.fast(ck, a, stream)
-            # (atomically summed outputs add in no fixed order: equal up to rounding)
-            same = all(torch.allclose(want[n], got[n], rtol=1e-4, atol=1e-6)
-                       if n in self.ks.scattered else
-                       torch.equal(want[n].contiguous().view(torch.uint8),
-                                   got[n].contiguous().view(torch.uint8)) for n in want)
+            same = same_outputs(self.ks, want, got, want)
         except Exception as e:  # noqa: BLE001 - Triton internals differ: keep the normal path
             self._fast_off(f"off: direct launch failed ({e})")
             return
