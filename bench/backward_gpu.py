@@ -364,7 +364,8 @@ def main():
     for n, st in enumerate(flex.STRUCTURES.values()):
         for (wrt, *_), (_, kern, *_) in st.backward.items():
             chosen = "\n".join(["tile configs chosen per size bucket:", *kern.buckets])
-            (src / f"structure{n}_{'_'.join(wrt)}.py.txt").write_text(
+            tag = "row_statistics" if wrt == "row statistics" else "_".join(wrt)
+            (src / f"structure{n}_{tag}.py.txt").write_text(
                 kern.explain() + "\n\n" + chosen + "\n\n" + kern.source)
     print(markdown(out))
 

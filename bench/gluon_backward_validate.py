@@ -1,5 +1,6 @@
-"""GPU check of the warp-specialised Gluon form of the backward's dK/dV pass
-(``lowering/gluon_sums.py``) against fp64 autograd, and its time beside the ``tl`` form.
+"""GPU check of the warp-specialised Gluon forms of the backward's dK/dV pass and dQ's
+kernel (``lowering/gluon_sums.py``) against fp64 autograd, and their time beside the ``tl``
+forms.
 
     python bench/gluon_backward_validate.py --out DIR     # on a Hopper GPU (H100 / H200)
 
@@ -46,7 +47,8 @@ NE_SCORE = {"softcap": lambda s, b, h, q, kv: 30.0 * ne.tanh(s / 30.0)}
 
 
 STRUCTS = {}  # (variant, d, dtype, heads) -> the drop-in's structure (its heads are fixed)
-GROUPS = {"kv": ("k", "v"), "kvq": ("k", "v", "q")}  # dK/dV alone; dQ added atomically too
+GROUPS = {"kv": ("k", "v"), "q": ("q",),  # dK/dV alone, dQ's own kernel,
+          "kvq": ("k", "v", "q")}  # all three, dQ added atomically
 
 
 def structure(variant, d, dtype, h):
@@ -180,7 +182,7 @@ def timing(variant, b, h, s, d, dtype):
     row = {"case": "timing", "variant": variant, "B": b, "H": h, "S": s, "D": d, "dtype": dtype}
     for group, products in (("kv", 4), ("q", 3), ("kvq", 5)):
         kern = backward_kernel(variant, d, dt, h, group)
-        prog, g, t = launchers(kern, {"B": b, "L": s, "S": s}, gluon=group != "q")
+        prog, g, t = launchers(kern, {"B": b, "L": s, "S": s})
         for ph in prog.inputs:
             if ph.name not in ins:  # the row dots (dK/dV's), O (dQ's kernel computes them)
                 ins[ph.name] = torch.randn(tuple(ph.shape), device=DEV,
@@ -193,7 +195,7 @@ def timing(variant, b, h, s, d, dtype):
             ms = triton.testing.do_bench(lambda: la({**ins, **outs}), warmup=25, rep=200)
             row[f"{group}_{form}_ms"] = ms
             row[f"{group}_{form}_tflops"] = products * pair / ms / 1e9
-        if g is not None:
+        if g is not None:  # (dQ's kernel reads the row dots a row kernel computes first)
             row[f"{group}_gluon_ran"] = g._twin is None
     best = {grp: min(row.get(f"{grp}_{f}_ms", math.inf) for f in ("tl", "gluon"))
             for grp in ("kv", "q", "kvq")}

@@ -46,7 +46,7 @@ def main():
     if spec.get("gluon"):  # a Gluon kernel (runtime/gluon_launch.sm90_spec): TMA descriptors
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon._runtime import GluonASTSource
-        short = {"float16": "fp16", "bfloat16": "bf16"}
+        short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
         for name, (rows, width, dt) in spec["descs"].items():
             layout = gl.NVMMASharedLayout.get_default_for([rows, width], getattr(gl, dt))
             sig[name] = f"tensordesc<{short[dt]}[{rows}, {width}],{layout!r}>"
@@ -62,6 +62,8 @@ def main():
         print(json.dumps({"ok": False, "error": msg[-1] if msg else type(e).__name__}))
         return
     ptx = ck.asm["ptx"]
+    if spec.get("ptx_out"):  # for a reader comparing forms by hand
+        Path(spec["ptx_out"]).write_text(ptx)
     out = {"ok": True, "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,
            "setmaxnreg": "setmaxnreg" in ptx, "shared": ck.metadata.shared}
     if spec.get("resources"):

@@ -52,6 +52,13 @@ def test_the_dkdv_pass_compiles_for_sm90_as_producer_and_consumers(tmp_path, mon
         wait = src.index(f"{m} = warpgroup_mma_wait(")
         assert src.index(f"{m} = warpgroup_mma(") < wait < at, m
     assert re.search(r"d_v = warpgroup_mma\(op\d, ring1\.index\(st\), d_v, is_async=True\)", src)
+    # each block's lse and row-dot loads are issued before its ring waits (their latency
+    # hides behind the wait), the block's math after
+    loops = [lp for lp in src.split("for jb in range(")[1:] if "warpgroup_mma(" in lp]
+    assert len(loops) == 3  # causal: edge, interior, edge
+    for lp in loops:
+        for vec in ("mx_ptr", "g_den_1_ptr"):
+            assert lp.index(f"gl.load({vec}") < lp.index("mbarrier.wait(ready0") < lp.index("gl.exp2(")
     assert "gl.program_id(0)  # long rows first" in src  # causal: the first keys see most rows
     path = tmp_path / "dkdv.py"
     path.write_text(src)
