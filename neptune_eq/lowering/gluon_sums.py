@@ -463,17 +463,20 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         "    ], [4, 1], [240, 24])",
     ]
     # What the timer is offered (H100, bf16 B=2 H=16 D=128, against the tl forms in one
-    # process; bench/results/gluon_backward_s20/timing_h100.json): the dK/dV pass alone
-    # won causal S=8192 (1.95 vs 2.08 ms) and lost plain (3.86 vs 3.72; S=2048 0.29 vs
-    # 0.26) and softcap (4.01 vs 2.76: the tanh's registers spill), so it is timed, at
+    # process; bench/results/gluon_backward_s21/validate_and_time_h100.json): with the
+    # row-vector loads hoisted, the dK/dV pass wins plain S=8192 (3.35 vs 3.82 ms) and
+    # causal (1.91 vs 2.10) and loses softcap (3.07 vs 2.76: the tanh's registers); dQ's
+    # own kernel (one pass of sums once a row kernel computes its row dots) wins all
+    # three (2.37 vs 2.66, 1.30 vs 1.50, 1.56 vs 2.11), so both are timed, at
     # 64-row key blocks (two 64×64 score tiles and two 64×128 sums per warpgroup fill its
     # registers; 128 only at width 64).  With dQ added atomically it stays slower than
     # the tl fused form: per warpgroup over its own 64 keys 1.6x (plain S=8192 10.2 vs
     # 6.5 ms: a third 64×128 accumulator spills), with the columns split between the
-    # warpgroups 1.3x (8.4 vs 6.5; causal 4.6 vs 3.5; fused_split_columns_h100.json) --
-    # the per-block full/free barriers lock the two warpgroups together, which takes
-    # away the overlap between them the pass relies on: built and checked
-    # (bench/gluon_backward_validate.py), not offered.
+    # warpgroups 1.3x (8.4 vs 6.5; causal 4.6 vs 3.5; fused_split_columns_h100.json).
+    # The atomic adds are the cost: without them the pass takes 4.4 ms, and wider adds
+    # (4 contiguous fp32 per thread, or one red.v4 per 4) still took 7.4-7.6
+    # (bench/gluon_probe/backward_variants.py, session 21); the bulk engine's reduce that
+    # FlashAttention-3 uses is not in Triton 3.6's Gluon.  Built and checked, not offered.
     key_blocks = () if tbufs else (64, 128) if max(widths.values()) <= 64 else (64,)
     return GluonSumsForm(name, "\n".join(src) + "\n", resident + streams,
                          (widths[resident[0]], plan.whole_axes[col]), dts.pop(),
