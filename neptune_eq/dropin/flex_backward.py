@@ -44,8 +44,9 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
 
     ``shared``: dQ's and dK/dV's kernels both run, and the row statistics both read
     (``row_statistics``: Σ_e dO·O) are computed once -- by a row kernel dQ's group runs
-    first (as the fused group does), read by both as inputs.  ``lse_grad=False``: the loss does not use the lse
-    (the usual case), its cotangent is 0 and is folded away -- no input, no term.
+    first (as the fused group does), read by both as inputs.  ``lse_grad=False``: the
+    loss does not use the lse (the usual case), its cotangent is 0 and is folded away --
+    no input, no term.
     ``example``: the call's tensors by input name, which a first build times its tile
     configs on.  Returns (backward, kernel, rows, expanded, stats, pre): ``pre`` is the
     (backward, kernel) that computes the row statistics first, for the fused group and

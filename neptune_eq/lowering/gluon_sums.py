@@ -263,7 +263,8 @@ def _hoisted_loads(lines: list[str]) -> tuple[list[str], list[str]]:
             continue
         rest.append(ln)
         lhs = re.match(r"\s*(\w+(?:\s*,\s*\w+)*)\s*=(?!=)", ln)
-        made.update(n.strip() for n in lhs.group(1).split(",")) if lhs else None
+        if lhs:
+            made.update(n.strip() for n in lhs.group(1).split(","))
     return hoisted, rest
 
 
