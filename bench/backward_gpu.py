@@ -364,9 +364,11 @@ def main():
     for n, st in enumerate(flex.STRUCTURES.values()):
         for (wrt, *_), (_, kern, *_) in st.backward.items():
             chosen = "\n".join(["tile configs chosen per size bucket:", *kern.buckets])
-            tag = "row_statistics" if wrt == "row statistics" else "_".join(wrt)
-            (src / f"structure{n}_{tag}.py.txt").write_text(
+            (src / f"structure{n}_{'_'.join(wrt)}.py.txt").write_text(
                 kern.explain() + "\n\n" + chosen + "\n\n" + kern.source)
+        for k, (_, kern) in enumerate(st.row_kernels.values()):  # the row dots' kernels
+            (src / f"structure{n}_row_statistics{k}.py.txt").write_text(
+                kern.explain() + "\n\n" + kern.source)
     print(markdown(out))
 
 

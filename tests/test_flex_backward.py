@@ -106,10 +106,12 @@ def test_gpu_form_products_stay_bf16():
     out = ne.flex_attention(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     st = [s for s in flex.STRUCTURES.values() if s.backward][-1]
-    for key, (_, kern, *_rest) in st.backward.items():
+    for _, kern, *_rest in st.backward.values():
         src = generate(kern.chosen_row.plan, bf16_dot_in_fp32=False).source
-        products = key[0] != "row statistics"  # (Σ_e dO·O alone: a row reduction, no product)
-        assert ("tl.dot(" in src) == products and "ieee" not in src, src
+        assert "tl.dot(" in src and "ieee" not in src, src
+    for _, kern in st.row_kernels.values():  # Σ_e dO·O alone: a row reduction, no product
+        src = generate(kern.chosen_row.plan, bf16_dot_in_fp32=False).source
+        assert "tl.dot(" not in src and "ieee" not in src, src
 
 
 def test_a_row_masked_by_its_score_mod_has_zero_gradients():
@@ -133,13 +135,12 @@ def test_backward_kernels_are_derived_once_per_structure_and_input():
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 2)
     # (gradients, shared row statistics between two kernels, the loss reads the lse):
     # one kernel for all three, dQ added atomically inside dK/dV's loop
-    grads = [key for key in st.backward if key[0] != "row statistics"]
-    assert grads == [(("k", "v", "q"), False, True)]
+    assert set(st.backward) == {(("k", "v", "q"), False, True)}
     bw, kern, _, _, stats, pre = st.backward[(("k", "v", "q"), False, True)]
     # Σ_e dO·O is computed once, by a row kernel of its own (kept with the structure for
     # dQ's kernel too), and read as an input
     first, row_kern = pre
-    assert st.backward[("row statistics", str(first.program))] is pre
+    assert st.row_kernels == {str(first.program): pre}
     assert stats and first.program.outputs == stats
     assert all(any(ph.name == n for ph in bw.program.inputs) for n in stats)
     assert bw.program.dtype_of("d_q") == "float32"  # summed by atomic adds in fp32
@@ -170,8 +171,7 @@ def test_deterministic_mode_has_no_float_atomics():
     finally:
         torch.use_deterministic_algorithms(False)
     st = next(s for s in flex.STRUCTURES.values() if s.backward and s.shapes["q"][-1] == 3)
-    grads = {key for key in st.backward if key[0] != "row statistics"}
-    assert grads == {(("q",), True, True), (("k", "v"), True, True)}
+    assert set(st.backward) == {(("q",), True, True), (("k", "v"), True, True)}
     bw, kern, _, _, stats, pre = st.backward[(("k", "v"), True, True)]
     dq_bw, dq_kern, _, _, dq_stats, (first, _) = st.backward[(("q",), True, True)]
     assert pre is None and stats == dq_stats and first.program.outputs == stats
@@ -206,9 +206,9 @@ def test_a_loss_without_the_lse_folds_its_gradient_away():
         assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
     assert torch.equal(got[0][:, :, 4], torch.zeros_like(got[0][:, :, 4]))
     st = next(s for s in flex.STRUCTURES.values()
-              if any(key[-1] is False for key in s.backward) and s.shapes["q"][-1] == 4)
+              if any(key[2] is False for key in s.backward) and s.shapes["q"][-1] == 4)
     for key, (bw, kern, *_) in st.backward.items():
-        if key[-1] is False:
+        if key[2] is False:
             assert "d_lse" not in {ph.name for ph in bw.program.inputs}
             assert "d_lse" not in kern.source
 
@@ -270,9 +270,7 @@ def test_document_mask_backward_skips_blocks_like_the_forward():
                 lambda i, j: (doc[i] == doc[j]) & (j <= i))
     assert all(torch.isfinite(x).all() for x in got)
     st = [s for s in flex.STRUCTURES.values() if s.backward and "doc" in s.shapes][-1]
-    for key, (_, kern, *_) in st.backward.items():
-        if key[0] == "row statistics":  # (Σ_e dO·O: no key loop, no mask)
-            continue
+    for _, kern, *_ in st.backward.values():
         # the pre-pass of the block summaries, then the kernel (named after its gradients)
         name = "neptune_" + "_".join(kern.program.outputs)
         assert kern.launches == [f"{name}_summaries", name], kern.launches

@@ -1,7 +1,12 @@
 """Probe (session 21): hand edits of the generated Gluon backward sources, checked against
 fp64 autograd and timed beside the generated ones, to learn which change pays before the
-generator learns it.  Not part of the product; the variants that pay move into
-``lowering/gluon_sums.py``.
+generator learns it.  Not part of the product.
+
+The dK/dV edits that paid -- the row-vector loads issued before the ring waits, 240
+registers per consumer -- are in ``lowering/gluon_sums.py`` since 50c11bb, so they left
+this file; their numbers, probed on the generator of 3286a3f, are in
+``bench/results/README.md`` (session 21).  What stays are the fused form's dQ experiments
+(the cost of the atomic adds, wider adds, the bulk reduce Triton 3.6's Gluon lacks).
 
     python bench/gluon_probe/backward_variants.py --out DIR
 """
@@ -25,26 +30,6 @@ def sub(src, old, new, count=1):
     if n < count:
         raise ValueError(f"edit not applicable: {old[:70]!r} found {n}x")
     return src.replace(old, new)
-
-
-def hoist_loads(src):
-    """Issue the per-block row-vector loads (lse, row dots) before the ring waits."""
-    lines = src.split("\n")
-    out, moved = [], []
-    for ln in lines:
-        s = ln.strip()
-        if (s.startswith("offs_L = l0 + cols") or s.startswith("mask_L = (offs_L")
-                or re.match(r"t\d+ = gl\.load\((mx|g_den_1)_ptr", s)):
-            moved.append(ln)
-            continue
-        out.append(ln)
-    res = []
-    for ln in out:
-        res.append(ln)
-        if ln.strip().startswith("prev = (g - 1) % STAGES"):
-            res.extend(moved)
-    assert len(moved) >= 3, moved
-    return "\n".join(res)
 
 
 def free_early(src):
@@ -139,48 +124,14 @@ def atomics_v4(src):
     return src
 
 
-def hoist_to_wait(src):
-    """The per-block row-vector loads issued after the products, before their wait."""
-    lines = src.split("\n")
-    out, moved = [], []
-    for ln in lines:
-        if re.match(r"\s*t\d+ = gl\.load\((mx|g_den_1)_ptr", ln):
-            moved.append(ln)
-            continue
-        out.append(ln)
-    res = []
-    for ln in out:
-        if re.match(r"\s*mma0 = warpgroup_mma_wait", ln):
-            res.extend(moved)
-        res.append(ln)
-    assert len(moved) >= 2, moved
-    return "\n".join(res)
-
-
-def regs(n):
-    def edit(src):
-        return sub(src, "[4, 1], [232, 24])", f"[4, 1], [{n}, 24])")
-    edit.__name__ = f"regs{n}"
-    return edit
-
-
-def stages3(src):
-    return src  # the launch config changes, not the source
-
-
 VARIANTS = {
-    "kv": {"base": [], "hoist": [hoist_loads], "hoist_st3": [hoist_loads, stages3],
-           "hoist_to_wait": [hoist_to_wait], "regs240": [regs(240)],
-           "hoist_regs240": [hoist_loads, regs(240)], "hoist_regs248": [hoist_loads, regs(248)]},
-    "kvq": {"base": [], "free_early": [free_early], "free_hoist": [free_early, hoist_loads],
-            "no_atomics": [no_atomics], "tma_reduce": [tma_reduce],
-            "tma_reduce_hoist": [tma_reduce, hoist_loads],
+    "kv": {"base": []},  # the generated dK/dV form, as a baseline
+    "kvq": {"base": [], "free_early": [free_early], "no_atomics": [no_atomics],
+            "tma_reduce": [tma_reduce],
             "at_blocked4": [every_add(atomics_blocked(4))],
             "at_blocked2": [every_add(atomics_blocked(2))],
-            "regs240": [regs(240)], "no_atomics_regs240": [no_atomics, regs(240)],
-            "hoist_regs240": [hoist_loads, regs(240)], "at_v4": [every_add(atomics_v4)],
-            "at_v4_regs240": [every_add(atomics_v4), regs(240)],
-            "at_blocked1": [every_add(atomics_blocked(1))]},
+            "at_blocked1": [every_add(atomics_blocked(1))],
+            "at_v4": [every_add(atomics_v4)]},
 }
 
 
@@ -197,14 +148,6 @@ def make(variant, d, dt, h, group, edits, values):
         src = e(src)
     kern = with_source(kern, src)
     prog, g, t = gbv.launchers(kern, values)
-    if stages3 in edits:
-        g = None
-        from neptune_eq.runtime.gluon_launch import make_launcher
-        from neptune_eq.runtime.launcher import TileConfig
-        ks = kern.kernel_source
-        g = make_launcher(prog, ks.concrete(values), "cuda",
-                          TileConfig({f"B_{ks.block_axis}": 128, "B_L": 64}, 4, 3, gluon_ws=True),
-                          tuple(values[s] for s in ks.size_params))
     if tma_reduce in edits:
         from triton.experimental.gluon import language as gl
         g._tiles.append(("d_q", [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float32)))

@@ -49,6 +49,7 @@ class Structure:
     kernel: object = None
     program: object = None             # the plain forward program (its backward derives from it)
     backward: dict = field(default_factory=dict)  # input name -> backward Kernel (flex_backward)
+    row_kernels: dict = field(default_factory=dict)  # program -> row-dot kernel (flex_backward)
     backward_form: dict = field(default_factory=dict)  # (lse grad?) -> fused? (flex_backward)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

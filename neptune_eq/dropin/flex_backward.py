@@ -80,13 +80,14 @@ def _build_backward(st, wrt, sizes, shared, lse_grad, example=None):
         bw = with_guarded_reads(bw, "d_lse", "mx", MASKED * 0.5, 0.0,
                                 "a row with no visible key has no lse to differentiate")
     fused = fused_group(wrt)
-    stats = row_statistics(bw) if shared or fused or wrt == ("q",) else []
+    first_row_kernel = fused or wrt == ("q",)  # (dK/dV's reads those of dQ's group)
+    stats = row_statistics(bw) if shared or first_row_kernel else []
     pre = None
     # the row dots first, by a row-reduction kernel of their own, before the fused kernel
     # or dQ's: each then reads them, and dQ's kernel is one pass of sums over key blocks
     # -- the shape the warp-specialised sums skeleton lowers (``lowering.gluon_sums``);
     # returned by dQ's kernel as a pass before its loop, they kept it on the tl forms
-    if stats and (fused or wrt == ("q",)):  # (dK/dV's reads those of dQ's group)
+    if stats and first_row_kernel:
         pre = _row_statistics_kernel(st, bw, stats, wrt, sizes, lse_grad, example)
     for name in stats:
         bw = with_definition_as_input(bw, name, "computed once by a row kernel, not from an "
@@ -107,10 +108,10 @@ def _row_statistics_kernel(st, bw, stats, wrt, sizes, lse_grad, example):
     the one kernel, timed once; the key is the program, so only the same one is shared)."""
     first = only_outputs(bw, stats, "the row dots Σ_e dO·O (the softmax-gradient term "
                          "Σ_j P·dP), read by every key block of the gradient kernels")
-    key = ("row statistics", str(first.program))
-    if key not in st.backward:
-        st.backward[key] = (first, _superoptimize(st, first, wrt, sizes, example))
-    return st.backward[key]
+    key = str(first.program)
+    if key not in st.row_kernels:
+        st.row_kernels[key] = (first, _superoptimize(st, first, wrt, sizes, example))
+    return st.row_kernels[key]
 
 
 def _superoptimize(st, bw, wrt, sizes, example):
