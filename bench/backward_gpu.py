@@ -269,6 +269,24 @@ def device_kernels(fn, q, k, v, g, steps: int = 20) -> tuple[float, str]:
     return sum(us for _, us, _ in times), lines
 
 
+def first_calls(names: list[str], S: int, dtype) -> None:
+    """One fwd+bwd of ours per variant at B=1, length ``S`` (plain and deterministic), as
+    a test run earlier on the machine would leave them: every length measured after it
+    is then a size bucket met at call time (``choosing/dispatch``), not a first build."""
+    for name in names:
+        kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[name]
+        q = torch.randn(1, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+                for _ in range(2))
+        for det in (False, True):
+            torch.use_deterministic_algorithms(det, warn_only=True)
+            try:
+                step(lambda q, k, v: ne.flex_attention(q, k, v, **kw), q, k, v, torch.randn_like(q))
+            finally:
+                torch.use_deterministic_algorithms(False)
+    torch.cuda.synchronize()
+
+
 def markdown(out: dict) -> str:
     lines = [f"# fwd+bwd, {out['device']}, {out['dtype']}, B={B} H={H} D={D}", "",
              f"`{out.get('command', 'python bench/backward_gpu.py')}` (torch {out['torch']})", "",
@@ -318,12 +336,17 @@ def main():
                     help="also write a torch.profiler table of our fwd+bwd (plain, first length)")
     ap.add_argument("--graph", action="store_true",
                     help="also time each fwd+bwd replayed from a CUDA graph")
+    ap.add_argument("--first-call", type=int, default=0,
+                    help="first call each variant at B=1 and this length (e.g. 64), so the "
+                         "lengths measured are buckets met at call time")
     ap.add_argument("--host-profile", default="",
                     help="only profile the host per fwd+bwd of these variants at the first "
                          "length (cProfile and device time); writes backward_host_profile.txt")
     args = ap.parse_args()
     dtype = torch.bfloat16
     if args.host_profile:
+        if args.first_call:
+            first_calls(args.host_profile.split(","), args.first_call, dtype)
         S = int(args.lengths.split(",")[0])
         text = "\n\n".join(host_profile(S, dtype, v) for v in args.host_profile.split(","))
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -345,6 +368,8 @@ def main():
         (res / "backward.json").write_text(json.dumps(out, indent=1))
         (res / "backward.md").write_text(markdown(out) + "\n")
         return out
+    if args.first_call:
+        first_calls(names, args.first_call, dtype)
     for S in lengths:
         # A compiled flex_attention met at a second length can fall back to an unfused
         # path (measured: 194 ms at S=8192 after S=2048): compile afresh per length.
@@ -361,14 +386,20 @@ def main():
     from neptune_eq.dropin import flex
     src = res / "backward_kernels"
     src.mkdir(exist_ok=True)
+    def chosen(kern) -> str:
+        return "\n".join(["tile configs chosen per size bucket:", *kern.buckets])
     for n, st in enumerate(flex.STRUCTURES.values()):
         for (wrt, *_), (_, kern, *_) in st.backward.items():
-            chosen = "\n".join(["tile configs chosen per size bucket:", *kern.buckets])
             (src / f"structure{n}_{'_'.join(wrt)}.py.txt").write_text(
-                kern.explain() + "\n\n" + chosen + "\n\n" + kern.source)
+                kern.explain() + "\n\n" + chosen(kern) + "\n\n" + kern.source)
         for k, (_, kern) in enumerate(st.row_kernels.values()):  # the row dots' kernels
             (src / f"structure{n}_row_statistics{k}.py.txt").write_text(
-                kern.explain() + "\n\n" + kern.source)
+                kern.explain() + "\n\n" + chosen(kern) + "\n\n" + kern.source)
+        if st.backward_form:  # fused or two kernels, per size bucket
+            (src / f"structure{n}_forms.txt").write_text("".join(
+                f"lse grad {lse}, bucket {dict(b)}: {'fused' if f else 'two kernels'} "
+                f"({'timed' if t else 'as the nearest timed bucket'})\n"
+                for (lse, b), (f, t) in st.backward_form.items()))
     print(markdown(out))
 
 

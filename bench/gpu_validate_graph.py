@@ -69,7 +69,7 @@ def check(name: str, S: int, deterministic: bool) -> dict:
                 row["called_vs_flash"] = max_diffs(called, ref)
                 row["graph_vs_flash"] = max_diffs(grads, ref)
         torch.cuda.synchronize()
-        # per structure traced so far: {lse has a gradient: fused form chosen}
+        # per structure traced so far: {(lse has a gradient, size bucket): (fused form chosen, timed there)}
         row["forms"] = [{str(k): v for k, v in s.backward_form.items()}
                         for s in flex.STRUCTURES.values()]
     except Exception as e:  # noqa: BLE001 - record and go on

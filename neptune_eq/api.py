@@ -20,7 +20,7 @@ from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
 from .runtime.bound_call import BoundCall
 from .runtime.timing import strided_rows, timing_tensors
-from .runtime.gluon_launch import make_launcher
+from .runtime.gluon_launch import GluonBoundCall, make_launcher
 from .runtime.launcher import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
 from .choosing.dispatch import SizeDispatch, choose_bucket
 from .sizes import Guards, bind, sizes_of, specialise, symbols
@@ -144,9 +144,19 @@ class Kernel:
         the guards that bound it, and the candidate chosen."""
         if self._dispatch is None:
             return []
-        return [f"{c.sizes}: {c.row.description}; {c.row.structure}; tiles {c.config}; "
+        return [f"{c.sizes}: {c.row.description}; {c.row.structure}; tiles {c.config} "
+                f"({'timed' if c.row.measured_ms is not None else 'untimed'}); "
                 f"valid where {c.guards}"
                 for cs in self._dispatch.buckets.values() for c in cs]
+
+    def bucket_choice(self, sizes: dict[str, int], tensors: dict | None = None):
+        """The ``BucketChoice`` (``choosing/dispatch``) that a call at the named ``sizes``
+        runs -- chosen now if the size is in no bucket yet, timed on ``tensors`` (inputs
+        by name) where a call would time it; None for a kernel of fixed sizes.  Its
+        ``row.measured_ms`` is the chosen config's time where the bucket was timed."""
+        if self._dispatch is None:
+            return None
+        return self._dispatch.choice_for({s: sizes[s] for s in self._dispatch.symbols}, tensors)
 
     def __call__(self, *args, **kwargs):
         import torch
@@ -171,8 +181,9 @@ class Kernel:
             if len(self._bound) >= 256:  # a growing KV cache: keep it bounded
                 self._bound.clear()
             try:
-                self._bound[sig] = BoundCall(launcher, [ph.name for ph in self.input_program.inputs],
-                                             bound, self.program.outputs)
+                replay = GluonBoundCall if getattr(launcher, "gluon", False) else BoundCall
+                self._bound[sig] = replay(launcher, [ph.name for ph in self.input_program.inputs],
+                                          bound, self.program.outputs)
             except ValueError:  # a form the replay does not cover: the general call each time
                 self._bound[sig] = None
         res = [bound[n] for n in self.program.outputs]

@@ -232,3 +232,36 @@ def test_gpu_calls_get_rows_with_a_contiguous_last_dimension():
     assert out[0] is q and out[2] == 7 and out[3] is one
     assert out[1].stride(-1) == 1 and torch.equal(out[1], col)
     assert _rows_contiguous((q, 3)) == (q, 3)
+
+
+def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatch):
+    """A kernel whose size bucket runs the Gluon form replays a signature met before
+    (``GluonBoundCall``): no re-binding of the named sizes, fresh outputs of the
+    signature's shapes, the launcher's own (checked) call with inputs and outputs by name;
+    a form with a per-call summary pre-pass is not replayed."""
+    from types import SimpleNamespace as NS
+    from neptune_eq.runtime.gluon_launch import GluonBoundCall
+    seen = []
+
+    class FakeGluon:  # stands in for GluonLauncher (the interpreter cannot run Gluon)
+        gluon = True
+        ks = NS(summaries=())
+
+        def __call__(self, tensors):
+            seen.append(tensors)
+            tensors["o"].fill_(1.0)
+    kern = ne.superoptimize(examples.attention(1, 2, "S", "S", 16, "float32"),
+                            target="interpreter", cache=False, sizes={"S": 24})
+    monkeypatch.setattr(kern._dispatch, "launcher", lambda values, tensors=None: FakeGluon())
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    kern(q, k, v)
+    (replay,) = kern._bound.values()
+    assert isinstance(replay, GluonBoundCall)
+    binds = count_calls(monkeypatch, api.Kernel, "_bind_symbolic")
+    q2 = torch.randn(1, 2, 24, 16)
+    out = kern(q2, k, v)
+    assert binds[0] == 0 and len(seen) == 2
+    assert seen[-1]["q"] is q2 and seen[-1]["o"] is out and seen[-1]["o"] is not seen[0]["o"]
+    assert out.shape == (1, 2, 24, 16) and bool((out == 1).all())
+    with pytest.raises(ValueError, match="pre-pass"):
+        GluonBoundCall(NS(ks=NS(summaries=("doc",))), ["q", "k", "v"], seen[0], ["o"])

@@ -410,3 +410,36 @@ def test_the_form_choice_counts_the_fused_forms_zeroing():
         torch.use_deterministic_algorithms(False)
     bw, kern, *_ = st.backward[(("q",), True, True)]
     assert outside_work(bw, kern, ("q",), env) == []
+
+
+def test_the_backward_form_is_chosen_per_size_bucket(monkeypatch):
+    """Fused or two kernels is a timed choice per size bucket (a first call at B=1, S=64
+    must not fix the form of S=8192); a bucket whose kernels were not timed takes the
+    form timed at the nearest bucket."""
+    from types import SimpleNamespace as NS
+    from neptune_eq.dropin import flex_backward as fb
+    times = {64: {"fused": 0.1, "split": 0.2}, 8192: {"fused": 6.5, "split": 5.7}}
+
+    def kernel(form):
+        def bucket_choice(sizes, tensors):
+            ms = times.get(sizes["S"], {}).get(form)
+            # the fused form: row kernel + one; two kernels: row kernel + dQ's + dK/dV's
+            return NS(row=NS(measured_ms=None if ms is None else ms / (2 if form == "fused" else 3)))
+        return NS(bucket_choice=bucket_choice)
+
+    def group_kernels(st, groups, sizes, lse_grad, env):
+        form = "fused" if any(fb.fused_group(g) for g in groups) else "split"
+        for g in groups:
+            bw = NS(program=NS(inputs=[]))
+            yield g, (bw, kernel(form), 0, {}, [], (bw, kernel(form)) if g[0] == "q" or
+                      fb.fused_group(g) else None)
+    monkeypatch.setattr(fb, "group_kernels", group_kernels)
+    monkeypatch.setattr(fb, "outside_ms", lambda *a: 0.0)
+    st = NS(backward_form={})
+    names, needs = ["q", "k", "v"], [True, True, True]
+
+    def fused(S):
+        return fb.fused_is_faster(st, names, needs, {"B": 1, "L": S, "S": S}, False, {})
+    assert fused(64) and not fused(8192)
+    assert not fused(2048) and fused(128)  # untimed: as at 8192, as at 64
+    assert st.backward_form[(False, fb.bucket_of({"B": 1, "L": 2048, "S": 2048}))] == (False, False)

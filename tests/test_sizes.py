@@ -160,24 +160,25 @@ def test_buckets_chosen_at_call_time_are_cached_for_the_next_process(tmp_path, m
     assert saturations[0] == 1
 
 
-def test_new_buckets_are_timed_on_the_call_only_when_asked(monkeypatch):
-    """``NEPTUNE_EQ_TIME_NEW_BUCKETS=1`` (cudnn.benchmark's counterpart): a bucket first
-    met by a call is chosen by timing on that call's own tensors (with fresh outputs) --
-    on a GPU only, never while a graph is captured; unset, by the cost model alone."""
+def test_new_buckets_are_timed_on_the_call_where_long_enough(monkeypatch):
+    """A bucket first met by a call is chosen by timing on that call's own tensors (with
+    fresh outputs) where ``time_new_buckets`` says so -- on a GPU only, for calls the cost
+    model predicts at >= ``TIME_NEW_BUCKET_US`` (``auto``), always (``1``) or never
+    (``0``), never while a graph is captured; the tensors are made only then."""
     from neptune_eq.choosing import dispatch
     seen = []
     real = dispatch.choose_bucket
 
-    def spy(pool, values, target, device, tensors=None, *a, **kw):
-        seen.append(tensors)
+    def spy(pool, values, target, device, tensors=None, *a, call_tensors=None, **kw):
+        seen.append(call_tensors() if call_tensors and dispatch.time_new_buckets(target, 1e9)
+                    else None)
         return real(pool, values, target, device, None, *a, **kw)
     monkeypatch.setattr(dispatch, "choose_bucket", spy)
     monkeypatch.setattr(dispatch, "timing_tensors", lambda prog, given: (dict(given), prog))
     out = ne.attention(1, 2, "S", "S", 16, "float32")
     kern = ne.superoptimize(out, target="interpreter", cache=False, sizes={"S": 40})
     kern(*[torch.randn(1, 2, 100, 16) for _ in range(3)])  # the interpreter: never timed
-    monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "1")
-    monkeypatch.setattr(dispatch, "time_new_buckets", lambda target: True)  # as on a GPU
+    monkeypatch.setattr(dispatch, "time_new_buckets", lambda target, us=None: True)  # a GPU
     ins = [torch.randn(1, 2, 7, 16) for _ in range(3)]
     kern(*ins)
     assert seen[-2] is None  # (100, then 7)
@@ -185,6 +186,57 @@ def test_new_buckets_are_timed_on_the_call_only_when_asked(monkeypatch):
     assert list(given) == ["q", "k", "v"] and all(given[n] is t for n, t in zip("qkv", ins))
     assert prog.shape_of("o") == (1, 2, 7, 16)  # the bucket's program at the call's sizes
     monkeypatch.undo()
-    assert not dispatch.time_new_buckets("interpreter")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    long, short = dispatch.TIME_NEW_BUCKET_US, dispatch.TIME_NEW_BUCKET_US / 10
+    assert not dispatch.time_new_buckets("interpreter", long)
+    monkeypatch.delenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", raising=False)    # auto
+    assert dispatch.time_new_buckets("cuda", long) and not dispatch.time_new_buckets("cuda", short)
+    monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "1")
+    assert dispatch.time_new_buckets("cuda", short)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not dispatch.time_new_buckets("cuda", long)  # never inside a graph capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "0")
-    assert not dispatch.time_new_buckets("cuda")
+    assert not dispatch.time_new_buckets("cuda", long)
+    monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "yes")
+    with pytest.raises(ValueError, match="auto, 0 or 1"):
+        dispatch.time_new_buckets("cuda", long)
+
+
+def test_an_untimed_bucket_takes_the_config_the_nearest_timed_bucket_chose(monkeypatch):
+    """On a GPU a bucket met at call time and not timed reuses the config that timing
+    chose at the nearest size (within 4x in every size) for the same candidate (Gluon or
+    ``tl`` form, tile shape) where its kernel offers it; else the first hand-ordered one."""
+    from dataclasses import replace
+    from neptune_eq.choosing import dispatch
+    from neptune_eq.choosing.costmodel import DEVICES
+    from neptune_eq.runtime.launcher import candidate_configs
+    out = ne.attention(1, 2, "S", "S", 16, "float32")
+    kern = ne.superoptimize(out, target="interpreter", cache=False, sizes={"S": 40})
+    pool, dev = kern._dispatch.pool, DEVICES["H100"]
+    monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "0")
+    first = dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev)  # nothing known: untimed
+    configs = candidate_configs(first.row.kernel, "cuda", dev.sms)
+    assert first.config == configs[0] and first.row.measured_ms is None
+    near, far = configs[2], configs[3]
+
+    def timed(values, config):
+        c = dispatch.choose_bucket(pool, values, "cuda", dev)
+        c.config = config
+        c.row = replace(c.row, measured_ms=1.0)
+        return c
+    known = [timed({"S": 32768}, far), timed({"S": 8192}, near)]
+    assert all(c.program is first.program for c in known)  # (the same candidate at each)
+    got = dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev, known=known)
+    assert got.config == near and got.row.measured_ms is None  # 8192 is nearer than 32768
+    assert dispatch.choose_bucket(pool, {"S": 140000}, "cuda", dev,  # > 4x 32768: too far
+                                  known=known).config == configs[0]
+    known[1].config = replace(near, blocks={"B_i": 48, "B_L": 48})  # not offered here
+    assert dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev, known=known).config == far
+    untimed = replace(known[0], row=replace(known[0].row, measured_ms=None))
+    assert dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev,
+                                  known=[untimed]).config == configs[0]
+    other = replace(known[0], program=next(c.program for c in pool if c.program is not
+                                           first.program))  # another candidate's timing
+    assert dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev,
+                                  known=[other]).config == configs[0]

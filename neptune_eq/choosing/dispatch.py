@@ -8,16 +8,25 @@ cost model, and keeps the best with the guards its lowering recorded; every late
 whose guards hold (and whose power-of-two class matches) reuses that kernel -- no
 saturation, no lowering, and no compile beyond Triton's own specialisations.  A launcher
 (grid, split chunks, scratch sizes: host-side facts of one size) is built once per size.
+
+A bucket met at call time on a GPU is timed on the call's tensors when its predicted call
+is long enough for the configs' spread to matter (``time_new_buckets``); a shorter one
+takes the config a timed bucket of nearby sizes chose, where the same kernel offers it
+(``config_like``), else the first of the hand-ordered configs.
 """
 from __future__ import annotations
 
+import math
+import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from .choose import CandidateRow, choose, rank
 from .costmodel import Device
 from ..egraph.extract import Candidate
 from ..ir import Program
+from ..lowering.lower import LoweringError
 from ..runtime.gluon_launch import make_launcher
 from ..runtime.launcher import Launcher, TileConfig, candidate_configs
 from ..runtime.timing import timing_tensors
@@ -51,14 +60,26 @@ def specialised_pool(pool: list[Candidate], values: dict[str, int]) -> tuple[lis
 
 
 def choose_bucket(pool: list[Candidate], values: dict[str, int], target: str, device: Device,
-                  tensors: dict | None = None, top_k: int = 1, progress: bool = False) -> BucketChoice:
+                  tensors: dict | None = None, top_k: int = 1, progress: bool = False,
+                  call_tensors: Callable[[], dict] | None = None,
+                  known: list[BucketChoice] = ()) -> BucketChoice:
     """Rank the pool at ``values`` with the cost model; on a GPU with ``tensors`` time the
-    best ``top_k`` (superoptimize's first bucket), else take the predicted best."""
+    best ``top_k`` (superoptimize's first bucket), else take the predicted best.  A bucket
+    met at call time passes ``call_tensors`` (the call's tensors, made on demand: timed
+    where ``time_new_buckets`` says so) and the buckets ``known`` so far (``config_like``)."""
     spec, origin = specialised_pool(pool, values)
     rows = rank(spec, device, bf16_dot_in_fp32=(target == "interpreter"))
-    if target == "cuda" and tensors is None:  # a bucket met at call time: no timing
-        row = next(r for r in rows if r.kernel is not None)
-        row.config = candidate_configs(row.kernel, target, device.sms)[0]
+    lowerable = [r for r in rows if r.kernel is not None]
+    if tensors is None and call_tensors is not None and lowerable and \
+            time_new_buckets(target, lowerable[0].predicted_us):
+        tensors = _call_tensors_fitting(call_tensors)
+    if target == "cuda" and tensors is None:  # a bucket met at call time, untimed
+        if not lowerable:
+            raise LoweringError(f"Expected a candidate that lowers at sizes {values}, got none: "
+                                + "; ".join(r.status for r in rows))
+        row = lowerable[0]
+        configs = candidate_configs(row.kernel, target, device.sms)
+        row.config = config_like(origin[id(row.program)][1], configs, values, known) or configs[0]
         row.chosen = True
     else:
         row = choose(rows, target, tensors, top_k, device.sms, progress, values, device)
@@ -66,16 +87,70 @@ def choose_bucket(pool: list[Candidate], values: dict[str, int], target: str, de
     return BucketChoice(guards, program, row, row.config, dict(values), rows)
 
 
-def time_new_buckets(target: str) -> bool:
+def _call_tensors_fitting(call_tensors: Callable[[], dict]) -> dict | None:
+    """The call's tensors with fresh outputs to time on, or None (untimed) where those
+    outputs do not fit beside what the caller holds -- a training step near the memory
+    limit is not made to fail by the timing."""
+    import torch
+    try:
+        return call_tensors()
+    except torch.cuda.OutOfMemoryError:
+        return None
+
+
+# A timed bucket's config is carried to an untimed one within this factor in every named
+# size: S=2048 takes what S=8192 timed, a first call at S=64 says nothing about S=8192.
+CARRY_RATIO = 4
+
+
+def config_like(program: Program, configs: list[TileConfig], values: dict[str, int],
+                known: list[BucketChoice]) -> TileConfig | None:
+    """The config the nearest timed bucket (within ``CARRY_RATIO`` in every size) chose,
+    where it chose the same candidate and this bucket's kernel offers that config: a
+    timing at a nearby length is a better guess than the hand order -- it knows whether
+    the Gluon form or the ``tl`` one won for this program on this GPU (H100, session 21:
+    Gluon dK/dV 3.35 vs 3.82 ms plain, 3.07 vs 2.76 with softcap, the same order at
+    S=2048 and 8192)."""
+    def ratios(c: BucketChoice) -> list[float]:
+        return [abs(math.log(max(values[s], 1) / max(c.sizes.get(s, values[s]), 1)))
+                for s in values]
+    near = [c for c in known if c.row.measured_ms is not None and
+            (c.program is program or str(c.program) == str(program)) and
+            max(ratios(c), default=0.0) <= math.log(CARRY_RATIO) + 1e-9]
+    for c in sorted(near, key=lambda c: sum(ratios(c))):
+        # the same form and tiles; a split-k factor is a choice of its size, not carried
+        alike = [k for k in configs if replace(k, splits=0) == replace(c.config, splits=0)]
+        if alike:
+            return next((k for k in alike if k.splits == c.config.splits), alike[0])
+    return None
+
+
+# A new bucket whose best candidate is predicted at least this long per call is timed on
+# the call by default: timing costs 1-2.3 s once per bucket (H200, bench/new_bucket_cost.py,
+# kept in the disk cache), and a wrong form costs 10-14% of a 2.5-4 ms backward kernel at
+# S=8192 (H100, session 21: 0.3-0.5 ms per step, repaid within ~10^4 training steps).
+# Shorter calls (decode, short prefill) keep ``config_like``'s pick: there the spread is
+# tens of microseconds and the calls are often host-bound.
+TIME_NEW_BUCKET_US = 1000.0
+
+
+def time_new_buckets(target: str, predicted_us: float | None = None) -> bool:
     """Whether a bucket first met by a call is chosen by timing its configs on that call's
-    tensors (``NEPTUNE_EQ_TIME_NEW_BUCKETS=1``, like ``torch.backends.cudnn.benchmark``:
-    seconds once per bucket, kept in the disk cache), rather than by the cost model alone.
-    Measured on an H200 (session 15, bench/backward_gpu.py): at S=2048 after a first call
-    at 8192, a timed bucket ran the graphed training step 1.05x (window), 1.06x (13
-    documents) and 1.05x (causal) faster than the cost model's pick.  Never while a CUDA
-    graph is being captured."""
-    import os
-    if target != "cuda" or os.environ.get("NEPTUNE_EQ_TIME_NEW_BUCKETS", "0") in ("", "0"):
+    tensors rather than by ``config_like`` / the cost model.  ``NEPTUNE_EQ_TIME_NEW_BUCKETS``:
+    ``auto`` (default) where the predicted call takes at least ``TIME_NEW_BUCKET_US``,
+    ``1`` always (like ``torch.backends.cudnn.benchmark``), ``0`` never.  On a GPU only,
+    never while a CUDA graph is being captured.  Measured on an H200 (session 15,
+    bench/backward_gpu.py): at S=2048 after a first call at 8192, a timed bucket ran the
+    graphed training step 1.05x (window), 1.06x (13 documents) and 1.05x (causal) faster
+    than the cost model's pick."""
+    mode = os.environ.get("NEPTUNE_EQ_TIME_NEW_BUCKETS", "auto") or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"Expected NEPTUNE_EQ_TIME_NEW_BUCKETS to be auto, 0 or 1, got "
+                         f"{mode!r}; unset it for auto (time buckets predicted at >= "
+                         f"{TIME_NEW_BUCKET_US:.0f} us per call).")
+    if target != "cuda" or mode == "0":
+        return False
+    if mode == "auto" and (predicted_us is None or predicted_us < TIME_NEW_BUCKET_US):
         return False
     import torch
     return not torch.cuda.is_current_stream_capturing()
@@ -109,11 +184,11 @@ class SizeDispatch:
         for c in self.buckets.get(bucket_of(values), ()):
             if c.guards.hold(values):
                 return c
-        timed = None
-        if tensors is not None and time_new_buckets(self.target):
-            # the call's inputs, random ones where they do not fit, and fresh outputs
-            timed = timing_tensors(bind(self.pool[0].program, values), tensors)
-        c = choose_bucket(self.pool, values, self.target, self.device, timed)
+        def call() -> dict:  # the call's inputs, random ones where they do not fit, fresh outputs
+            return timing_tensors(bind(self.pool[0].program, values), tensors)
+        known = [c for cs in self.buckets.values() for c in cs]
+        c = choose_bucket(self.pool, values, self.target, self.device,
+                          call_tensors=call if tensors is not None else None, known=known)
         self.bucket_choices += 1
         self.add(c)
         if self.on_new_bucket is not None:

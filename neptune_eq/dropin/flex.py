@@ -50,7 +50,8 @@ class Structure:
     program: object = None             # the plain forward program (its backward derives from it)
     backward: dict = field(default_factory=dict)  # input name -> backward Kernel (flex_backward)
     row_kernels: dict = field(default_factory=dict)  # program -> row-dot kernel (flex_backward)
-    backward_form: dict = field(default_factory=dict)  # (lse grad?) -> fused? (flex_backward)
+    # (lse grad?, size bucket) -> (fused?, timed there?) (flex_backward.fused_is_faster)
+    backward_form: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def kernel_at(self, sizes: dict[str, int], example: dict | None = None):

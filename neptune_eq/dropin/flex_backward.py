@@ -32,6 +32,7 @@ from ..frontend.backward_forms import (note_prepared, only_outputs, with_constan
                                        with_definition_as_input, with_fp32_output,
                                        with_guarded_reads)
 from ..ir import MASKED, ProgramError
+from ..sizes import bucket_of
 
 SAVED = ("mx", "den", "o")
 UNSEEN_ROW_SHIFT = -MASKED  # s − m <= −1e30 on a row with no visible key: P = 0
@@ -130,33 +131,48 @@ def _superoptimize(st, bw, wrt, sizes, example):
 
 
 def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
-    """On the GPU both forms are built once per structure and the timer decides: the
-    fused one (row statistics, then one kernel adding dQ atomically) against the two
-    kernels (dQ's loop over keys, dK/dV's over queries), each kernel's chosen config as
-    timed on this first call's tensors, plus what each form's outputs cost outside its
-    kernels (``outside_ms``: the fused form's fp32 dQ is zeroed before the launch and
+    """On the GPU both forms are built once per structure and the timer decides, per size
+    bucket: the fused one (row statistics, then one kernel adding dQ atomically) against
+    the two kernels (dQ's loop over keys, dK/dV's over queries), each kernel's config as
+    timed at this bucket (``Kernel.bucket_choice``: the first call's tensors, or a call
+    at a new bucket long enough to be timed), plus what each form's outputs cost outside
+    its kernels (``outside_ms``: the fused form's fp32 dQ is zeroed before the launch and
     converted to q's dtype after -- 21 us of a 215 us step for window(256) at S=2048 on an
-    H200, session 14).  Measured on an H200 (bench/backward_gpu.py, session 12) neither
-    form won every variant: fused was 9-14% faster for softcap and document masks at
-    S=8192 and 4% slower for plain attention."""
-    key = lse_grad
+    H200, session 14).  A bucket whose kernels were not timed takes the form of the
+    nearest bucket that was.  Measured: neither form wins everywhere -- fused was 9-14%
+    faster for softcap and document masks at S=8192 (H200, session 12), the two kernels
+    12% faster for plain attention at S=8192 once both have Gluon forms (H100, session
+    21), and a first call at a tiny size (B=1, S=64) must not fix the form for S=8192."""
+    key = (lse_grad, bucket_of(sizes))
     if key not in st.backward_form:
         def ms(groups) -> float:
             total = 0.0
             for group, built in group_kernels(st, groups, sizes, lse_grad, env):
                 pre = built[-1]
-                for kern in [built[1]] + ([pre[1]] if pre else []):
-                    row = kern.chosen_row
-                    if row is None or row.measured_ms is None:
-                        return float("nan")  # not timed (a cache hit): no basis
-                    total += row.measured_ms
+                for kern, bw in [(built[1], built[0])] + ([(pre[1], pre[0])] if pre else []):
+                    choice = kern.bucket_choice(sizes, {ph.name: env[ph.name] for ph in
+                                                        bw.program.inputs if ph.name in env})
+                    if choice is None or choice.row.measured_ms is None:
+                        return float("nan")  # not timed at this bucket: no basis
+                    total += choice.row.measured_ms
                 total += outside_ms(built[0], built[1], group, env)
             return total
         fused = ms(gradient_groups(names, needs))
         split = ms(gradient_groups(names, needs, deterministic=True))
-        # (no time for a form -- a cached kernel is not re-timed -- keeps the fused one)
-        st.backward_form[key] = not split < fused
-    return st.backward_form[key]
+        if fused == fused and split == split:
+            st.backward_form[key] = (not split < fused, True)
+        else:  # (a cached or untimed bucket) the form timed at the nearest size, else fused
+            timed = [k for k, (_, was_timed) in st.backward_form.items()
+                     if k[0] == lse_grad and was_timed]
+            near = min(timed, key=lambda k: _bucket_distance(k[1], key[1]), default=None)
+            st.backward_form[key] = (st.backward_form[near][0] if near else True, False)
+    return st.backward_form[key][0]
+
+
+def _bucket_distance(a: tuple, b: tuple) -> int:
+    """How far apart two size buckets (``sizes.bucket_of``: (name, power-of-two class)
+    pairs) are: the sum of their classes' differences."""
+    return sum(abs(x - y) for (_, x), (_, y) in zip(a, b))
 
 
 def outside_work(bw, kern, group: tuple[str, ...], env: dict) -> list[tuple]:

@@ -33,7 +33,7 @@ class BoundCall:
     def __init__(self, launcher, names: list[str], tensors: dict, outputs: list[str]):
         import torch
         if getattr(launcher, "gluon", False):
-            raise ValueError("The Gluon form has its own checked launch (gluon_launch), not a replay.")
+            raise ValueError("The Gluon form is replayed by gluon_launch.GluonBoundCall.")
         if launcher.tma and not tma_ok(launcher.ks.descriptors, tensors):
             launcher = launcher._pointer_form(tensors)  # strides TMA cannot take: fixed here
         la = self.launcher = launcher

@@ -57,7 +57,7 @@ def make_launcher(program: Program, ks: KernelSource, target: str, config: TileC
 
 class GluonLauncher:
     """One compiled Gluon form with its argument order and grid (on a Hopper GPU only)."""
-    gluon = True         # ``BoundCall`` does not replay it: its own checked launch
+    gluon = True         # replayed by ``GluonBoundCall``, not ``bound_call.BoundCall``
 
     def __init__(self, program: Program, ks: KernelSource, target: str, config: TileConfig,
                  size_args: tuple = ()):
@@ -202,6 +202,33 @@ class GluonLauncher:
             return self._tl_twin().compile(tensors)
         self.fn.warmup(*self._args(self._summarised(tensors)[0])[0], grid=self.grid,
                        **self.consts, num_warps=4)
+
+class GluonBoundCall:
+    """A Gluon launcher's call at an input signature met before (``bound_call``'s
+    counterpart): the outputs are allocated from the signature and the launcher's own
+    checked launch runs -- without the general call's per-call work (reading the named
+    sizes off the inputs, checking them, finding the size's launcher), which made a
+    short training step on the Gluon forms host-bound (H100, causal S=2048: 1016 us of
+    host per fwd+bwd for 401 us of kernels, ``bench/backward_gpu.py --host-profile``).
+    The descriptors are made per call (they hold the data pointers), and every call is
+    still checked for contiguity and alignment by the launcher (else its ``tl`` twin).
+    A form with a per-call summary pre-pass keeps the general call."""
+
+    def __init__(self, launcher: GluonLauncher, names: list[str], tensors: dict,
+                 outputs: list[str]):
+        if launcher.ks.summaries:
+            raise ValueError("a Gluon form with a summary pre-pass is not replayed")
+        self.launcher, self.names, self.outputs = launcher, list(names), list(outputs)
+        self.device = tensors[self.names[0]].device
+        self.out_specs = [(tuple(tensors[n].shape), tensors[n].dtype) for n in self.outputs]
+
+    def __call__(self, inputs: list) -> list:
+        """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
+        import torch
+        outs = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in self.out_specs]
+        self.launcher({**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))})
+        return outs
+
 
 def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
               key_block: int | None = None) -> dict:
