@@ -236,32 +236,54 @@ def test_gpu_calls_get_rows_with_a_contiguous_last_dimension():
 
 def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatch):
     """A kernel whose size bucket runs the Gluon form replays a signature met before
-    (``GluonBoundCall``): no re-binding of the named sizes, fresh outputs of the
-    signature's shapes, the launcher's own (checked) call with inputs and outputs by name;
-    a form with a per-call summary pre-pass is not replayed."""
+    (``GluonBoundCall``): no re-binding of the named sizes and no stride reads, fresh
+    outputs of the signature's shapes; a launch key the launcher checked launches the
+    compiled kernel directly with the launcher's arguments (atomically summed outputs
+    zeroed first), any other key goes through the launcher's own call.  A form with a
+    per-call summary pre-pass is not replayed."""
     from types import SimpleNamespace as NS
-    from neptune_eq.runtime.gluon_launch import GluonBoundCall
-    seen = []
+    from neptune_eq.runtime import gluon_launch
+    from neptune_eq.runtime.gluon_launch import GluonBoundCall, GluonLauncher
+    calls, fast = [], []
 
-    class FakeGluon:  # stands in for GluonLauncher (the interpreter cannot run Gluon)
-        gluon = True
-        ks = NS(summaries=())
+    class FakeGluon:  # GluonLauncher's key and argument code (the interpreter cannot run Gluon)
+        gluon, fast_ok, _order, size_args = True, True, [], (7,)
+        ks = NS(summaries=(), scattered=("o",), gluon=NS(streamed=("q", "k", "v"), dtype="float32"))
+        tensors = ["q", "k", "v", "o"]
+        _checked = {}
+        _pointers, integer_args, _args = (GluonLauncher._pointers, GluonLauncher.integer_args,
+                                          GluonLauncher._args)
+        _launch = NS(fast=lambda ck, args, stream: fast.append((ck, args)))
+
+        def _descriptors(self, tensors):
+            return ["desc:" + str(tensors["q"].data_ptr())]
 
         def __call__(self, tensors):
-            seen.append(tensors)
+            calls.append(tensors)
             tensors["o"].fill_(1.0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(gluon_launch, "current_stream", lambda device: "stream")
     kern = ne.superoptimize(examples.attention(1, 2, "S", "S", 16, "float32"),
                             target="interpreter", cache=False, sizes={"S": 24})
-    monkeypatch.setattr(kern._dispatch, "launcher", lambda values, tensors=None: FakeGluon())
+    la = FakeGluon()
+    monkeypatch.setattr(kern._dispatch, "launcher", lambda values, tensors=None: la)
     q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
     kern(q, k, v)
     (replay,) = kern._bound.values()
     assert isinstance(replay, GluonBoundCall)
     binds = count_calls(monkeypatch, api.Kernel, "_bind_symbolic")
+    strides = count_calls(monkeypatch, FakeGluon, "integer_args")
     q2 = torch.randn(1, 2, 24, 16)
-    out = kern(q2, k, v)
-    assert binds[0] == 0 and len(seen) == 2
-    assert seen[-1]["q"] is q2 and seen[-1]["o"] is out and seen[-1]["o"] is not seen[0]["o"]
+    out = kern(q2, k, v)          # key not checked: the launcher's own call
+    assert binds[0] == 0 and strides[0] == 0 and len(calls) == 2 and not fast
+    assert calls[-1]["q"] is q2 and calls[-1]["o"] is out and calls[-1]["o"] is not calls[0]["o"]
     assert out.shape == (1, 2, 24, 16) and bool((out == 1).all())
+    _, key = la._args(calls[-1])
+    la._checked[key + ((),)] = ("pre", "compiled")
+    out = kern(q, k, v)          # checked: launched directly
+    (ck, args), = fast
+    assert ck == "compiled" and len(calls) == 2 and bool((out == 0).all())  # zeroed, not filled
+    ints = [s for t in (q, k, v, out) for s in t.stride()] + [7]
+    assert args == [f"desc:{q.data_ptr()}", q, k, v, out] + ints
     with pytest.raises(ValueError, match="pre-pass"):
-        GluonBoundCall(NS(ks=NS(summaries=("doc",))), ["q", "k", "v"], seen[0], ["o"])
+        GluonBoundCall(NS(ks=NS(summaries=("doc",))), ["q", "k", "v"], calls[0], ["o"])

@@ -123,17 +123,31 @@ class GluonLauncher:
             out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout))
         return out
 
-    def _args(self, tensors: dict) -> tuple[list, tuple]:
-        """The kernel's arguments and the key a checked fast launch is reused under."""
-        import torch
-        dev = torch.cuda.current_device()
+    def _pointers(self, tensors: dict, dev: int) -> list:
+        """The kernel's pointer arguments, in order."""
         if self._order:  # the launcher's own argument, kept on each device it runs on
             if dev not in self._order_on:
+                import torch
                 self._order_on[dev] = torch.tensor(self._order, dtype=torch.int32, device=dev)
             tensors = {**tensors, "tile_order": self._order_on[dev]}
-        ptrs = [tensors[n] for n in self.tensors]
-        ints = [s for t in ptrs for s in t.stride()] + list(self.size_args)
-        key = (dev, tuple([t.data_ptr() & 15 == 0 for t in ptrs]), int_classes(ints))
+        return [tensors[n] for n in self.tensors]
+
+    def integer_args(self, tensors: dict) -> tuple[list, tuple]:
+        """(the kernel's integer arguments -- every pointer's strides, then the sizes --
+        and their classes under Triton's specialisation): fixed by the input signature."""
+        import torch
+        ints = [s for t in self._pointers(tensors, torch.cuda.current_device())
+                for s in t.stride()] + list(self.size_args)
+        return ints, int_classes(ints)
+
+    def _args(self, tensors: dict, integers: tuple | None = None) -> tuple[list, tuple]:
+        """The kernel's arguments and the key a checked fast launch is reused under;
+        ``integers``: ``integer_args`` of these tensors' signature, if known."""
+        import torch
+        dev = torch.cuda.current_device()
+        ptrs = self._pointers(tensors, dev)
+        ints, classes = integers or self.integer_args(tensors)
+        key = (dev, tuple([t.data_ptr() & 15 == 0 for t in ptrs]), classes)
         return self._descriptors(tensors) + ptrs + ints, key
 
     def _summarised(self, tensors: dict) -> tuple[dict, tuple | None]:
@@ -205,28 +219,44 @@ class GluonLauncher:
 
 class GluonBoundCall:
     """A Gluon launcher's call at an input signature met before (``bound_call``'s
-    counterpart): the outputs are allocated from the signature and the launcher's own
-    checked launch runs -- without the general call's per-call work (reading the named
-    sizes off the inputs, checking them, finding the size's launcher), which made a
-    short training step on the Gluon forms host-bound (H100, causal S=2048: 1016 us of
-    host per fwd+bwd for 401 us of kernels, ``bench/backward_gpu.py --host-profile``).
-    The descriptors are made per call (they hold the data pointers), and every call is
-    still checked for contiguity and alignment by the launcher (else its ``tl`` twin).
-    A form with a per-call summary pre-pass keeps the general call."""
+    counterpart), for short calls whose host time is the step's: the outputs are
+    allocated from the signature, the integer arguments (strides, sizes) were read once,
+    and a launch key checked before launches the compiled kernel directly -- without the
+    general call's per-call work (reading the named sizes off the inputs, checking them,
+    finding the size's launcher, reading every stride).  H100, causal S=2048, where the
+    general call left a fwd+bwd on the Gluon forms host-bound (1016 us of host per step
+    for 401 us of kernels, ``bench/backward_gpu.py --host-profile``).  The descriptors
+    are made per call (they hold the data pointers); a call whose key was not checked
+    (a first call, a pointer off 16-byte alignment) takes the launcher's own path.  A
+    form with a per-call summary pre-pass keeps the general call."""
 
     def __init__(self, launcher: GluonLauncher, names: list[str], tensors: dict,
                  outputs: list[str]):
         if launcher.ks.summaries:
             raise ValueError("a Gluon form with a summary pre-pass is not replayed")
+        if not gluon_inputs_ok(launcher.ks, tensors):
+            raise ValueError("inputs the descriptors cannot stream run the tl twin")
         self.launcher, self.names, self.outputs = launcher, list(names), list(outputs)
         self.device = tensors[self.names[0]].device
         self.out_specs = [(tuple(tensors[n].shape), tensors[n].dtype) for n in self.outputs]
+        self.zeroed = [k for k, n in enumerate(self.outputs) if n in launcher.ks.scattered]
+        self.integers = launcher.integer_args(tensors)
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
         import torch
         outs = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in self.out_specs]
-        self.launcher({**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))})
+        tensors = {**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))}
+        la = self.launcher
+        if la.fast_ok:
+            args, key = la._args(tensors, self.integers)
+            ck = la._checked.get(key + ((),))  # (no pre-pass: its part of the key is empty)
+            if ck is not None:
+                for k in self.zeroed:  # every program adds its rows' terms into these
+                    outs[k].zero_()
+                la._launch.fast(ck[1], args, current_stream(key[0]))
+                return outs
+        la(tensors)
         return outs
 
 
