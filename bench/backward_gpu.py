@@ -397,7 +397,8 @@ def main():
                 kern.explain() + "\n\n" + chosen(kern) + "\n\n" + kern.source)
         if st.backward_form:  # fused or two kernels, per size bucket
             (src / f"structure{n}_forms.txt").write_text("".join(
-                f"lse grad {lse}, bucket {dict(b)}: {'fused' if f else 'two kernels'} "
+                f"lse grad {lse}, sizes up to {({k: 1 << c for k, c in b})}: "
+                f"{'fused' if f else 'two kernels'} "
                 f"({'timed' if t else 'as the nearest timed bucket'})\n"
                 for (lse, b), (f, t) in st.backward_form.items()))
     print(markdown(out))

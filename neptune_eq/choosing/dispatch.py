@@ -126,11 +126,14 @@ def config_like(program: Program, configs: list[TileConfig], values: dict[str, i
 
 
 # A new bucket whose best candidate is predicted at least this long per call is timed on
-# the call by default: timing costs 1-2.3 s once per bucket (H200, bench/new_bucket_cost.py,
-# kept in the disk cache), and a wrong form costs 10-14% of a 2.5-4 ms backward kernel at
-# S=8192 (H100, session 21: 0.3-0.5 ms per step, repaid within ~10^4 training steps).
-# Shorter calls (decode, short prefill) keep ``config_like``'s pick: there the spread is
-# tens of microseconds and the calls are often host-bound.
+# the call by default.  Timing costs seconds once per bucket, kept in the disk cache: a
+# training step's five kernels (forward, fused form, row dots, dQ, dK/dV) took 16-27 s
+# at S=8192 against 1-6 s untimed (H100, session 22, bench/backward_gpu.py --first-call).
+# Untimed, the step ran 1.10-1.22x slower there (graphed: 8.68 vs 7.83 ms plain, 7.00 vs
+# 5.72 softcap): ~1 ms per step, repaid within ~2·10^4 steps of one training run, and
+# never again on that machine.  Shorter calls (decode, short prefill) keep
+# ``config_like``'s pick: their configs differ by tens of microseconds and the calls are
+# often host-bound.
 TIME_NEW_BUCKET_US = 1000.0
 
 

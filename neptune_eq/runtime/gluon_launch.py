@@ -217,6 +217,7 @@ class GluonLauncher:
         self.fn.warmup(*self._args(self._summarised(tensors)[0])[0], grid=self.grid,
                        **self.consts, num_warps=4)
 
+
 class GluonBoundCall:
     """A Gluon launcher's call at an input signature met before (``bound_call``'s
     counterpart), for short calls whose host time is the step's: the outputs are
