@@ -44,6 +44,28 @@ VARIANTS = {  # name -> (score_mod(s, b, h, q, kv) for ne and torch, mask_mod(b,
     "masked-rows": (None, lambda b, h, q, kv: (q >= kv) & (q >= 5)),
 }
 NE_SCORE = {"softcap": lambda s, b, h, q, kv: 30.0 * ne.tanh(s / 30.0)}
+DOCS = 13
+
+
+def doc_ids(s: int) -> torch.Tensor:
+    """Sorted document ids of ``DOCS`` documents of random lengths over ``s`` positions."""
+    cuts = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(0))
+                      [:DOCS - 1] + 1).values
+    return torch.bucketize(torch.arange(s), cuts, right=True).to(torch.int32).to(DEV)
+
+
+# a mask over captured document ids, causal inside each: traced with 64 positions (the
+# structure's lengths stay named), called with ``doc_ids`` of each case's length
+DOC = doc_ids(64)
+VARIANTS["documents"] = (None, lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv))
+
+
+def mask_at(variant: str, n: int):
+    """The variant's mask over ``n`` positions (the documents' ids at that length)."""
+    if variant != "documents":
+        return VARIANTS[variant][1]
+    ids = doc_ids(n)
+    return lambda b, h, q, kv: (ids[q] == ids[kv]) & (q >= kv)
 
 
 STRUCTS = {}  # (variant, d, dtype, heads) -> the drop-in's structure (its heads are fixed)
@@ -76,7 +98,7 @@ def backward_kernel(variant, d, dtype, h, group):
 def reference(variant, q, k, v, d_o):
     """(lse, Σ_e dO·O, dK, dV, dQ) of the plain attention in fp64 (a row that sees no key:
     P = 0, lse = -inf)."""
-    score, mask = VARIANTS[variant]
+    score, mask = VARIANTS[variant][0], mask_at(variant, q.shape[2])
     q, k, v, d_o = (t.double().requires_grad_(t is not d_o) for t in (q, k, v, d_o))
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     b_, h_, n, m = s.shape
@@ -122,6 +144,8 @@ def inputs(kern, variant, b, h, s, d, dtype, big=False, seed=0):
     lse, dots, *grads = reference(variant, q, k, v, d_o)
     names = {ph.name for ph in kern.program.inputs}
     t = {"q": q, "k": k, "v": v, "d_o": d_o, "mx": lse.float()}
+    if "DOC" in names:
+        t["DOC"] = doc_ids(s)
     stat = [n for n in names if n not in t]  # the row dots' input (its sign from the adjoint)
     return t, stat, dots.float(), dict(zip(("d_k", "d_v", "d_q"), grads))
 
@@ -178,6 +202,10 @@ def timing(variant, b, h, s, d, dtype):
     frac = 0.5 if VARIANTS[variant][1] is not None and variant != "masked-rows" else 1.0
     if variant == "window":
         frac = 256 / s
+    if variant == "documents":  # the visible pairs: causal inside each document
+        ins["DOC"] = doc_ids(s)
+        sizes = torch.bincount(ins["DOC"].long()).double()
+        frac = float((sizes * (sizes + 1) / 2).sum()) / (s * s)
     pair = 2 * b * h * s * s * d * frac  # one product of 2·S²·D (visible pairs)
     row = {"case": "timing", "variant": variant, "B": b, "H": h, "S": s, "D": d, "dtype": dtype}
     for group, products in (("kv", 4), ("q", 3), ("kvq", 5)):

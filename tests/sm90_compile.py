@@ -59,7 +59,8 @@ def main():
                             options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
     except Exception as e:  # noqa: BLE001 - reported to the test
         msg = [x for x in str(e).strip().splitlines() if x.strip()]
-        print(json.dumps({"ok": False, "error": msg[-1] if msg else type(e).__name__}))
+        # the last lines: Triton's compile errors end with the source line and a caret
+        print(json.dumps({"ok": False, "error": "\n".join(msg[-14:]) if msg else type(e).__name__}))
         return
     ptx = ck.asm["ptx"]
     out = {"ok": True, "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,

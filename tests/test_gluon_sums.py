@@ -106,3 +106,35 @@ def test_a_sum_that_is_not_a_product_keeps_the_tl_form():
     em = type("E", (), {"first": [("mma0", "k", "q")], "acc": []})()
     with pytest.raises(LoweringError, match="not a loop-axis contraction"):
         gluon_sums._scheduled_body(["        d_v_new = d_v + t3"], em, {"d_v"}, {"q": "ring0"})
+
+
+DOC = torch.tensor([0] * 13 + [1] * 20 + [2] * 7, dtype=torch.int32)  # 3 documents, 40 keys
+
+
+def DOC_CAUSAL(b, h, q, kv):  # noqa: N802 - a mask_mod, named like the others
+    return (DOC[q] == DOC[kv]) & (q >= kv)
+
+
+@pytest.mark.parametrize("group", [("k", "v"), ("q",)])
+def test_a_document_mask_bounds_both_gradient_loops_by_the_summaries(tmp_path, monkeypatch,
+                                                                    group):
+    """A mask over captured document ids: each program's block range comes from the
+    per-call summaries (as in the forward's Gluon form) -- the may range bounds what the
+    producer streams, the must range (blocks every row sees whole) runs unmasked -- in
+    dK/dV's loop over queries and dQ's over keys alike."""
+    kern = _backward_kernel(monkeypatch, group, mask=DOC_CAUSAL)
+    ks = kern.kernel_source
+    form = ks.gluon
+    assert isinstance(form, gluon_sums.GluonSumsForm), ks.gluon_why
+    assert ks.summaries and all(f"{sp.name}_ptr" in form.params for sp in ks.summaries)
+    src = form.source
+    main = src[src.index(f"def {form.name}("):]
+    assert "dm_lo =" in main and "n_blocks = gl.maximum(gl.cdiv(j_hi - j_lo, B_L), 1)" in main
+    loops = [lp for lp in src.split("for jb in range(")[1:] if "warpgroup_mma(" in lp]
+    assert len(loops) == 3 and "interior: no mask" in src
+    assert "dm_lo - j_lo" in src and "dm_hi - j_lo" in src   # the interior cut by the data
+    path = tmp_path / "doc.py"
+    path.write_text(src)
+    res = compile_for_sm90(path, form.name, sm90_spec(kern.program, ks, key_block=64))
+    assert res["ok"], res["error"]
+    assert res["tma"] and res["wgmma"], res

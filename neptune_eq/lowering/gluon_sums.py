@@ -31,9 +31,13 @@ atomically.  At width 128 the two warpgroups split the columns, as FlashAttentio
 is right but slower than the ``tl`` fused form (``generate`` has the measurements), so
 it is built and not offered to the timer.
 
-Scope: one unsplit, unpacked pass of sums only; no mask over captured tensors; one column
-axis; widths 64 or 128.  One program per tile of 128 rows (not persistent).  Plans
-outside it raise ``LoweringError`` and keep the ``tl`` forms.
+A mask over captured tensors (document ids) bounds each program's block range from the
+per-call summaries, as in ``gluon_ws``: the producer streams only the blocks some row may
+see, and the blocks every row sees whole run the body without the mask.
+
+Scope: one unsplit, unpacked pass of sums only; one column axis; widths 64 or 128.  One
+program per tile of 128 rows (not persistent).  Plans outside it raise
+``LoweringError`` and keep the ``tl`` forms.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..ir import Term
-from .block_skip import data_atoms
+from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Tile, grid_decode, init_fill
 from .fold_body import epilogue
 from .gluon_ws import (CTA_ROWS, ROWS, GluonEmitter, GluonForm, _gl, _interior_loops,
@@ -281,8 +285,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     ps = plan.passes[0]
     p = plan.program
     ba = plan.block_axis
-    if data_atoms(plan, ps):
-        raise LoweringError("A mask over captured tensors is not in the sums skeleton.")
+    atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors (document ids)
+    data = bool(atoms)
     if not ps.folds or any(f.op != "sum" for f in ps.folds):
         raise LoweringError("The sums skeleton takes a pass of plain sums only.")
     cols = {a for f in ps.folds for a in f.state_axes if a in plan.whole_axes}
@@ -304,7 +308,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         return block_fragment(em, known)
 
     body_edge = fragment(frozenset())
-    body_in = fragment(ps.bound_atoms) if ps.bound_atoms else body_edge
+    known_in = ps.bound_atoms | frozenset(atoms)
+    body_in = fragment(known_in) if known_in else body_edge
     if not em.first or not em.acc:
         raise LoweringError("The pass has no products for the sums skeleton.")
     resident = tuple(dict.fromkeys([r for _, r, _ in em.first] + em.scattered))
@@ -346,7 +351,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     epi = em.pop()
     prologue = em.pop()
 
-    rng = _key_range(plan, name, False)
+    rng = _key_range(plan, name, data)
     em.push("    ")
     bases = {t: _row_base(em, em.loads[t]) for t in resident + streams}
     base_lines = [*_gl(em.pop()),
@@ -363,6 +368,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
 
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
+    for sp in summary_specs(plan):  # the data mask's per-call summaries, as the tl form's
+        tensors.append(sp.name)
+        strides += [f"{sp.name}_s{k}" for k in range(sp.rank(p))]
     sizes = [f"n_{s}" for s in p.meta.get("size_params", ())]
     args = [f"{t}_ptr" for t in tensors] + strides + sizes
     nr, ns = len(resident), len(streams)
@@ -374,7 +382,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     tbufs = [f"tbuf{k}" for k in range(len(em.scattered))]  # Xᵀ of each sum over the rows
     tbars = [f"{b}{k}" for k in range(len(tbufs)) for b in ("tfull", "tfree")] if em.split else []
     hw = plan.whole_axes[col] // (2 if em.split else 1)
-    shared = ", ".join([*rows, *rings, *tbufs, *tbars, *bars, "j_lo", "n_blocks", *args])
+    dm = ["dm_lo", "dm_hi"] if data else []  # the keys every row sees whole (data mask)
+    shared = ", ".join([*rows, *rings, *tbufs, *tbars, *bars, "j_lo", "n_blocks", *dm, *args])
     producer_args = ", ".join([*rdescs, *sdescs, *rows, *rings, *bars,
                                *[f"rbase{k}" for k in range(nr)],
                                *[f"sbase{k}" for k in range(ns)], "j_lo", "n_blocks"])
@@ -393,7 +402,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
                      f"        mbarrier.expect(ready{k}.index(s), s{k}_desc.block_type.nbytes)",
                      f"        tma_load(s{k}_desc, [sbase{k} + j_lo + jb * B_L, 0], ready{k}.index(s), "
                      f"ring{k}.index(s))"]
-    loops = _interior_loops(ps, body_edge, body_in, [], with_wait, False, first=0)
+    loops = _interior_loops(ps, body_edge, body_in, [], with_wait, data, first=0)
     consumer = [
         "    # one warpgroup: 64 rows, its own wgmma issue, the block math between products",
         "    STAGES: gl.constexpr = ring0.type.shape[0]",
