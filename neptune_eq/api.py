@@ -158,6 +158,15 @@ class Kernel:
             return None
         return self._dispatch.choice_for({s: sizes[s] for s in self._dispatch.symbols}, tensors)
 
+    def bucket_ms(self, sizes: dict[str, int], tensors: dict) -> float | None:
+        """GPU milliseconds of a call at the named ``sizes`` under its bucket's config --
+        the bucket's timing, or for a bucket chosen untimed one timing of that config on
+        ``tensors`` (``SizeDispatch.measured_ms``); None for a kernel of fixed sizes, off
+        the GPU, or while a CUDA graph is captured."""
+        if self._dispatch is None:
+            return None
+        return self._dispatch.measured_ms({s: sizes[s] for s in self._dispatch.symbols}, tensors)
+
     def __call__(self, *args, **kwargs):
         import torch
         if torch.compiler.is_compiling():

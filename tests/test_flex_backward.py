@@ -414,18 +414,18 @@ def test_the_form_choice_counts_the_fused_forms_zeroing():
 
 def test_the_backward_form_is_chosen_per_size_bucket(monkeypatch):
     """Fused or two kernels is a timed choice per size bucket (a first call at B=1, S=64
-    must not fix the form of S=8192); a bucket whose kernels were not timed takes the
+    must not fix the form of S=8192); a bucket with no time for its kernels takes the
     form timed at the nearest bucket."""
     from types import SimpleNamespace as NS
     from neptune_eq.dropin import flex_backward as fb
     times = {64: {"fused": 0.1, "split": 0.2}, 8192: {"fused": 6.5, "split": 5.7}}
 
     def kernel(form):
-        def bucket_choice(sizes, tensors):
+        def bucket_ms(sizes, tensors):  # None: no time (graph capture, no GPU)
             ms = times.get(sizes["S"], {}).get(form)
             # the fused form: row kernel + one; two kernels: row kernel + dQ's + dK/dV's
-            return NS(row=NS(measured_ms=None if ms is None else ms / (2 if form == "fused" else 3)))
-        return NS(bucket_choice=bucket_choice)
+            return None if ms is None else ms / (2 if form == "fused" else 3)
+        return NS(bucket_ms=bucket_ms)
 
     def group_kernels(st, groups, sizes, lse_grad, env):
         form = "fused" if any(fb.fused_group(g) for g in groups) else "split"

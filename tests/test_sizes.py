@@ -240,3 +240,29 @@ def test_an_untimed_bucket_takes_the_config_the_nearest_timed_bucket_chose(monke
                                            first.program))  # another candidate's timing
     assert dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev,
                                   known=[other]).config == configs[0]
+
+def test_an_untimed_buckets_config_is_timed_once_when_a_choice_needs_its_time(monkeypatch):
+    """``SizeDispatch.measured_ms``: a timed bucket gives its own timing; a bucket chosen
+    untimed has its one config timed once on the call's tensors (no tuning) and kept;
+    off the GPU, or while a graph is captured, there is no time."""
+    from neptune_eq.choosing import dispatch
+    out = ne.attention(1, 2, "S", "S", 16, "float32")
+    kern = ne.superoptimize(out, target="interpreter", cache=False, sizes={"S": 40})
+    assert kern.bucket_ms({"S": 40}, {}) is None            # the interpreter: no GPU time
+    d = dispatch.SizeDispatch(kern._dispatch.pool, ["S"], "cuda", kern._dispatch.device)
+    timed = []
+
+    def one_timing(program, ks, target, tensors, configs, values):
+        timed.append((configs, values))
+        return [(configs[0], 0.25, "ok")]
+    monkeypatch.setattr(dispatch, "time_configs", one_timing)
+    monkeypatch.setattr(dispatch, "timing_tensors", lambda prog, given: dict(given))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "0")   # chosen untimed
+    assert d.measured_ms({"S": 3000}, {}) == 0.25 == d.measured_ms({"S": 3000}, {})
+    (c,) = [c for cs in d.buckets.values() for c in cs]
+    assert timed == [([c.config], {"S": 3000})] and c.row.measured_ms is None
+    c.row.measured_ms = 1.5                                   # a bucket timed when chosen
+    assert d.measured_ms({"S": 3000}, {}) == 1.5 and len(timed) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert d.measured_ms({"S": 100}, {}) is None and len(timed) == 1

@@ -30,6 +30,7 @@ from ..lowering.lower import LoweringError
 from ..runtime.gluon_launch import make_launcher
 from ..runtime.launcher import Launcher, TileConfig, candidate_configs
 from ..runtime.timing import timing_tensors
+from ..runtime.tuning import time_configs
 from ..sizes import Guards, bind, bucket_of, specialise
 
 
@@ -45,6 +46,8 @@ class BucketChoice:
     config: TileConfig
     sizes: dict[str, int]      # the size the choice was made at
     rows: list[CandidateRow] = field(default_factory=list, repr=False)
+    # an untimed choice's config timed alone once (``SizeDispatch.measured_ms``), not tuned
+    config_ms: float | None = None
 
 
 def specialised_pool(pool: list[Candidate], values: dict[str, int]) -> tuple[list[Candidate], dict]:
@@ -197,6 +200,24 @@ class SizeDispatch:
         if self.on_new_bucket is not None:
             self.on_new_bucket()
         return c
+
+    def measured_ms(self, values: dict[str, int], tensors: dict) -> float | None:
+        """GPU ms of a call at ``values`` under its bucket's config: the bucket's own timing,
+        or -- a bucket chosen untimed -- that one config timed once on ``tensors`` (the
+        call's inputs by name; no tuning, a fraction of a second), as a choice between
+        kernels needs (the backward's fused form or two kernels, per bucket).  None off
+        the GPU or while a CUDA graph is captured."""
+        c = self.choice_for(values, tensors)
+        if c.row.measured_ms is not None:
+            return c.row.measured_ms
+        import torch
+        if self.target != "cuda" or torch.cuda.is_current_stream_capturing():
+            return None
+        if c.config_ms is None:
+            timed = timing_tensors(bind(self.pool[0].program, values), tensors)
+            ((_, c.config_ms, _),) = time_configs(c.row.program, c.row.kernel, self.target,
+                                                  timed, [c.config], values)
+        return c.config_ms
 
     def launcher(self, values: dict[str, int], tensors: dict | None = None) -> Launcher:
         """The launcher at ``values``; ``tensors``: the call's inputs by name, which a new

@@ -135,14 +135,18 @@ def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
     bucket: the fused one (row statistics, then one kernel adding dQ atomically) against
     the two kernels (dQ's loop over keys, dK/dV's over queries), each kernel's config as
     timed at this bucket (``Kernel.bucket_choice``: the first call's tensors, or a call
-    at a new bucket long enough to be timed), plus what each form's outputs cost outside
+    at a new bucket long enough to be timed; a bucket chosen untimed times each kernel's
+    carried config once, ``Kernel.bucket_ms``), plus what each form's outputs cost outside
     its kernels (``outside_ms``: the fused form's fp32 dQ is zeroed before the launch and
     converted to q's dtype after -- 21 us of a 215 us step for window(256) at S=2048 on an
-    H200, session 14).  A bucket whose kernels were not timed takes the form of the
-    nearest bucket that was.  Measured: neither form wins everywhere -- fused was 9-14%
-    faster for softcap and document masks at S=8192 (H200, session 12), the two kernels
-    12% faster for plain attention at S=8192 once both have Gluon forms (H100, session
-    21), and a first call at a tiny size (B=1, S=64) must not fix the form for S=8192."""
+    H200, session 14).  A bucket with no time (inside a graph capture, off the GPU) takes
+    the form of the nearest bucket that has one.  Measured: neither form wins everywhere --
+    fused was 9-14% faster for softcap and document masks at S=8192 (H200, session 12),
+    the two kernels 12% faster for plain attention at S=8192 once both have Gluon forms
+    (H100, session 21); for a document mask and a window(256) the `tl` fused kernel took
+    0.175 / 0.147 ms at S=2048 against 0.234 / 0.186 for the two kernels, the reverse of
+    8192 (H100, session 22, bench/gluon_backward_validate.py): a first call at one size
+    must not fix the form for another."""
     key = (lse_grad, bucket_of(sizes))
     if key not in st.backward_form:
         def ms(groups) -> float:
@@ -150,11 +154,11 @@ def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
             for group, built in group_kernels(st, groups, sizes, lse_grad, env):
                 pre = built[-1]
                 for kern, bw in [(built[1], built[0])] + ([(pre[1], pre[0])] if pre else []):
-                    choice = kern.bucket_choice(sizes, {ph.name: env[ph.name] for ph in
-                                                        bw.program.inputs if ph.name in env})
-                    if choice is None or choice.row.measured_ms is None:
-                        return float("nan")  # not timed at this bucket: no basis
-                    total += choice.row.measured_ms
+                    ms = kern.bucket_ms(sizes, {ph.name: env[ph.name] for ph in
+                                                bw.program.inputs if ph.name in env})
+                    if ms is None:
+                        return float("nan")  # no time at this bucket: no basis
+                    total += ms
                 total += outside_ms(built[0], built[1], group, env)
             return total
         fused = ms(gradient_groups(names, needs))
