@@ -254,7 +254,7 @@ def test_an_untimed_buckets_config_is_timed_once_when_a_choice_needs_its_time(mo
 
     def one_timing(program, ks, target, tensors, configs, values):
         timed.append((configs, values))
-        return [(configs[0], 0.25, "ok")]
+        return [(k, 0.25, "ok") for k in configs]
     monkeypatch.setattr(dispatch, "time_configs", one_timing)
     monkeypatch.setattr(dispatch, "timing_tensors", lambda prog, given: dict(given))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -264,5 +264,11 @@ def test_an_untimed_buckets_config_is_timed_once_when_a_choice_needs_its_time(mo
     assert timed == [([c.config], {"S": 3000})] and c.row.measured_ms is None
     c.row.measured_ms = 1.5                                   # a bucket timed when chosen
     assert d.measured_ms({"S": 3000}, {}) == 1.5 and len(timed) == 1
+    from dataclasses import replace  # a Gluon config: timed after a tl run it is checked by
+    c.row.measured_ms, c.config = None, replace(c.config, gluon_ws=True)
+    assert d.measured_ms({"S": 3000}, {}) == 0.25   # (the cached time of the earlier config)
+    c.config_ms = None
+    d.measured_ms({"S": 3000}, {})
+    assert [k.gluon_ws for k in timed[-1][0]] == [False, True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert d.measured_ms({"S": 100}, {}) is None and len(timed) == 1
+    assert d.measured_ms({"S": 100}, {}) is None and len(timed) == 2
