@@ -61,8 +61,7 @@ def variants(S: int, slopes: torch.Tensor):
         return (q >= kv) & (q - kv < WINDOW)
     # DOCS documents of random lengths (fixed seed), causal within each: the data mask
     # that issue 17 skips blocks of, now in the backward too
-    cuts = torch.sort(torch.randperm(S - 1, generator=torch.Generator().manual_seed(0))[:DOCS - 1] + 1).values
-    doc = torch.bucketize(torch.arange(S), cuts, right=True).to("cuda")
+    doc = doc_ids(S).to("cuda")
 
     def document(b, h, q, kv):
         return (doc[q] == doc[kv]) & (q >= kv)
@@ -82,6 +81,13 @@ def variants(S: int, slopes: torch.Tensor):
                          dict(mask=document)),
         "decode(L=1)": ({}, H, 1, {}, dict()),
     }
+
+
+def doc_ids(S: int, docs: int = DOCS) -> torch.Tensor:
+    """Sorted ids of ``docs`` documents of random lengths (fixed seed) over ``S`` positions."""
+    cuts = torch.sort(torch.randperm(S - 1, generator=torch.Generator().manual_seed(0))
+                      [:docs - 1] + 1).values
+    return torch.bucketize(torch.arange(S), cuts, right=True)
 
 
 def reference(q, k, v, causal=False, cap=None, slopes=None, mask=None):
@@ -232,15 +238,15 @@ def profile(S: int, dtype) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
-def step_tensors(variant: str, S: int, dtype=torch.bfloat16) -> tuple:
+def step_tensors(variant: str, S: int, dtype=torch.bfloat16, batch: int = B) -> tuple:
     """(the variant's flex kwargs, q, k, v needing gradients, an output cotangent g) for
     one training step at length ``S``, seeded."""
     kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[variant]
     torch.manual_seed(0)
-    q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(B, hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
+    q = torch.randn(batch, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(batch, hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
             for _ in range(2))
-    return kw, q, k, v, torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+    return kw, q, k, v, torch.randn(batch, H, L, D, device="cuda", dtype=dtype)
 
 
 def host_profile(S: int, dtype, variant: str = "causal") -> str:
@@ -274,14 +280,11 @@ def first_calls(names: list[str], S: int, dtype) -> None:
     a test run earlier on the machine would leave them: every length measured after it
     is then a size bucket met at call time (``choosing/dispatch``), not a first build."""
     for name in names:
-        kw, hkv, L, _, _ = variants(S, torch.ones(H, device="cuda"))[name]
-        q = torch.randn(1, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(1, hkv, S, D, device="cuda", dtype=dtype, requires_grad=True)
-                for _ in range(2))
+        kw, q, k, v, g = step_tensors(name, S, dtype, batch=1)
         for det in (False, True):
             torch.use_deterministic_algorithms(det, warn_only=True)
             try:
-                step(lambda q, k, v: ne.flex_attention(q, k, v, **kw), q, k, v, torch.randn_like(q))
+                step(lambda q, k, v: ne.flex_attention(q, k, v, **kw), q, k, v, g)
             finally:
                 torch.use_deterministic_algorithms(False)
     torch.cuda.synchronize()

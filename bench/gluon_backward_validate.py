@@ -29,7 +29,8 @@ from neptune_eq.dropin import flex, flex_backward
 from neptune_eq.runtime.gluon_launch import make_launcher
 from neptune_eq.runtime.launcher import TileConfig
 from neptune_eq.sizes import Guards, bind, specialise
-from gluon_validate import row_runner  # noqa: E402 (bench/ is the script's directory)
+from backward_gpu import doc_ids as bench_doc_ids  # noqa: E402 (bench/: the script's directory)
+from gluon_validate import row_runner  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the harness's own check, tl only
 TARGET = "cuda" if DEV == "cuda" else "interpreter"
@@ -44,18 +45,16 @@ VARIANTS = {  # name -> (score_mod(s, b, h, q, kv) for ne and torch, mask_mod(b,
     "masked-rows": (None, lambda b, h, q, kv: (q >= kv) & (q >= 5)),
 }
 NE_SCORE = {"softcap": lambda s, b, h, q, kv: 30.0 * ne.tanh(s / 30.0)}
-DOCS = 13
 
 
 def doc_ids(s: int) -> torch.Tensor:
-    """Sorted document ids of ``DOCS`` documents of random lengths over ``s`` positions."""
-    cuts = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(0))
-                      [:DOCS - 1] + 1).values
-    return torch.bucketize(torch.arange(s), cuts, right=True).to(torch.int32).to(DEV)
+    """13 documents of random lengths over ``s`` positions (bench/backward_gpu.py's)."""
+    return bench_doc_ids(s).to(torch.int32).to(DEV)
 
 
 # a mask over captured document ids, causal inside each: traced with 64 positions (the
-# structure's lengths stay named), called with ``doc_ids`` of each case's length
+# structure's lengths stay named; its input is named DOC after this global), called with
+# ``doc_ids`` of each case's length
 DOC = doc_ids(64)
 VARIANTS["documents"] = (None, lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv))
 

@@ -149,15 +149,6 @@ class Kernel:
                 f"valid where {c.guards}"
                 for cs in self._dispatch.buckets.values() for c in cs]
 
-    def bucket_choice(self, sizes: dict[str, int], tensors: dict | None = None):
-        """The ``BucketChoice`` (``choosing/dispatch``) that a call at the named ``sizes``
-        runs -- chosen now if the size is in no bucket yet, timed on ``tensors`` (inputs
-        by name) where a call would time it; None for a kernel of fixed sizes.  Its
-        ``row.measured_ms`` is the chosen config's time where the bucket was timed."""
-        if self._dispatch is None:
-            return None
-        return self._dispatch.choice_for({s: sizes[s] for s in self._dispatch.symbols}, tensors)
-
     def bucket_ms(self, sizes: dict[str, int], tensors: dict) -> float | None:
         """GPU milliseconds of a call at the named ``sizes`` under its bucket's config --
         the bucket's timing, or for a bucket chosen untimed one timing of that config on

@@ -190,16 +190,19 @@ class SizeDispatch:
         for c in self.buckets.get(bucket_of(values), ()):
             if c.guards.hold(values):
                 return c
-        def call() -> dict:  # the call's inputs, random ones where they do not fit, fresh outputs
-            return timing_tensors(bind(self.pool[0].program, values), tensors)
         known = [c for cs in self.buckets.values() for c in cs]
-        c = choose_bucket(self.pool, values, self.target, self.device,
-                          call_tensors=call if tensors is not None else None, known=known)
+        call = (lambda: self._timing_tensors(values, tensors)) if tensors is not None else None
+        c = choose_bucket(self.pool, values, self.target, self.device, call_tensors=call,
+                          known=known)
         self.bucket_choices += 1
         self.add(c)
         if self.on_new_bucket is not None:
             self.on_new_bucket()
         return c
+
+    def _timing_tensors(self, values: dict[str, int], tensors: dict) -> dict:
+        """The call's inputs, random ones where they do not fit, and fresh outputs."""
+        return timing_tensors(bind(self.pool[0].program, values), tensors)
 
     def measured_ms(self, values: dict[str, int], tensors: dict) -> float | None:
         """GPU ms of a call at ``values`` under its bucket's config: the bucket's own timing,
@@ -214,7 +217,7 @@ class SizeDispatch:
         if self.target != "cuda" or torch.cuda.is_current_stream_capturing():
             return None
         if c.config_ms is None:
-            timed = timing_tensors(bind(self.pool[0].program, values), tensors)
+            timed = self._timing_tensors(values, tensors)
             configs = [c.config]
             if c.config.gluon_ws:  # the timer checks a Gluon form's outputs against a tl run
                 configs.insert(0, candidate_configs(c.row.kernel, self.target, self.device.sms)[0])

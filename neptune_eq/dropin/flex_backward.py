@@ -133,10 +133,10 @@ def _superoptimize(st, bw, wrt, sizes, example):
 def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
     """On the GPU both forms are built once per structure and the timer decides, per size
     bucket: the fused one (row statistics, then one kernel adding dQ atomically) against
-    the two kernels (dQ's loop over keys, dK/dV's over queries), each kernel's config as
-    timed at this bucket (``Kernel.bucket_choice``: the first call's tensors, or a call
-    at a new bucket long enough to be timed; a bucket chosen untimed times each kernel's
-    carried config once, ``Kernel.bucket_ms``), plus what each form's outputs cost outside
+    the two kernels (dQ's loop over keys, dK/dV's over queries), each kernel's time at
+    this bucket (``Kernel.bucket_ms``: its config as timed on the first call's tensors,
+    or on a call at a new bucket long enough to be tuned; a bucket chosen untimed times
+    its carried config once), plus what each form's outputs cost outside
     its kernels (``outside_ms``: the fused form's fp32 dQ is zeroed before the launch and
     converted to q's dtype after -- 21 us of a 215 us step for window(256) at S=2048 on an
     H200, session 14).  A bucket with no time (inside a graph capture, off the GPU) takes
@@ -165,7 +165,7 @@ def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
         split = ms(gradient_groups(names, needs, deterministic=True))
         if fused == fused and split == split:
             st.backward_form[key] = (not split < fused, True)
-        else:  # (a cached or untimed bucket) the form timed at the nearest size, else fused
+        else:  # (no time: inside a graph capture) the form timed at the nearest size, else fused
             timed = [k for k, (_, was_timed) in st.backward_form.items()
                      if k[0] == lse_grad and was_timed]
             near = min(timed, key=lambda k: _bucket_distance(k[1], key[1]), default=None)

@@ -397,12 +397,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         em.states[f.name] = Tile(f.name, axes, "f32")
     prologue_tail = em.pop()
 
-    def fragment(known: frozenset) -> list[str]:
-        return block_fragment(em, known)
-
-    body_edge = fragment(frozenset())
+    body_edge = block_fragment(em, frozenset())
     known_in = ps.bound_atoms | frozenset(atoms)
-    body_in = fragment(known_in) if known_in else body_edge
+    body_in = block_fragment(em, known_in) if known_in else body_edge
     if em.qk is None or em.pv is None:
         raise LoweringError("The pass has no pair of contractions for the skeleton.")
     streamed = (em.qk[0].val, em.qk[1].val, em.pv.val)
