@@ -124,6 +124,8 @@ def call_args(fn, tensors: dict, S: int, cfg, tma: bool):
             consts[p] = False
         elif p == "LOOP_STAGES":
             consts[p] = st
+        elif p == "VDOT":
+            consts[p] = False
         else:
             raise KeyError(p)
     return args, consts, dict(num_warps=w, num_stages=st)

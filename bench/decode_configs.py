@@ -11,8 +11,9 @@ replayed from a CUDA graph over copies of the inputs larger than L2 -- how the c
 times configs, and how a model's decode step reads its K/V cache) and, for the peers and
 the chosen kernel, ``warm`` (``do_bench_cudagraph``: the same inputs every call, left in
 L2 -- bench/neptune_ops.py's graphed column).  Each config ``choose`` timed is listed,
-and with ``--sweep`` a wider grid of key blocks x split factors x one/two launches, to
-see whether the offered grid holds the best config.  Writes decode_configs.{json,md}
+and with ``--sweep`` a wider grid of key blocks x split factors x one/two launches (x
+the tensor-core and CUDA-core contraction forms), to see whether the offered grid holds
+the best config.  Writes decode_configs.{json,md}
 under --out.  Decode TB/s = bytes of K+V / time.
 """
 from __future__ import annotations
@@ -36,17 +37,31 @@ from neptune_eq.runtime.tuning import compile_in_parallel, time_configs  # noqa:
 from neptune_eq.runtime.timing import copy_inputs, device_ms, input_copies  # noqa: E402
 
 
-def sweep(template: TileConfig, S: int) -> list[TileConfig]:
+def sweep(ks, template: TileConfig, S: int) -> list[TileConfig]:
     """Key blocks 32..256 x split factors 2..64 (chunks of at least one key block) x one
-    and two launches, at 4 warps / 3 stages."""
+    and two launches, at 4 warps / 3 stages, in the tensor-core form; where the kernel has
+    a CUDA-core form (one or two rows, ``codegen.VDOT``), that form at 16..128 keys x 4
+    and 8 warps x split factors 4..128 too, in programs of exactly the kernel's rows."""
     out = []
+    rows = f"B_{ks.block_axis}"
     for bl in (32, 64, 128, 256):
         for sp in (2, 4, 8, 16, 32, 64):
             if S // sp < bl:
                 continue
-            blocks = {k: (bl if k == "B_L" else v) for k, v in template.blocks.items()}
+            blocks = {k: (bl if k == "B_L" else 16 if k == rows else v)
+                      for k, v in template.blocks.items()}
             for fused in (False, True):
                 out.append(TileConfig(blocks, 8 if bl == 256 else 4, 3, sp, fused=fused))
+    if not ks.vector_dot:
+        return out
+    for bl, w in ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8)):
+        for sp in (4, 8, 16, 32, 64, 128):
+            if S // sp < bl:
+                continue
+            blocks = {k: (bl if k == "B_L" else max(1, ks.row_extent) if k == rows else v)
+                      for k, v in template.blocks.items()}
+            for fused in (False, True):
+                out.append(TileConfig(blocks, w, 3, sp, fused=fused, vector_dot=True))
     return out
 
 
@@ -81,7 +96,7 @@ def one(op: str, S: int, wide: bool) -> dict:
         configs = [c for c, ms, _ in r.timings if ms is not None]
         if wide and r.chosen and r.config.splits:
             seen = {str(c) for c in configs}
-            configs += [c for c in sweep(r.config, S) if str(c) not in seen]
+            configs += [c for c in sweep(r.kernel, r.config, S) if str(c) not in seen]
             compile_in_parallel([(r.program, r.kernel, c) for c in configs], "cuda", tensors)
         called = time_configs(r.program, r.kernel, "cuda", tensors, configs, host=True)
         cold = time_configs(r.program, r.kernel, "cuda", tensors, configs)

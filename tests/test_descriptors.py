@@ -206,7 +206,8 @@ def _compile_sm90(kern, **flags):
     ks = kern.kernel_source
     consts = {**ks.tunables, "B_i": 128, "B_L": 64}
     consts.update({f: False for f in ks.even_flags})
-    consts.update(TMA=flags.get("tma", False), WS=flags.get("ws", False), LOOP_STAGES=3)
+    consts.update(TMA=flags.get("tma", False), WS=flags.get("ws", False), LOOP_STAGES=3,
+                  VDOT=False)
     of = {sp.name: sp.tensor for sp in ks.summaries}  # a block summary: its tensor's dtype
     dtypes = {f"{n}_ptr": {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32",
                            "int32": "*i32"}[kern.program.dtype_of(of.get(n, n))]

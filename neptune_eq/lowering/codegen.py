@@ -3,7 +3,9 @@
 Every value is a tile whose dimensions are named by kernel axes, kept in one canonical
 order (block axis, the pass's loop axis, whole axes, epilogue loop axis), so broadcasting
 is `[:, None]` indexing decided by name.  A sum over an axis of a product of two 2-D tiles
-that share only that axis becomes ``tl.dot`` (the QKᵀ and P·V contractions of attention);
+that share only that axis becomes ``tl.dot`` (the QKᵀ and P·V contractions of attention)
+-- or, in a kernel of at most ``VDOT_ROWS`` rows, a choice behind the constexpr ``VDOT``
+between ``tl.dot`` and a broadcast product summed on the CUDA cores (see ``_try_dot``);
 everything else is elementwise math and ``tl.sum``/``tl.max``.  Loop-invariant terms are
 hoisted before the loops; common subterms are emitted once per scope.  The kernels'
 structure (prologue, pass loops, split-k partials and combine, stores) is ``kernelgen``.
@@ -35,6 +37,12 @@ _BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}
            "and": "{} & {}", "or": "{} | {}",
            "bitand": "{} & {}", "bitor": "{} | {}", "bitxor": "{} ^ {}"}
 _BITWISE = ("bitand", "bitor", "bitxor")  # integer in, integer out (booleans count as 0/1)
+VDOT_FLAG = "VDOT"  # constexpr of every kernel: contractions on the CUDA cores (``_try_dot``)
+# A tensor-core tile has at least 16 rows: a decode of one query row (two when two heads
+# share a KV head) would compute 15 padding rows per product and move its operands through
+# shared memory; on the CUDA cores the tile is [rows, keys, width] in registers.  Wider
+# packings (GQA groups of 8) keep tl.dot: their product tile would not fit in registers.
+VDOT_ROWS = 2
 _SIMPLE = re.compile(r"^(-?[0-9.e+-]+|[A-Za-z_][A-Za-z_0-9]*)$")
 _ARITH = {"add", "sub", "mul", "div", "maximum", "minimum"}
 
@@ -78,6 +86,7 @@ class Emitter:
         # descriptor needs to load the same tile (``descriptors``)
         self.ranges: dict[str, tuple[str, str]] = {}
         self.desc = descriptors.DescriptorState()
+        self.vector_dots = 0  # contractions with a CUDA-core form (``VDOT``)
 
     # -- scopes --------------------------------------------------------------------------
     def push(self, indent: str):
@@ -330,6 +339,7 @@ class Emitter:
         if t.args[1].op != "load":
             kmask = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), (kaxis, n))
             rhs = Tile(f"tl.where({kmask}, {rhs.code}, 0.0)", rhs.axes, rhs.kind)
+        vector = self._vector_dot(t, a, b, kaxis) if self.plan.row_extent <= VDOT_ROWS else None
         low = [k for k in (lhs.kind, rhs.kind) if k in ("float16", "bfloat16")]
         if low and low[0] == "bfloat16" and self.bf16_dot_in_fp32:
             low = []  # see generate(): the interpreter's bf16 dot is wrong
@@ -343,7 +353,26 @@ class Emitter:
         out_axes = self.canon((m, n))
         if out_axes != (m, n):
             code = f"tl.trans({code})"
+        if vector is not None:  # Triton compiles only the branch the config selects
+            code = f"({vector} if {VDOT_FLAG} else {code})"
         return self.bind(code, out_axes, "f32", scope)
+
+    def _vector_dot(self, t: Term, a: Tile, b: Tile, kaxis: str) -> str:
+        """The contraction Σ_k a·b on the CUDA cores: both operands broadcast by axis name
+        to [m, n, k] in the canonical order and summed over k, in fp32 (P stays fp32, where
+        tl.dot rounds it to the input dtype).  As for tl.dot, padding along k must add 0: a
+        masked load is 0 there, a computed operand is masked."""
+        self.vector_dots += 1
+        ops = []
+        for term, tile in zip(t.args, (a, b)):
+            tile = self.f32(tile)
+            if term.op != "load":
+                km = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), tile.axes)
+                tile = Tile(f"tl.where({km}, {tile.code}, 0.0)", tile.axes, "f32")
+            ops.append(tile)
+        axes = self.canon(ops[0].axes + ops[1].axes)
+        prod = " * ".join(self.bcast(o, axes) for o in ops)
+        return f"tl.sum({prod}, axis={axes.index(kaxis)})"
 
     def _inner_reduce(self, t: Term, scope: int) -> Tile:
         ax = t.val

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import descriptors
-from .codegen import ECOL, LOOP, NEG, POS, SPLIT, Emitter, Tile, grid_decode, init_fill
+from .codegen import (ECOL, LOOP, NEG, POS, SPLIT, VDOT_FLAG, Emitter, Tile, grid_decode,
+                      init_fill)
 from ..ir import accessed
 from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
@@ -52,6 +53,7 @@ class KernelSource:
     scattered: tuple = ()             # outputs added into atomically: zeroed before a launch
     gluon: object = None              # gluon_ws.GluonForm: the warp-specialised form, if any
     gluon_why: str = ""               # ... else why the plan has none
+    vector_dot: bool = False          # its contractions have a CUDA-core form (codegen.VDOT)
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -412,7 +414,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
             f"EVEN_{LOOP}": (f"B_{LOOP}", [ps.extent for ps in plan.passes])}
     if f"B_{ECOL}" in tunables:
         even[f"EVEN_{ECOL}"] = (f"B_{ECOL}", [p.extents[a] for e in plan.epilogue for a in e.loop_axes])
-    flags = [descriptors.TMA_FLAG, descriptors.WS_FLAG, descriptors.STAGES_FLAG]  # per config
+    flags = [descriptors.TMA_FLAG, descriptors.WS_FLAG, descriptors.STAGES_FLAG,  # per config
+             VDOT_FLAG]
     consts = [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even) + flags]
     ptrs = [f"{t}_ptr" for t in tensors]
     # Symbolic sizes are runtime ints after the strides (Triton specialises == 1 and % 16).
@@ -442,7 +445,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
         scattered = tuple(sc.name for ps in plan.passes for sc in ps.scattered)
         form, why = _gluon_form(plan, name)
         return KernelSource(name, "\n".join(text) + "\n" + pre_text, **common,
-                            gluon=form, gluon_why=why,
+                            gluon=form, gluon_why=why, vector_dot=em.vector_dots > 0,
                             descriptors=descriptors.collect([em.desc]), scattered=scattered,
                             warp_specializable=() if scattered else descriptors.warp_specializable(
                                 em.desc, plan, bool(summaries), has_dot))
@@ -451,6 +454,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     _prologue(em, split_axis=True)
     _init_states(em)
     _pass_loop(em, 0, split=True)
+    vector_dot = em.vector_dots > 0
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
     part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em)
@@ -475,7 +479,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
                          + consts + [f"B_{SPLIT}: tl.constexpr"], em)
     return KernelSource(name, "\n".join(header + part + comb + fused) + "\n" + pre_text, **common,
-                        split_extent=plan.passes[0].extent, scratch=scratch,
+                        split_extent=plan.passes[0].extent, scratch=scratch, vector_dot=vector_dot,
                         gluon_why=_gluon_form(plan, name)[1],
                         descriptors=descriptors.collect(states),
                         combine_width=(width, plan.whole_axes[width]) if width else None)

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..lowering.codegen import VDOT_ROWS
 from ..lowering.gluon_ws import SMEM_BYTES
 from ..lowering.kernelgen import KernelSource
 from ..lowering.lower import split_factors
@@ -105,6 +106,7 @@ class TileConfig:
     loop_stages: int = 0     # pipeline depth of the main key loop (0: num_stages)
     gluon_ws: bool = False   # the warp-specialised Gluon form (lowering/gluon_ws.py);
     #                          num_stages is then the depth of its TMA ring
+    vector_dot: bool = False  # contractions on the CUDA cores, not tl.dot (codegen.VDOT)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
@@ -114,6 +116,7 @@ class TileConfig:
         sp += " warp-specialized" if self.warp_specialize else ""
         sp += f" loop-stages={self.loop_stages}" if self.loop_stages else ""
         sp += " gluon-ws" if self.gluon_ws else ""
+        sp += " cuda-cores" if self.vector_dot else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
 
     def at(self, values: dict) -> "TileConfig":
@@ -126,7 +129,8 @@ class TileConfig:
         return {"blocks": dict(self.blocks), "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused,
                 "tma": self.tma, "warp_specialize": self.warp_specialize,
-                "loop_stages": self.loop_stages, "gluon_ws": self.gluon_ws}
+                "loop_stages": self.loop_stages, "gluon_ws": self.gluon_ws,
+                "vector_dot": self.vector_dot}
 
     @property
     def pointer_form(self) -> "TileConfig":
@@ -172,7 +176,38 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             out.append(TileConfig(blocks, w, s, sp))
             if sp:  # and split-k in one launch: timing decides
                 out.append(TileConfig(blocks, w, s, sp, fused=True))
-    return out + lowering_variants(ks, out) + gluon_configs(ks)
+    return out + lowering_variants(ks, out) + gluon_configs(ks) + vector_dot_configs(ks, sms)
+
+
+def vector_dot_configs(ks: KernelSource, sms: int = 132) -> list[TileConfig]:
+    """Configs of the CUDA-core contraction form (``codegen.VDOT``), where the kernel has
+    one: a program of exactly its rows (1 or 2 -- no padding to the tensor core's 16) and
+    a [rows, keys, width] product in registers, at most ``VDOT_WORDS`` fp32 words a thread
+    (16-64 keys a step at width 128).  Small programs leave room for many per SM, so the
+    split factors go higher than the tensor-core form's (2, 4 and 8 programs an SM): a
+    decode's bandwidth comes from the loads of many programs in flight."""
+    if not getattr(ks, "vector_dot", False) or ks.row_extent > VDOT_ROWS:
+        return []
+    rows = 1 if ks.row_extent <= 1 else 2
+    wide = max([v for k, v in ks.tunables.items() if k not in ("B_L", f"B_{ks.block_axis}")]
+               or [16])
+    out = []
+    for keys, warps in ((32, 4), (64, 4), (64, 8)):
+        if rows * keys * wide > VDOT_WORDS * 32 * warps:
+            continue
+        blocks = {k: (rows if k == f"B_{ks.block_axis}" else keys)
+                  for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"}
+        if not ks.split_extent:
+            out.append(TileConfig(blocks, warps, 3, vector_dot=True))
+            continue
+        programs = ks.grid_size * -(-ks.row_extent // rows)
+        for sp in split_factors(programs, ks.split_extent, keys, 2 * sms):
+            out.append(TileConfig(blocks, warps, 3, sp, vector_dot=True))
+            out.append(TileConfig(blocks, warps, 3, sp, fused=True, vector_dot=True))
+    return out
+
+
+VDOT_WORDS = 64  # fp32 words a thread of the CUDA-core product tile: past it, spills
 
 
 def gluon_configs(ks: KernelSource) -> list[TileConfig]:
@@ -283,8 +318,12 @@ class Launcher:
         # lowering choices (constexprs of every generated kernel, ``lowering/descriptors``);
         # a kernel without descriptor tiles has nothing to switch
         tma = self.config.tma and bool(getattr(self.ks, "descriptors", None))
+        if self.config.vector_dot and not getattr(self.ks, "vector_dot", False):
+            raise ValueError(f"Config {self.config}: this kernel's contractions have no "
+                             "CUDA-core form (it has more than codegen.VDOT_ROWS rows).")
         consts.update(TMA=tma, WS=tma and self.config.warp_specialize,
-                      LOOP_STAGES=self.config.loop_stages or self.config.num_stages)
+                      LOOP_STAGES=self.config.loop_stages or self.config.num_stages,
+                      VDOT=self.config.vector_dot)
         self.consts = consts
         self.tma = tma
         self._pointer_twin = None  # the pointer form, for calls whose tensors TMA cannot take

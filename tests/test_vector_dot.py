@@ -1,0 +1,112 @@
+"""The CUDA-core contraction form of one- and two-row kernels (``codegen.VDOT``): a
+decode's QKᵀ and P·V as broadcast products summed on the CUDA cores, in programs of
+exactly the query's rows, behind a constexpr beside the tensor-core ``tl.dot``.  Each
+form of each launch shape (one pass, split-k in two launches, split-k in one) equals the
+fp64 reference, including a fully masked row and large-magnitude scores."""
+import pytest
+import torch
+
+import neptune_eq as ne
+from helpers import random_inputs
+from sm90_compile import compile_for_sm90
+from neptune_eq.interp import evaluate
+from neptune_eq.runtime.launcher import Launcher, TileConfig, candidate_configs, vector_dot_configs
+
+_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+def _decode(hq, hkv, skv, dtype, d=16, visible=None):
+    """One query at the end of ``skv`` keys (causal), an ALiBi-like score mod; with
+    ``visible`` the query sees only keys below it (0: none -- a fully masked row)."""
+    lim = skv - 1 if visible is None else visible - 1
+    return ne.attention(1, hq, 1, skv, d, dtype, kv_heads=hkv,
+                        mask_mod=lambda b, h, q, k: k <= q + lim,
+                        score_mod=lambda s, b, h, q, k: s + 0.01 * (k - q))
+
+
+def _run(kern, row_kernel, program, cfg, ins):
+    outs = {n: torch.full(program.shape_of(n), float("nan"), dtype=getattr(torch, program.dtype_of(n)))
+            for n in program.outputs}
+    Launcher(program, row_kernel, "interpreter", cfg)({**ins, **outs})
+    return outs[program.outputs[0]]
+
+
+def _rows(kern):
+    """(plan, kernel source) of every lowered candidate: the split-k and one-pass ones."""
+    return [(r.program, r.kernel) for r in kern.candidates if r.kernel is not None]
+
+
+@pytest.mark.parametrize("hq, hkv, skv, dtype, scale", [
+    (3, 3, 70, "float16", 1.0),     # one row per program, odd key count
+    (4, 2, 45, "bfloat16", 1.0),    # two heads of a group packed: two rows
+    (2, 2, 33, "float32", 30.0),    # large-magnitude scores (|s| in the hundreds)
+])
+def test_cuda_core_form_equals_the_reference(hq, hkv, skv, dtype, scale):
+    kern = ne.superoptimize(_decode(hq, hkv, skv, dtype), target="interpreter", cache=False)
+    ins = random_inputs(kern.input_program, scale)
+    ref = evaluate(kern.input_program, ins)["o"]
+    bound = _TOL[dtype] * max(1.0, ref.abs().max().item())
+    rows = hq // hkv
+    seen = set()
+    for program, ks in _rows(kern):
+        assert ks.vector_dot and "if VDOT else tl.dot(" in ks.source
+        for split, fused in ((0, False), (3, False), (3, True)) if ks.split_extent else ((0, False),):
+            cfg = TileConfig({f"B_{ks.block_axis}": rows, "B_L": 16}, 4, 1, split, fused=fused,
+                             vector_dot=True)
+            got = _run(kern, ks, program, cfg, ins)
+            err = (got.double() - ref).abs().max().item()
+            assert torch.isfinite(got).all() and err <= bound, (str(cfg), err, bound)
+            seen.add((bool(ks.split_extent), fused))
+    assert (True, True) in seen and (True, False) in seen  # both split-k launch shapes ran
+
+
+def test_cuda_core_form_of_a_fully_masked_row_is_zero():
+    kern = ne.superoptimize(_decode(2, 2, 40, "float16", visible=-5), target="interpreter",
+                            cache=False)
+    ins = random_inputs(kern.input_program)
+    for program, ks in _rows(kern):
+        for split, fused in ((0, False), (3, False), (3, True)) if ks.split_extent else ((0, False),):
+            cfg = TileConfig({"B_i": 1, "B_L": 16}, 4, 1, split, fused=fused, vector_dot=True)
+            assert torch.equal(_run(kern, ks, program, cfg, ins), torch.zeros(1, 2, 1, 16,
+                                                                                dtype=torch.float16))
+
+
+def test_cuda_core_form_is_offered_only_where_the_rows_are_few():
+    """One or two rows: offered (programs of exactly those rows, splits for 2-8 programs
+    an SM, both launch shapes); a GQA group of 8 packed rows keeps tl.dot alone -- its
+    [8, keys, width] product would spill -- and a config asking for it is an error."""
+    def ks_of(hq, hkv, skv=8192, d=128):
+        kern = ne.superoptimize(_decode(hq, hkv, skv, "float16", d=d), target="interpreter",
+                                cache=False)
+        return kern, kern.kernel_source
+    _, one = ks_of(32, 32)
+    cfgs = vector_dot_configs(one)
+    assert cfgs and all(c.vector_dot and c.blocks["B_i"] == 1 for c in cfgs)
+    assert {c.fused for c in cfgs} == {False, True} and min(c.splits for c in cfgs) >= 9
+    assert all(c.blocks["B_L"] * 128 <= 64 * 32 * c.num_warps for c in cfgs)  # no spill
+    assert set(map(str, cfgs)) <= set(map(str, candidate_configs(one, "cuda")))
+    assert "cuda-cores" in str(cfgs[0])
+    gqa_kern, gqa = ks_of(64, 8)
+    assert not gqa.vector_dot and "VDOT else" not in gqa.source and vector_dot_configs(gqa) == []
+    with pytest.raises(ValueError, match="no CUDA-core form"):
+        Launcher(gqa_kern.program, gqa, "interpreter",
+                 TileConfig({"B_i": 8, "B_L": 16}, 4, 1, 3, vector_dot=True))
+
+
+def test_cuda_core_form_compiles_for_sm90_without_spills(tmp_path):
+    """The GPU form at the offered shapes compiles for sm_90 (the newest Triton's compiler;
+    3.6 on the GPU machine) with no tensor-core instructions and no register spills."""
+    kern = ne.superoptimize(_decode(32, 32, 8192, "float16", d=128), target="interpreter",
+                            cache=False)
+    ks = kern.kernel_source
+    path = tmp_path / "vdot.py"
+    path.write_text(ks.source)
+    dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
+    for keys, warps in ((16, 4), (64, 8)):
+        consts = {**ks.tunables, "B_i": 1, "B_L": keys, "TMA": False, "WS": False,
+                  "LOOP_STAGES": 3, "VDOT": True, **{f: True for f in ks.even_flags}}
+        spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": warps, "num_stages": 3,
+                "resources": True}
+        res = compile_for_sm90(path, f"{ks.name}_partial", spec, timeout=300)
+        assert res["ok"], res.get("error")
+        assert not res["wgmma"] and res["spill_stores"] == 0, res
