@@ -272,3 +272,33 @@ def test_an_untimed_buckets_config_is_timed_once_when_a_choice_needs_its_time(mo
     assert [k.gluon_ws for k in timed[-1][0]] == [False, True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert d.measured_ms({"S": 100}, {}) is None and len(timed) == 2
+
+
+def test_an_untimed_bucket_keeps_the_faster_of_the_configs_it_timed(monkeypatch):
+    """A carried Gluon config is timed beside the tl run that checks it; where tl is
+    faster (or Gluon failed) the bucket switches to tl, drops launchers made from the old
+    config and re-stores itself; where Gluon is faster it stays."""
+    from dataclasses import replace
+    from neptune_eq.choosing import dispatch
+    out = ne.attention(1, 2, "S", "S", 16, "float32")
+    kern = ne.superoptimize(out, target="interpreter", cache=False, sizes={"S": 40})
+    d = dispatch.SizeDispatch(kern._dispatch.pool, ["S"], "cuda", kern._dispatch.device)
+    stored = []
+    d.on_new_bucket = lambda: stored.append(1)
+    times = {}
+    monkeypatch.setattr(dispatch, "time_configs", lambda program, ks, target, tensors, configs,
+                        values: [(k, times[k.gluon_ws], "ok" if times[k.gluon_ws] else "failed")
+                                 for k in configs])
+    monkeypatch.setattr(dispatch, "timing_tensors", lambda prog, given: dict(given))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("NEPTUNE_EQ_TIME_NEW_BUCKETS", "0")
+    for tl_ms, gluon_ms, stays in ((0.068, 0.090, False), (0.2, 0.1, True), (0.2, None, False)):
+        c = d.choice_for({"S": 3000})
+        c.config = c.row.config = replace(c.config, gluon_ws=True)
+        c.config_ms, times[False], times[True] = None, tl_ms, gluon_ms
+        d.launchers[(3000,)] = d.launchers[(3001,)] = "stale"
+        n = len(stored)
+        assert d.measured_ms({"S": 3000}, {}) == (gluon_ms if stays else tl_ms)
+        assert c.config.gluon_ws is stays and c.row.config is c.config
+        assert ((3000,) in d.launchers) is stays and ((3001,) in d.launchers) is stays
+        assert len(stored) == n + (not stays)

@@ -181,33 +181,25 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
 
 def vector_dot_configs(ks: KernelSource, sms: int = 132) -> list[TileConfig]:
     """Configs of the CUDA-core contraction form (``codegen.VDOT``), where the kernel has
-    one: a program of exactly its rows (1 or 2 -- no padding to the tensor core's 16) and
-    a [rows, keys, width] product in registers, at most ``VDOT_WORDS`` fp32 words a thread
-    (16-64 keys a step at width 128).  Small programs leave room for many per SM, so the
-    split factors go higher than the tensor-core form's (2, 4 and 8 programs an SM): a
-    decode's bandwidth comes from the loads of many programs in flight."""
+    one: a program of exactly its rows (1 or 2 -- no padding to the tensor core's 16),
+    32 keys a step at 4 warps, split for 2, 4 and 8 programs an SM, combined in the same
+    launch.  That is the form's one shape that won anywhere in a sweep of 16-128 keys x 4/8
+    warps x splits 4-128 x one/two launches (H200, bench/results/decode_s23/): causal and
+    ALiBi decode at 512 keys, where a call is all latency (graphed 1.15 TB/s, 0.99x
+    SDPA; the tensor-core form's choice ran 0.87x in session 11).  From 2048 keys the tensor-core form's pipelined loads win (1.93 vs 1.83 TB/s at 2048,
+    3.29 vs 2.33 at 8192), so this adds three configs to a cold choice, not a grid."""
     if not getattr(ks, "vector_dot", False) or ks.row_extent > VDOT_ROWS:
         return []
     rows = 1 if ks.row_extent <= 1 else 2
-    wide = max([v for k, v in ks.tunables.items() if k not in ("B_L", f"B_{ks.block_axis}")]
-               or [16])
-    out = []
-    for keys, warps in ((32, 4), (64, 4), (64, 8)):
-        if rows * keys * wide > VDOT_WORDS * 32 * warps:
-            continue
-        blocks = {k: (rows if k == f"B_{ks.block_axis}" else keys)
-                  for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"}
-        if not ks.split_extent:
-            out.append(TileConfig(blocks, warps, 3, vector_dot=True))
-            continue
-        programs = ks.grid_size * -(-ks.row_extent // rows)
-        for sp in split_factors(programs, ks.split_extent, keys, 2 * sms):
-            out.append(TileConfig(blocks, warps, 3, sp, vector_dot=True))
-            out.append(TileConfig(blocks, warps, 3, sp, fused=True, vector_dot=True))
-    return out
+    keys, warps = 32, 4
+    blocks = {k: (rows if k == f"B_{ks.block_axis}" else keys)
+              for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"}
+    if not ks.split_extent:
+        return [TileConfig(blocks, warps, 3, vector_dot=True)]
+    programs = ks.grid_size * -(-ks.row_extent // rows)
+    return [TileConfig(blocks, warps, 3, sp, fused=True, vector_dot=True)
+            for sp in split_factors(programs, ks.split_extent, keys, 2 * sms)]
 
-
-VDOT_WORDS = 64  # fp32 words a thread of the CUDA-core product tile: past it, spills
 
 
 def gluon_configs(ks: KernelSource) -> list[TileConfig]:
