@@ -4,7 +4,8 @@
 
 Every program is superoptimized for CUDA and compared with the fp64 reference
 interpreter on fresh random inputs, including odd sizes and large-magnitude scores.
-Split-k kernels are also run in the form not chosen (two launches / one launch).
+Split-k kernels are also run in the form not chosen (two launches / one launch), and a
+kernel with a CUDA-core contraction form (a one- or two-row decode) in each of its configs.
 Writes gpu_validate.json after every case; exits non-zero on any mismatch.
 """
 from __future__ import annotations
@@ -51,11 +52,13 @@ def case(name, out, scale=1.0):
         ok &= bool(torch.isfinite(got).all()) and e <= b
         err, bound = max(err, e), max(bound, b)
     la = kern._launcher
-    other = ""
-    if kern.config is not None and kern.config.splits:  # the split-k form not chosen, too
-        from dataclasses import replace
-        from neptune_eq.runtime.launcher import Launcher
-        cfg = replace(kern.config, fused=not kern.config.fused)
+    from dataclasses import replace
+    from neptune_eq.runtime.launcher import Launcher, vector_dot_configs
+    # the split-k form not chosen, and every CUDA-core config offered, checked too
+    alts = [replace(kern.config, fused=not kern.config.fused)] if kern.config.splits else []
+    alts += [c for c in vector_dot_configs(kern.kernel_source) if c != kern.config]
+    checked = []
+    for cfg in alts:
         alt = Launcher(kern.program, kern.kernel_source, "cuda", cfg)
         dev = {k: v.cuda() for k, v in ins.items()}
         for _ in range(3):  # slow launch + check, then the direct launch twice
@@ -67,7 +70,8 @@ def case(name, out, scale=1.0):
             e = (got.double() - ref).abs().max().item()
             ok &= bool(torch.isfinite(got).all()) and e <= TOL[dt] * max(1.0, ref.abs().max().item())
             err = max(err, e)
-        other = f"{cfg} also checked (fast {alt.fast_ok})"
+        checked.append(f"{cfg} (fast {alt.fast_ok})")
+    other = "; ".join(checked) + (" also checked" if checked else "")
     return {"case": name, "ok": ok, "max_abs_err": err, "bound": bound, "also": other,
             "passes": kern.plan.n_passes, "config": str(kern.config),
             "launches": len(kern.launches), "fast_launch": la.fast_ok, "fast_note": la.fast_reason,
@@ -92,6 +96,16 @@ def main():
     for kvh in (8, 2):  # decode (split-k candidates), plain and GQA-packed
         rows.append((f"decode kv_heads={kvh}", lambda kvh=kvh: ne.attention(
             1, 8, 1, 1000, 64, "float16", kv_heads=kvh, mask_mod=causal), 1.0))
+    # the CUDA-core form's shapes: two packed rows in bf16, large scores, a row that sees
+    # no key (zero, not NaN), 512 keys where it is chosen
+    rows.append(("decode kv_heads=4 S=777 bf16", lambda: ne.attention(
+        1, 8, 1, 777, 128, "bfloat16", kv_heads=4, mask_mod=lambda b, h, i, j: j <= i + 776), 1.0))
+    rows.append(("decode scores x30 S=513", lambda: ne.attention(
+        1, 4, 1, 513, 64, "float16", mask_mod=lambda b, h, i, j: j <= i + 512), 30.0))
+    rows.append(("decode fully masked S=300", lambda: ne.attention(
+        1, 4, 1, 300, 64, "float16", mask_mod=lambda b, h, i, j: j > i + 400), 1.0))
+    rows.append(("decode 32 heads S=512 fp16", lambda: ne.attention(
+        1, 32, 1, 512, 128, "float16", mask_mod=lambda b, h, i, j: j <= i + 511), 1.0))
     rows.append(("decode 32 heads S=4099 fp16", lambda: ne.attention(
         1, 32, 1, 4099, 128, "float16", mask_mod=lambda b, h, i, j: j <= i + 4098), 1.0))
     for c in examples.CHAINS:
