@@ -72,19 +72,22 @@ def test_cuda_core_form_of_a_fully_masked_row_is_zero():
 
 
 def test_cuda_core_form_is_offered_only_where_the_rows_are_few():
-    """One or two rows: offered (programs of exactly those rows, 32 keys a step, splits
-    for 2-8 programs an SM, combined in the same launch); a GQA group of 8 packed rows
+    """One or two rows and at most VDOT_MAX_KEYS keys: offered (programs of exactly those
+    rows, 32 keys a step, splits for 2-8 programs an SM, combined in the same launch); a
+    GQA group of 8 packed rows
     keeps tl.dot alone -- its [8, keys, width] product would spill -- and a config asking
     for it is an error."""
     def ks_of(hq, hkv, skv=8192, d=128):
         kern = ne.superoptimize(_decode(hq, hkv, skv, "float16", d=d), target="interpreter",
                                 cache=False)
         return kern, kern.kernel_source
-    _, one = ks_of(32, 32)
+    _, one = ks_of(32, 32, skv=1024)
     cfgs = vector_dot_configs(one)
     assert cfgs and all(c.vector_dot and c.blocks["B_i"] == 1 for c in cfgs)
     assert all(c.fused and c.blocks["B_L"] == 32 for c in cfgs)
-    assert [c.splits for c in cfgs] == [9, 17, 33]  # 32 heads: 2, 4, 8 programs an SM
+    assert [c.splits for c in cfgs] == [9, 16]  # 32 heads: 2 and 4 programs an SM (16 at most)
+    _, long = ks_of(32, 32, skv=2048)   # past VDOT_MAX_KEYS: the tensor-core form wins
+    assert long.vector_dot and vector_dot_configs(long) == []
     assert set(map(str, cfgs)) <= set(map(str, candidate_configs(one, "cuda")))
     assert "cuda-cores" in str(cfgs[0])
     gqa_kern, gqa = ks_of(64, 8)
@@ -95,19 +98,20 @@ def test_cuda_core_form_is_offered_only_where_the_rows_are_few():
 
 
 def test_cuda_core_form_compiles_for_sm90_without_spills(tmp_path):
-    """The GPU form at the offered shapes compiles for sm_90 (the newest Triton's compiler;
-    3.6 on the GPU machine) with no tensor-core instructions and no register spills."""
-    kern = ne.superoptimize(_decode(32, 32, 8192, "float16", d=128), target="interpreter",
+    """The offered GPU form (one launch, 32 keys, 4 warps, B_P as the launcher picks)
+    compiles for sm_90 -- the newest Triton's compiler; 3.6 on the GPU machine
+    -- with no tensor-core instructions and no register spills."""
+    kern = ne.superoptimize(_decode(32, 32, 512, "float16", d=128), target="interpreter",
                             cache=False)
-    ks = kern.kernel_source
+    program, ks = next((p, k) for p, k in _rows(kern) if k.split_extent)
+    (cfg,) = vector_dot_configs(ks)  # 512 keys: chunks of at least two blocks, 8 splits
+    la = Launcher(program, ks, "interpreter", cfg)
     path = tmp_path / "vdot.py"
     path.write_text(ks.source)
     dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
-    for keys, warps in ((16, 4), (64, 8)):
-        consts = {**ks.tunables, "B_i": 1, "B_L": keys, "TMA": False, "WS": False,
-                  "LOOP_STAGES": 3, "VDOT": True, **{f: True for f in ks.even_flags}}
-        spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": warps, "num_stages": 3,
-                "resources": True}
-        res = compile_for_sm90(path, f"{ks.name}_partial", spec, timeout=300)
-        assert res["ok"], res.get("error")
-        assert not res["wgmma"] and res["spill_stores"] == 0, res
+    consts = {**la.consts, "B_P": la._combine_shape(cfg.splits, spread_width=False)[0]}
+    spec = {"dtypes": dtypes | {"sem_ptr": "*i32"}, "constexprs": consts,
+            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "resources": True}
+    res = compile_for_sm90(path, f"{ks.name}_fused", spec, timeout=300)
+    assert res["ok"], res.get("error")
+    assert consts["VDOT"] and not res["wgmma"] and res["spill_stores"] == 0, res

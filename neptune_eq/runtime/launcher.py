@@ -179,16 +179,22 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
     return out + lowering_variants(ks, out) + gluon_configs(ks) + vector_dot_configs(ks, sms)
 
 
+VDOT_MAX_KEYS = 1024  # the longest key loop the CUDA-core form is offered for
+
+
 def vector_dot_configs(ks: KernelSource, sms: int = 132) -> list[TileConfig]:
     """Configs of the CUDA-core contraction form (``codegen.VDOT``), where the kernel has
     one: a program of exactly its rows (1 or 2 -- no padding to the tensor core's 16),
     32 keys a step at 4 warps, split for 2, 4 and 8 programs an SM, combined in the same
-    launch.  That is the form's one shape that won anywhere in a sweep of 16-128 keys x 4/8
-    warps x splits 4-128 x one/two launches (H200, bench/results/decode_s23/): causal and
-    ALiBi decode at 512 keys, where a call is all latency (graphed 1.15 TB/s, 0.99x
-    SDPA; the tensor-core form's choice ran 0.87x in session 11).  From 2048 keys the tensor-core form's pipelined loads win (1.93 vs 1.83 TB/s at 2048,
-    3.29 vs 2.33 at 8192), so this adds three configs to a cold choice, not a grid."""
-    if not getattr(ks, "vector_dot", False) or ks.row_extent > VDOT_ROWS:
+    launch.  That is the form's one shape that won anywhere in a sweep of 16-128 keys x
+    4/8 warps x splits 4-128 x one/two launches (H200, bench/results/decode_s23/): causal
+    and ALiBi decode at 512 keys, where a call is all latency (graphed 1.15 TB/s, 1.04x
+    SDPA; the tensor-core form's choice ran 0.87x in session 11).  From 2048 keys the
+    tensor-core form's pipelined loads win (1.93 vs 1.83 TB/s at 2048, 3.29 vs 2.33 at
+    8192), so it is offered up to ``VDOT_MAX_KEYS`` only: its configs cost a longer
+    decode's cold choice 3-5 s and never won there."""
+    if (not getattr(ks, "vector_dot", False) or ks.row_extent > VDOT_ROWS
+            or ks.split_extent > VDOT_MAX_KEYS):
         return []
     rows = 1 if ks.row_extent <= 1 else 2
     keys, warps = 32, 4
