@@ -109,9 +109,34 @@ def test_cuda_core_form_compiles_for_sm90_without_spills(tmp_path):
     path = tmp_path / "vdot.py"
     path.write_text(ks.source)
     dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
-    consts = {**la.consts, "B_P": la._combine_shape(cfg.splits, spread_width=False)[0]}
+    (launch,) = la._launches                       # the one launch, as the launcher plans it
+    consts = launch.consts
+    assert consts["B_IC"] == 1                     # its combine folds the one real row
     spec = {"dtypes": dtypes | {"sem_ptr": "*i32"}, "constexprs": consts,
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "resources": True}
     res = compile_for_sm90(path, f"{ks.name}_fused", spec, timeout=300)
     assert res["ok"], res.get("error")
     assert consts["VDOT"] and not res["wgmma"] and res["spill_stores"] == 0, res
+
+
+def test_one_launch_tensor_core_form_compiles_for_sm90_without_spills(tmp_path):
+    """The one-launch split-k kernel's combine folds only the real rows (``B_IC``), in
+    names of its own: Triton refuses a name re-typed under the ``if`` (a [16] row tile
+    before it, [1] inside), which the interpreter does not check -- so compile for sm_90,
+    with the launcher's constexprs, at 16 tensor-core rows and 64 keys."""
+    kern = ne.superoptimize(_decode(32, 32, 2048, "float16", d=128), target="interpreter",
+                            cache=False)
+    program, ks = next((p, k) for p, k in _rows(kern) if k.split_extent)
+    cfg = TileConfig({"B_i": 16, "B_L": 64}, 4, 3, 17, fused=True)
+    la = Launcher(program, ks, "interpreter", cfg)
+    (launch,) = la._launches
+    # one real row: every partial (16 chunks of 128 keys) folds in one step of loads
+    assert launch.consts["B_IC"] == 1 and launch.consts["B_P"] >= la._chunks[1] == 16
+    path = tmp_path / "fused.py"
+    path.write_text(ks.source)
+    dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
+    spec = {"dtypes": dtypes | {"sem_ptr": "*i32"}, "constexprs": launch.consts,
+            "num_warps": 4, "num_stages": 3, "resources": True}
+    res = compile_for_sm90(path, f"{ks.name}_fused", spec, timeout=300)
+    assert res["ok"], res.get("error")
+    assert res["spill_stores"] == 0, res

@@ -87,6 +87,9 @@ class Emitter:
         self.ranges: dict[str, tuple[str, str]] = {}
         self.desc = descriptors.DescriptorState()
         self.vector_dots = 0  # contractions with a CUDA-core form (``VDOT``)
+        # axis -> the constexpr sizing its tiles, where not B_<axis> (the one-launch
+        # split-k's combine takes the row block's real rows only: kernelgen._fused_combine)
+        self.block_sizes: dict[str, str] = {}
 
     # -- scopes --------------------------------------------------------------------------
     def push(self, indent: str):
@@ -128,7 +131,7 @@ class Emitter:
         return Tile(f"({t.code}).to(tl.float32)", t.axes, "f32")
 
     def block(self, axis: str) -> str:
-        return f"B_{axis}"
+        return self.block_sizes.get(axis, f"B_{axis}")
 
     def shape(self, axes) -> str:
         return "[" + ", ".join(self.block(a) for a in axes) + "]"

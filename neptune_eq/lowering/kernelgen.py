@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from . import descriptors
@@ -104,7 +105,7 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
         em.env[a] = f"ax_{a}"
     ba = plan.block_axis
     em.env[ba] = ba
-    em.emit(f"offs_{ba} = pid_block * B_{ba} + tl.arange(0, B_{ba})")
+    em.emit(f"offs_{ba} = pid_block * B_{ba} + tl.arange(0, {em.block(ba)})")
     # EVEN_x (constexpr) is true when the extent is a multiple of the block: the mask
     # folds to a constant and Triton drops it from loads and selects.
     em.emit(f"mask_{ba} = (offs_{ba} < {plan.row_extent}) | EVEN_{ba}")
@@ -350,15 +351,49 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     inner = em.scopes[-1][2] + "    "
     last = Emitter(plan, name, bf16_dot_in_fp32)
     last.tmp = em.tmp  # fresh names: Triton types every name assigned under the ``if``
+    # The combine folds [B_P, rows, width] tiles of partials: over the row block's real
+    # rows only (COMBINE_ROWS: 1 for a decode's one query, not the tensor core's 16), so
+    # a decode's partials fold in one step of loads, not B_i/1 times as many.
+    last.block_sizes[plan.block_axis] = COMBINE_ROWS
     _prologue(last, split_axis=False, indent=inner)
     last.emit("tl.store(sem, 0)")
     _init_states(last)
     _combine(last, cache=", cache_modifier='.cg'")
     epilogue(last)
     body = last.pop()
-    em.scopes[-1][0].extend(last.pop() + body)
+    em.scopes[-1][0].extend(_renamed_locals(last.pop() + body, "_c"))
     em.tmp = last.tmp
     return last.desc  # the descriptors the combining program made
+
+
+_ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
+
+
+def _renamed_locals(lines: list[str], suffix: str) -> list[str]:
+    """``lines`` with every name they assign renamed ``<name><suffix>``.  Triton types a
+    name assigned under an ``if`` by its value before the ``if``, and the combine's row
+    tiles (``COMBINE_ROWS`` rows) are not the loop's (``B_<rows>``): fresh names keep the
+    two apart.  Assigned names are tile variables, never keyword names of tl calls."""
+    names = {m.group(1) for ln in lines if (m := _ASSIGNED.match(ln))}
+    if not names:
+        return lines
+    pat = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+                     + r")\b(?!\s*=[^=])")
+    out = []
+    for ln in lines:
+        m = _ASSIGNED.match(ln)
+        if m:  # the assigned name itself, then every use on the right-hand side
+            head, rest = ln[:m.end(1)], ln[m.end(1):]
+            ln = head + suffix + pat.sub(lambda x: x.group(1) + suffix, rest)
+        else:
+            ln = pat.sub(lambda x: x.group(1) + suffix, ln)
+        out.append(ln)
+    return out
+
+
+# constexpr of the one-launch split-k kernel: the rows its combine folds per program
+# (B_<rows> where a row block is full; else the next power of two of the row count)
+COMBINE_ROWS = "B_IC"
 
 
 def _grid_size(plan: TilePlan) -> int:
@@ -477,7 +512,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     _store_partials(em)
     states += [em.desc, _fused_combine(em, plan, name, bf16_dot_in_fp32)]
     fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
-                         + consts + [f"B_{SPLIT}: tl.constexpr"], em)
+                         + consts + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em)
     return KernelSource(name, "\n".join(header + part + comb + fused) + "\n" + pre_text, **common,
                         split_extent=plan.passes[0].extent, scratch=scratch, vector_dot=vector_dot,
                         gluon_why=_gluon_form(plan, name)[1],

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..lowering.codegen import VDOT_ROWS
 from ..lowering.gluon_ws import SMEM_BYTES
-from ..lowering.kernelgen import KernelSource
+from ..lowering.kernelgen import COMBINE_ROWS, KernelSource
 from ..lowering.lower import split_factors
 from .block_summary import SummaryPrepass, build_summaries
 from .descriptors import ensure_allocator, tma_ok
@@ -374,6 +374,10 @@ class Launcher:
         values); where the combine may spread the width axis over programs, it takes
         all partials in one step and as many programs as that leaves width for."""
         rows, tile = self.consts[f"B_{self.ks.block_axis}"], COMBINE_TILE
+        if not spread_width:  # the one-launch combine: the real rows only, and half the
+            # tile -- it shares the registers of the loop before it (ptxas, sm_90: a 64 x
+            # 1 x 128 fp32 step spilled 36-64 bytes after a 16 x 64 tensor-core loop)
+            rows, tile = self._combine_rows(), COMBINE_TILE // 2
         all_p = 1 << max(1, (nsplit - 1).bit_length())
         if self.ks.combine_width and spread_width:
             axis, ext = self.ks.combine_width
@@ -384,6 +388,12 @@ class Launcher:
         width = max(self.ks.scratch.values())
         return max(2, min(64, tile // (rows * width), all_p)), {}, 1
 
+    def _combine_rows(self) -> int:
+        """Rows the one-launch combine folds per program (``kernelgen.COMBINE_ROWS``): the
+        row block where it is full, else the row count rounded up to a power of two."""
+        rows = self.consts[f"B_{self.ks.block_axis}"]
+        return rows if self.ks.row_extent >= rows else 1 << max(0, (self.ks.row_extent - 1).bit_length())
+
     def _plan_launches(self):
         """One FastLaunch per kernel, in launch order: fixed per launcher."""
         if not self.ks.split_extent:
@@ -391,7 +401,8 @@ class Launcher:
         _, nsplit = self._chunks
         if self.config.fused:  # one program per row block combines: no width split
             bp = self._combine_shape(nsplit, spread_width=False)[0]
-            return [FastLaunch(self.fns[2], self.grid() + (nsplit,), {**self.consts, "B_P": bp},
+            return [FastLaunch(self.fns[2], self.grid() + (nsplit,),
+                               {**self.consts, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
                                self.options)]
         bp, over, nw = self._combine_shape(nsplit)
         return [FastLaunch(self.fns[0], self.grid() + (nsplit,), self.consts, self.options),
