@@ -374,7 +374,16 @@ def _renamed_locals(lines: list[str], suffix: str) -> list[str]:
     name assigned under an ``if`` by its value before the ``if``, and the combine's row
     tiles (``COMBINE_ROWS`` rows) are not the loop's (``B_<rows>``): fresh names keep the
     two apart.  Assigned names are tile variables, never keyword names of tl calls."""
-    names = {m.group(1) for ln in lines if (m := _ASSIGNED.match(ln))}
+    names, seen = set(), set()
+    word = re.compile(r"\b[A-Za-z_]\w*\b")
+    for ln in lines:  # only names the block defines before any read: none read the outer one
+        m = _ASSIGNED.match(ln)
+        rhs = ln[m.end(1):] if m else ln
+        seen |= set(word.findall(rhs))
+        if m and m.group(1) not in seen:
+            names.add(m.group(1))
+        if m:
+            seen.add(m.group(1))
     if not names:
         return lines
     pat = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
