@@ -351,9 +351,11 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     inner = em.scopes[-1][2] + "    "
     last = Emitter(plan, name, bf16_dot_in_fp32)
     last.tmp = em.tmp  # fresh names: Triton types every name assigned under the ``if``
-    # The combine folds [B_P, rows, width] tiles of partials: over the row block's real
+    # The combine folds [B_P, rows, width] tiles of partials over the row block's real
     # rows only (COMBINE_ROWS: 1 for a decode's one query, not the tensor core's 16), so
-    # a decode's partials fold in one step of loads, not B_i/1 times as many.
+    # B_P is 16x larger and a decode's partials fold in one step of loads, not five
+    # (H200, causal decode S=2048, 64 keys x 9 splits in one launch: 0.98 -> 2.40 TB/s
+    # with K/V from DRAM, bench/results/decode_s23/).
     last.block_sizes[plan.block_axis] = COMBINE_ROWS
     _prologue(last, split_axis=False, indent=inner)
     last.emit("tl.store(sem, 0)")
@@ -370,10 +372,12 @@ _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
 
 
 def _renamed_locals(lines: list[str], suffix: str) -> list[str]:
-    """``lines`` with every name they assign renamed ``<name><suffix>``.  Triton types a
-    name assigned under an ``if`` by its value before the ``if``, and the combine's row
-    tiles (``COMBINE_ROWS`` rows) are not the loop's (``B_<rows>``): fresh names keep the
-    two apart.  Assigned names are tile variables, never keyword names of tl calls."""
+    """``lines`` with every name they define before reading it renamed
+    ``<name><suffix>`` (a name read first still means the value from before).  Triton
+    types a name assigned under an ``if`` by its value before the ``if``, and the
+    combine's row tiles (``COMBINE_ROWS`` rows) are not the loop's (``B_<rows>``): fresh
+    names keep the two apart.  Assigned names are tile variables, never keyword names of
+    tl calls."""
     names, seen = set(), set()
     word = re.compile(r"\b[A-Za-z_]\w*\b")
     for ln in lines:  # only names the block defines before any read: none read the outer one

@@ -207,7 +207,6 @@ def vector_dot_configs(ks: KernelSource, sms: int = 132) -> list[TileConfig]:
             for sp in split_factors(programs, ks.split_extent, keys, 2 * sms)]
 
 
-
 def gluon_configs(ks: KernelSource) -> list[TileConfig]:
     """The warp-specialised Gluon form's configs (``lowering/gluon_ws.py``), where the plan
     has one and this machine runs it (``gluon_device.gluon_unavailable``): 128 rows per
