@@ -1,11 +1,14 @@
 """What a new size bucket costs the first training step that meets it.
 
-    python bench/new_bucket_cost.py                     # buckets chosen by the cost model
-    NEPTUNE_EQ_TIME_NEW_BUCKETS=1 python bench/new_bucket_cost.py   # ... timed on the call
+    python bench/new_bucket_cost.py                     # the default (auto): timed where long
+    NEPTUNE_EQ_TIME_NEW_BUCKETS=0 python bench/new_bucket_cost.py   # never timed on the call
+    NEPTUNE_EQ_TIME_NEW_BUCKETS=1 python bench/new_bucket_cost.py   # always timed on the call
 
 One fwd+bwd of ne.flex_attention (bf16, B=2, H=16, D=128) at S=8192 -- the cold build of
 every kernel -- then one at S=2048, a bucket none of them has met: the wall time of each
-first step, synchronised.  Run it with an empty ``NEPTUNE_EQ_CACHE`` to see the cold cost.
+first step, synchronised.  Under ``auto`` (``choosing/dispatch.time_new_buckets``) a bucket
+is timed on the call where its predicted call takes >= 1 ms, else it carries the config a
+timed bucket nearby chose.  Run it with an empty ``NEPTUNE_EQ_CACHE`` to see the cold cost.
 """
 from __future__ import annotations
 
