@@ -241,6 +241,7 @@ def test_an_untimed_bucket_takes_the_config_the_nearest_timed_bucket_chose(monke
     assert dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev,
                                   known=[other]).config == configs[0]
 
+
 def test_an_untimed_buckets_config_is_timed_once_when_a_choice_needs_its_time(monkeypatch):
     """``SizeDispatch.measured_ms``: a timed bucket gives its own timing; a bucket chosen
     untimed has its one config timed once on the call's tensors (no tuning) and kept;

@@ -24,7 +24,7 @@ def _decode(hq, hkv, skv, dtype, d=16, visible=None):
                         score_mod=lambda s, b, h, q, k: s + 0.01 * (k - q))
 
 
-def _run(kern, row_kernel, program, cfg, ins):
+def _run(row_kernel, program, cfg, ins):
     outs = {n: torch.full(program.shape_of(n), float("nan"), dtype=getattr(torch, program.dtype_of(n)))
             for n in program.outputs}
     Launcher(program, row_kernel, "interpreter", cfg)({**ins, **outs})
@@ -53,7 +53,7 @@ def test_cuda_core_form_equals_the_reference(hq, hkv, skv, dtype, scale):
         for split, fused in ((0, False), (3, False), (3, True)) if ks.split_extent else ((0, False),):
             cfg = TileConfig({f"B_{ks.block_axis}": rows, "B_L": 16}, 4, 1, split, fused=fused,
                              vector_dot=True)
-            got = _run(kern, ks, program, cfg, ins)
+            got = _run(ks, program, cfg, ins)
             err = (got.double() - ref).abs().max().item()
             assert torch.isfinite(got).all() and err <= bound, (str(cfg), err, bound)
             seen.add((bool(ks.split_extent), fused))
@@ -67,7 +67,7 @@ def test_cuda_core_form_of_a_fully_masked_row_is_zero():
     for program, ks in _rows(kern):
         for split, fused in ((0, False), (3, False), (3, True)) if ks.split_extent else ((0, False),):
             cfg = TileConfig({"B_i": 1, "B_L": 16}, 4, 1, split, fused=fused, vector_dot=True)
-            assert torch.equal(_run(kern, ks, program, cfg, ins), torch.zeros(1, 2, 1, 16,
+            assert torch.equal(_run(ks, program, cfg, ins), torch.zeros(1, 2, 1, 16,
                                                                                 dtype=torch.float16))
 
 

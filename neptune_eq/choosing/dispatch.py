@@ -186,10 +186,15 @@ class SizeDispatch:
     def add(self, choice: BucketChoice) -> None:
         self.buckets.setdefault(bucket_of(choice.sizes), []).append(choice)
 
+    def _existing(self, values: dict[str, int]) -> BucketChoice | None:
+        """The bucket chosen before whose guards hold at ``values``, if any."""
+        return next((c for c in self.buckets.get(bucket_of(values), ()) if c.guards.hold(values)),
+                    None)
+
     def choice_for(self, values: dict[str, int], tensors: dict | None = None) -> BucketChoice:
-        for c in self.buckets.get(bucket_of(values), ()):
-            if c.guards.hold(values):
-                return c
+        c = self._existing(values)
+        if c is not None:
+            return c
         known = [c for cs in self.buckets.values() for c in cs]
         call = (lambda: self._timing_tensors(values, tensors)) if tensors is not None else None
         c = choose_bucket(self.pool, values, self.target, self.device, call_tensors=call,
@@ -238,15 +243,10 @@ class SizeDispatch:
         if config == c.config:
             return
         c.config = c.row.config = config
-        for key in [k for k in self.launchers if self._choice_of(k) is c]:
+        for key in [k for k in self.launchers if self._existing(dict(zip(self.symbols, k))) is c]:
             del self.launchers[key]
         if self.on_new_bucket is not None:
             self.on_new_bucket()
-
-    def _choice_of(self, key: tuple) -> BucketChoice | None:
-        values = dict(zip(self.symbols, key))
-        return next((c for c in self.buckets.get(bucket_of(values), ()) if c.guards.hold(values)),
-                    None)
 
     def launcher(self, values: dict[str, int], tensors: dict | None = None) -> Launcher:
         """The launcher at ``values``; ``tensors``: the call's inputs by name, which a new

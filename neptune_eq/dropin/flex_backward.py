@@ -154,11 +154,11 @@ def fused_is_faster(st, names, needs, sizes, lse_grad: bool, env: dict) -> bool:
             for group, built in group_kernels(st, groups, sizes, lse_grad, env):
                 pre = built[-1]
                 for kern, bw in [(built[1], built[0])] + ([(pre[1], pre[0])] if pre else []):
-                    ms = kern.bucket_ms(sizes, {ph.name: env[ph.name] for ph in
-                                                bw.program.inputs if ph.name in env})
-                    if ms is None:
+                    kern_ms = kern.bucket_ms(sizes, {ph.name: env[ph.name] for ph in
+                                                     bw.program.inputs if ph.name in env})
+                    if kern_ms is None:
                         return float("nan")  # no time at this bucket: no basis
-                    total += ms
+                    total += kern_ms
                 total += outside_ms(built[0], built[1], group, env)
             return total
         fused = ms(gradient_groups(names, needs))

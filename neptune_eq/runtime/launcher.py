@@ -138,9 +138,14 @@ class TileConfig:
         return replace(self, tma=False, warp_specialize=False)
 
 
+def _tiled_blocks(ks: KernelSource) -> list[str]:
+    """The block sizes a tile config sets: rows, keys and the epilogue's column block."""
+    return [k for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"]
+
+
 def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
     """Tile configs to try: one small config in the interpreter, a handful on the GPU."""
-    tun = [k for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"]
+    tun = _tiled_blocks(ks)
     if target == "interpreter":
         splits = min(3, max(1, -(-ks.split_extent // 16))) if ks.split_extent else 0
         return [TileConfig({k: 16 for k in tun}, 4, 1, splits)]
@@ -198,8 +203,7 @@ def vector_dot_configs(ks: KernelSource, sms: int = 132) -> list[TileConfig]:
         return []
     rows = 1 if ks.row_extent <= 1 else 2
     keys, warps = 32, 4
-    blocks = {k: (rows if k == f"B_{ks.block_axis}" else keys)
-              for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"}
+    blocks = {k: (rows if k == f"B_{ks.block_axis}" else keys) for k in _tiled_blocks(ks)}
     if not ks.split_extent:
         return [TileConfig(blocks, warps, 3, vector_dot=True)]
     programs = ks.grid_size * -(-ks.row_extent // rows)
