@@ -2,7 +2,7 @@
 as called and on the GPU alone, beside SDPA and FlexAttention in the same process.
 
     python bench/decode_configs.py [--ops gqa-dc causal-dc] [--seqs 2048 8192]
-                                   [--sweep] [--out bench/results]
+                                   [--sweep] [--kernels] [--out bench/results]
 
 At decode lengths a call is host-bound: ``do_bench`` of a call measures the host's launch
 path, so every config times alike and a choice made that way is noise.  Three times per
@@ -65,7 +65,20 @@ def sweep(ks, template: TileConfig, S: int) -> list[TileConfig]:
     return out
 
 
-def one(op: str, S: int, wide: bool) -> dict:
+def device_kernels(fns: list) -> list[dict]:
+    """Each kernel's GPU microseconds per call (torch profiler), the calls rotating over
+    the copies of the inputs as the cold column does: where the time of a call goes."""
+    from host_profile import kernel_times, loop_us
+    it = iter(range(1 << 30))
+
+    def call():
+        return fns[next(it) % len(fns)]()
+    rows = [{"kernel": n[:90], "us": us, "launches": c} for n, us, c in kernel_times(call, 40, 5)]
+    return rows + [{"kernel": "(host us per call, warm loop without sync)", "us": loop_us(call, 200),
+                    "launches": 0}]
+
+
+def one(op: str, S: int, wide: bool, kernels: bool = False) -> dict:
     out, spec, work, unit = ops.build(op, S)
     q, k, v, slopes, args = ops.make_inputs(spec)
     kern = ne.superoptimize(out, target="cuda", top_k=2)
@@ -87,8 +100,13 @@ def one(op: str, S: int, wide: bool) -> dict:
                 "called": work / (do_bench(fn[0], warmup=25, rep=100, return_mode="median") / 1e3),
                 "warm": work / (do_bench_cudagraph(fn[0], rep=100, return_mode="median") / 1e3),
                 "cold": work / (device_ms(lambda a: a[0](), [[f] for f in fn]) / 1e3)}
+            if kernels:
+                row["peers"][name]["kernels"] = device_kernels(fn)
         except Exception as ex:  # noqa: BLE001 - a peer that cannot run this shape
             row["peers"][name] = f"failed: {type(ex).__name__}"
+    if kernels:  # where the host time of our call goes (as called is host-bound here)
+        from host_profile import host_profile
+        row["host_profile"] = host_profile(fns["neptune_eq (chosen)"][0], 200, 16)[1]
     for r in kern.candidates:
         if not r.timings:
             continue
@@ -130,6 +148,13 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
                "| --- | --- | --- | --- |"]
         md += [f"| {n} | {f(p['called'])} | {f(p['warm'])} | {f(p['cold'])} |" if isinstance(p, dict)
                else f"| {n} | {p} | | |" for n, p in r["peers"].items()]
+        for n, p in r["peers"].items():
+            if isinstance(p, dict) and p.get("kernels"):
+                md += ["", f"{n}: device us per call by kernel", ""]
+                md += [f"- {k['kernel']}: {k['us']:.2f} us x{k['launches']}" for k in p["kernels"]]
+        if r.get("host_profile"):
+            md += ["", "neptune_eq's host side per call (cProfile, 200 calls):", "", "```",
+                   r["host_profile"].strip(), "```"]
         md += ["", "| candidate | config | offered | chosen | called TB/s | cold TB/s |",
                "| --- | --- | --- | --- | --- | --- |"]
         md += [f"| {c['candidate']} | {c['config']} | {'yes' if c['offered'] else ''} | "
@@ -145,6 +170,8 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=["gqa-dc", "causal-dc", "alibi-dc", "softcap-dc"])
     ap.add_argument("--seqs", nargs="+", type=int, default=[2048, 8192])
     ap.add_argument("--sweep", action="store_true", help="also a wider grid than the offered one")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also each kernel's device time per call, ours and the peers'")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = ap.parse_args()
     for op in a.ops:
@@ -157,7 +184,7 @@ def main() -> None:
     rows = []
     for op in a.ops:
         for S in a.seqs:
-            rows.append(one(op, S, a.sweep))
+            rows.append(one(op, S, a.sweep, a.kernels))
             write(a.out, rows, meta)  # after each setup: a cut-off run keeps what it measured
 
 

@@ -70,17 +70,41 @@ def test_split_k_decode_kernels_equal_the_reference(hq, hkv, skv, dtype, splits,
     assert "_combine" in row.kernel.source and "atomic_add(sem" in row.kernel.source
 
 
-def test_split_k_combine_spreads_the_head_dim_over_programs(monkeypatch):
-    """Decode has few rows: the combine kernel splits the output width (padded 48 -> 64,
-    four programs of 16, the last partly masked) and folds the partials two at a time."""
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "one-launch"])
+def test_split_k_combine_in_several_steps_rebases_the_running_state(fused, monkeypatch):
+    """One loop folds every state's partials a tile a step: the running max moves between
+    steps (scores x30, so a stale base would be off by e^30), and a query that sees no key
+    (two of the four packed heads: their mask is false everywhere) stays exactly 0."""
     from neptune_eq.runtime import launcher as runtime
-    monkeypatch.setattr(runtime, "COMBINE_TILE", 256)
+    monkeypatch.setattr(runtime, "COMBINE_TILE", 16)  # 2 partials x 4 rows x 16 wide a step
+    out = ne.attention(1, 8, 1, 90, 16, "float32", kv_heads=2,
+                       mask_mod=lambda b, h, q, k: (k <= q + 89) & (h % 4 < 2),
+                       score_mod=lambda s, b, h, q, k: s * 30.0)
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    row = _split_row(kern)
+    combine = row.kernel.source.split("_combine(")[1].split("@triton.jit")[0]
+    assert combine.count("for sp0 in range(0, NSPLIT, B_P)") == 1  # one loop, every state
+    la = Launcher(row.program, row.kernel, "interpreter", candidate_configs(row.kernel, "interpreter")[0])
+    assert la._combine_shape(7, spread_width=not fused)[0] == 2  # so 7 splits take 4 steps
+    ins = random_inputs(kern.input_program)
+    got = _run_row(row, kern.input_program, ins, 7, fused)
+    ref = evaluate(kern.input_program, ins)["o"]
+    assert (got.double() - ref).abs().max().item() <= 1e-5
+    assert torch.equal(got[0, 2:4], torch.zeros_like(got[0, 2:4]))
+
+
+def test_split_k_combine_spreads_the_head_dim_over_programs(monkeypatch):
+    """Decode has few rows: the combine kernel folds the real ones only (two packed
+    heads, not the 16-row block), splits the output width (padded 48 -> 64, four programs
+    of 16, the last partly masked) and folds the partials two at a time."""
+    from neptune_eq.runtime import launcher as runtime
+    monkeypatch.setattr(runtime, "COMBINE_TILE", 32)
     out = ne.attention(1, 4, 1, 70, 48, "float32", kv_heads=2, mask_mod=_causal(1, 70))
     kern = ne.superoptimize(out, target="interpreter", cache=False)
     row = _split_row(kern)
     assert row.kernel.combine_width == ("e", 64) and "pid_width" in row.kernel.source
     la = Launcher(row.program, row.kernel, "interpreter", candidate_configs(row.kernel, "interpreter")[0])
-    assert la._combine_shape(3) == (2, {"B_e": 16}, 4)
+    assert la._combine_rows() == 2 and la._combine_shape(3) == (2, {"B_e": 16}, 4)
     ins = random_inputs(kern.input_program)
     got = _run_row(row, kern.input_program, ins, 3)
     ref = evaluate(kern.input_program, ins)["o"]

@@ -87,8 +87,8 @@ class Emitter:
         self.ranges: dict[str, tuple[str, str]] = {}
         self.desc = descriptors.DescriptorState()
         self.vector_dots = 0  # contractions with a CUDA-core form (``VDOT``)
-        # axis -> the constexpr sizing its tiles, where not B_<axis> (the one-launch
-        # split-k's combine takes the row block's real rows only: kernelgen._fused_combine)
+        # axis -> the constexpr sizing its tiles, where not B_<axis> (split-k's combine
+        # takes the row block's real rows only: kernelgen.COMBINE_ROWS)
         self.block_sizes: dict[str, str] = {}
 
     # -- scopes --------------------------------------------------------------------------

@@ -7,9 +7,10 @@
   same fold terms (nothing attention-specific):
   ``<name>_partial`` runs the pass loop over one chunk of the reduced axis per program
   (grid axis 2 = chunk) and stores every fold's state to an fp32 scratch buffer;
-  ``<name>_combine`` folds the partials in order -- ``max``/``min``/``sum`` states by their
-  own operator, rolling states by ``t = ⊕_p t_p ⊙ h(prev := R_p, run := R)`` with the
-  correction ``h`` the rules derived (Neptune Thm 4.4) -- then runs the epilogue.
+  ``<name>_combine`` folds the partials, a tile of them a step, in producer order --
+  ``max``/``min``/``sum`` states by their own operator, rolling states by
+  ``t' = t ⊙ h(R→R') ⊕_p t_p ⊙ h(prev := R_p, run := R')`` with the correction ``h`` the
+  rules derived (Neptune Thm 4.4) -- then runs the epilogue.
   For attention this *is* FlashDecoding; for a plain ``sum`` the correction is 1.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .codegen import (ECOL, LOOP, NEG, POS, SPLIT, VDOT_FLAG, Emitter, Tile, gri
 from ..ir import accessed
 from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
-from .fold_body import epilogue, fold_order, loop_body
+from .fold_body import at_block, epilogue, fold_order, loop_body
 from . import gluon_sums, gluon_ws
 from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
@@ -281,59 +282,58 @@ def _store_partials(em: Emitter) -> dict[str, int]:
 
 
 def _combine(em: Emitter, cache: str = "") -> None:
-    """States = the partials folded together, each re-based by its own correction.
+    """States = the partials folded together, in one loop of ``B_P`` partials a step.
 
-    Folds are combined level by level (a fold's producers are complete before the loop
-    that re-bases it).  Each loop takes ``B_P`` partials at once as tiles with a leading
-    split axis ``P`` -- the correction evaluated on them broadcasts by axis name -- and
-    reduces over ``P``, so a long split list costs few serial steps."""
+    Each step loads every fold's partials once, as tiles with a leading split axis ``P``,
+    and folds them in producer order the way the key loop folds a block
+    (``fold_body.loop_body``): a rolling state is re-based from its producers' values
+    before the step to the values after it, t' = t·h(R→R'), and each partial from its own
+    producers' values, + Σ_P t_p·h(R_p→R').  All partials usually fit in one step, so
+    every load of the combine issues at once -- one round trip to L2, not one per level
+    of producers (H100, GQA decode S=2048: the combine kernel took 4.55 us, cuDNN's 2.28).
+    """
     ba = em.plan.block_axis
-    folds = em.plan.passes[0].folds
-    by_name = {f.name: f for f in folds}
-    level: dict[str, int] = {}
-    for f in fold_order(folds):
-        deps = accessed(f.term, ("run", "prev")) & set(by_name)
-        level[f.name] = 1 + max((level[d] for d in deps), default=-1)
+    folds = fold_order(em.plan.passes[0].folds)
     ident = {"max": NEG, "rollmax": NEG, "min": POS}
     em.emit("# split-k combine: fold the partial states, re-based by each fold's correction")
-    for lv in range(max(level.values()) + 1):
-        group = [f for f in folds if level[f.name] == lv]
-        em.emit(f"for sp0 in range(0, NSPLIT, B_{SPLIT}):")
-        em.push(em.scopes[0][2] + "    ")
-        em.emit(f"offs_{SPLIT} = sp0 + tl.arange(0, B_{SPLIT})")
-        em.emit(f"mask_{SPLIT} = offs_{SPLIT} < NSPLIT")
-        prevs = sorted({n for f in group if f.term.kind == "fold"
-                        for n in accessed(f.term.args[1], ("prev",))})
-        split = Tile(f"offs_{SPLIT}", (SPLIT,), "int")
-        for name in dict.fromkeys([f.name for f in group] + prevs):
-            off, axes, _ = _scratch_offset(em, by_name[name], split)
-            m = em.mask([a for a in axes if a in (SPLIT, ba)])
-            m = em.bcast(Tile(f"({m})", em.canon((SPLIT, ba)), "bool"), axes)
-            other = ident.get(by_name[name].op, "0.0")
-            em.emit(f"{name}_p = tl.load(ws_{name}_ptr + {off}, mask={m}, other={other}{cache})")
-            em.states[f"{name}_p"] = Tile(f"{name}_p", axes, "f32")
-        for name in prevs:  # prev := the partials' producer values, run := the combined one
-            em.running[name] = (f"{name}_p", name)
-        for f in group:
-            part = em.states[f"{f.name}_p"]
-            inside = em.bcast(Tile(f"mask_{SPLIT}", (SPLIT,), "bool"), part.axes)
-            if f.op in ("max", "min"):
-                upd = f"tl.{'maximum' if f.op == 'max' else 'minimum'}({f.name}, tl.{f.op}({part.code}, axis=0))"
-            elif f.op == "sum":
-                upd = f"{f.name} + tl.sum({part.code}, axis=0)"
-            else:
-                corr = em.f32(em.expr(f.term.args[1]))
-                axes = em.canon(part.axes + corr.axes)
-                c = em.bcast(corr, axes)
-                if f.op == "rollmax":
-                    upd = (f"tl.maximum({f.name}, tl.max(tl.where({inside}, {part.code} + {c}, {NEG}), "
-                           "axis=0))")
-                else:  # padded splits must add exactly 0, even where h is inf or NaN there
-                    upd = f"{f.name} + tl.sum(tl.where({inside}, {part.code} * {c}, 0.0), axis=0)"
-            em.emit(f"{f.name} = {upd}")
-        em.scopes[1][0].extend(em.pop())
-        for name in prevs:
-            em.running.pop(name, None)
+    em.emit(f"for sp0 in range(0, NSPLIT, B_{SPLIT}):")
+    em.push(em.scopes[0][2] + "    ")
+    em.emit(f"offs_{SPLIT} = sp0 + tl.arange(0, B_{SPLIT})")
+    em.emit(f"mask_{SPLIT} = offs_{SPLIT} < NSPLIT")
+    split = Tile(f"offs_{SPLIT}", (SPLIT,), "int")
+    for f in folds:
+        off, axes, _ = _scratch_offset(em, f, split)
+        m = em.mask([a for a in axes if a in (SPLIT, ba)])
+        m = em.bcast(Tile(f"({m})", em.canon((SPLIT, ba)), "bool"), axes)
+        other = ident.get(f.op, "0.0")
+        em.emit(f"{f.name}_p = tl.load(ws_{f.name}_ptr + {off}, mask={m}, other={other}{cache})")
+        em.states[f"{f.name}_p"] = Tile(f"{f.name}_p", axes, "f32")
+    for f in folds:  # run := the value after this step, prev := before it
+        em.running[f.name] = (f.name, f"{f.name}_new")
+    for f in folds:
+        part = em.states[f"{f.name}_p"]
+        inside = em.bcast(Tile(f"mask_{SPLIT}", (SPLIT,), "bool"), part.axes)
+        if f.op in ("max", "min"):
+            upd = f"tl.{'maximum' if f.op == 'max' else 'minimum'}({f.name}, tl.{f.op}({part.code}, axis=0))"
+        elif f.op == "sum":
+            upd = f"{f.name} + tl.sum({part.code}, axis=0)"
+        else:
+            st = em.states[f.name]
+            rebase = em.bcast(em.f32(em.expr(f.term.args[1])), st.axes)
+            own = {n: f"{n}_p" for n in accessed(f.term.args[1], ("prev",))}
+            corr = em.f32(em.expr(at_block(f.term.args[1], own, "prev")))
+            c = em.bcast(corr, em.canon(part.axes + corr.axes))
+            if f.op == "rollmax":
+                upd = (f"tl.maximum({f.name} + {rebase}, tl.max(tl.where({inside}, "
+                       f"{part.code} + {c}, {NEG}), axis=0))")
+            else:  # padded splits must add exactly 0, even where h is inf or NaN there
+                upd = (f"{f.name} * {rebase} + tl.sum(tl.where({inside}, {part.code} * {c}, "
+                       "0.0), axis=0)")
+        em.emit(f"{f.name}_new = {upd}")
+    for f in folds:
+        em.emit(f"{f.name} = {f.name}_new")
+        em.running.pop(f.name, None)
+    em.scopes[1][0].extend(em.pop())
 
 
 def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: bool):
@@ -510,12 +510,13 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
     width = combine_width_axis(plan)
     em = Emitter(plan, name, bf16_dot_in_fp32)
+    em.block_sizes[ba] = COMBINE_ROWS  # the real rows only, as in the one-launch combine
     _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
     _combine(em)
     epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
-                        + [f"B_{SPLIT}: tl.constexpr"], em)
+                        + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em)
     states.append(em.desc)
     # ... or both in one launch
     em = Emitter(plan, name, bf16_dot_in_fp32)

@@ -376,11 +376,11 @@ class Launcher:
         Each step folds B_P partials as one tile of B_P x rows x width (at most 8192
         values); where the combine may spread the width axis over programs, it takes
         all partials in one step and as many programs as that leaves width for."""
-        rows, tile = self.consts[f"B_{self.ks.block_axis}"], COMBINE_TILE
-        if not spread_width:  # the one-launch combine: the real rows only, and half the
-            # tile -- it shares the registers of the loop before it (ptxas, sm_90: a 64 x
-            # 1 x 128 fp32 step spilled 36-64 bytes after a 16 x 64 tensor-core loop)
-            rows, tile = self._combine_rows(), COMBINE_TILE // 2
+        rows, tile = self._combine_rows(), COMBINE_TILE
+        if not spread_width:  # the one-launch combine: half the tile -- it shares the
+            # registers of the loop before it (ptxas, sm_90: a 64 x 1 x 128 fp32 step
+            # spilled 36-64 bytes after a 16 x 64 tensor-core loop)
+            tile = COMBINE_TILE // 2
         all_p = 1 << max(1, (nsplit - 1).bit_length())
         if self.ks.combine_width and spread_width:
             axis, ext = self.ks.combine_width
@@ -392,7 +392,7 @@ class Launcher:
         return max(2, min(64, tile // (rows * width), all_p)), {}, 1
 
     def _combine_rows(self) -> int:
-        """Rows the one-launch combine folds per program (``kernelgen.COMBINE_ROWS``): the
+        """Rows a combine folds per program (``kernelgen.COMBINE_ROWS``): the
         row block where it is full, else the row count rounded up to a power of two."""
         rows = self.consts[f"B_{self.ks.block_axis}"]
         return rows if self.ks.row_extent >= rows else 1 << max(0, (self.ks.row_extent - 1).bit_length())
@@ -409,7 +409,8 @@ class Launcher:
                                self.options)]
         bp, over, nw = self._combine_shape(nsplit)
         return [FastLaunch(self.fns[0], self.grid() + (nsplit,), self.consts, self.options),
-                FastLaunch(self.fns[1], self.grid() + (nw,), {**self.consts, **over, "B_P": bp},
+                FastLaunch(self.fns[1], self.grid() + (nw,),
+                           {**self.consts, **over, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
                            self.options)]
 
     def _arg_lists(self, tensors: dict) -> tuple[list[list], tuple | None, int | None, list]:
