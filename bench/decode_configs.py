@@ -32,7 +32,7 @@ import neptune_ops as ops  # noqa: E402  - the operators and peers, one definiti
 
 import neptune_eq as ne  # noqa: E402
 from neptune_eq.runtime.timing import timing_tensors  # noqa: E402
-from neptune_eq.runtime.launcher import TileConfig  # noqa: E402
+from neptune_eq.runtime.tile_configs import TileConfig  # noqa: E402
 from neptune_eq.runtime.tuning import compile_in_parallel, time_configs  # noqa: E402
 from neptune_eq.runtime.timing import copy_inputs, device_ms, input_copies  # noqa: E402
 

@@ -80,7 +80,8 @@ def compiled(op, S):
     import json
     from neptune_eq.choosing.choose import prune_configs
     from neptune_eq.choosing.costmodel import device_for
-    from neptune_eq.runtime.launcher import Launcher, candidate_configs
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
     kern, args, *_ = _setup(op, S)
     bound = dict(zip([p.name for p in kern.program.inputs], args))
     outs = {n: torch.empty(kern.program.shape_of(n), dtype=torch.float16, device="cuda")

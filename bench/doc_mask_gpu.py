@@ -139,7 +139,7 @@ def device_ms(q, k, v, mask, calls: int = 20) -> tuple[float, float]:
 def config_sweep(q, k, v, mask) -> dict:
     """The tile config ours runs with here, and every candidate config timed on THIS
     case's data (the chooser timed them once, on the first data of the structure)."""
-    from neptune_eq.runtime.launcher import candidate_configs
+    from neptune_eq.runtime.tile_configs import candidate_configs
     from neptune_eq.runtime.tuning import time_configs
     kern, la, bound = launcher_of(q, k, v, mask)
     sizes = sizes_of(kern.input_program, bound)

@@ -27,7 +27,7 @@ import neptune_eq as ne  # before triton: on a CPU machine it selects the interp
 import triton
 from neptune_eq.dropin import flex, flex_backward
 from neptune_eq.runtime.gluon_launch import make_launcher
-from neptune_eq.runtime.launcher import TileConfig
+from neptune_eq.runtime.tile_configs import TileConfig
 from neptune_eq.sizes import Guards, bind, specialise
 from backward_gpu import doc_ids as bench_doc_ids  # noqa: E402 (bench/: the script's directory)
 from gluon_validate import row_runner  # noqa: E402

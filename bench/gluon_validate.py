@@ -37,7 +37,7 @@ from neptune_eq.egraph.saturate import EGraphStage
 from neptune_eq.lowering.kernelgen import generate
 from neptune_eq.lowering.lower import plan
 from neptune_eq.runtime.gluon_launch import make_launcher
-from neptune_eq.runtime.launcher import TileConfig
+from neptune_eq.runtime.tile_configs import TileConfig
 
 MODS = {  # variant -> (ne mods, torch score_mod(s, h, q, kv), torch mask_mod(q, kv))
     "global": ({}, None, None),

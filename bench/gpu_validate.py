@@ -53,7 +53,9 @@ def case(name, out, scale=1.0):
         err, bound = max(err, e), max(bound, b)
     la = kern._launcher
     from dataclasses import replace
-    from neptune_eq.runtime.launcher import Launcher, vector_dot_configs
+    from neptune_eq.runtime.launcher import Launcher
+    # the split-k form not chosen, and every CUDA-core config offered, checked too
+    from neptune_eq.runtime.tile_configs import vector_dot_configs
     # the split-k form not chosen, and every CUDA-core config offered, checked too
     alts = [replace(kern.config, fused=not kern.config.fused)] if kern.config.splits else []
     alts += [c for c in vector_dot_configs(kern.kernel_source) if c != kern.config]

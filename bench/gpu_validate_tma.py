@@ -33,7 +33,8 @@ from neptune_eq.choosing import choose as ch
 from neptune_eq.choosing.costmodel import device_for
 from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
-from neptune_eq.runtime.launcher import Launcher, candidate_configs
+from neptune_eq.runtime.launcher import Launcher
+from neptune_eq.runtime.tile_configs import candidate_configs
 from neptune_eq.runtime.tuning import compile_in_parallel
 from neptune_eq.sizes import bind
 

@@ -105,15 +105,15 @@ def flex_cases(dev: str) -> dict:
     q, k, v = [torch.randn(1, 2, S, D, generator=g).to(dev, torch.bfloat16) for _ in range(3)]
     qg, kg, vg = [x.clone().requires_grad_(True) for x in (q, k, v)]
     d_out = torch.randn_like(q)
-    masks = {n: create_block_mask(m, 1, 1, S, S, device=dev) for n, m in
+    block_masks = {n: create_block_mask(m, 1, 1, S, S, device=dev) for n, m in
              (("causal", causal), ("documents", documents))}
 
     def step():
         qg.grad = kg.grad = vg.grad = None
-        flex(qg, kg, vg, block_mask=masks["causal"]).backward(d_out)
-    return {"flex compiled: forward, causal": lambda: flex(q, k, v, block_mask=masks["causal"]),
+        flex(qg, kg, vg, block_mask=block_masks["causal"]).backward(d_out)
+    return {"flex compiled: forward, causal": lambda: flex(q, k, v, block_mask=block_masks["causal"]),
             "flex compiled: forward, 8 documents":
-                lambda: flex(q, k, v, block_mask=masks["documents"]),
+                lambda: flex(q, k, v, block_mask=block_masks["documents"]),
             "flex compiled: forward+backward, causal": step}
 
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from neptune_eq.api import make_plan  # noqa: E402
 from neptune_eq.dropin import flex  # noqa: E402
 from neptune_eq.lowering.kernelgen import generate  # noqa: E402
-from neptune_eq.runtime.launcher import candidate_configs  # noqa: E402
+from neptune_eq.runtime.tile_configs import candidate_configs  # noqa: E402
 from neptune_eq.sizes import Guards, specialise  # noqa: E402
 from sm90_compile import compile_for_sm90  # noqa: E402
 

@@ -21,7 +21,8 @@ from .lowering.lower import TilePlan, plan as make_plan
 from .runtime.bound_call import BoundCall
 from .runtime.timing import strided_rows, timing_tensors
 from .runtime.gluon_launch import GluonBoundCall, make_launcher
-from .runtime.launcher import Launcher, TileConfig, candidate_configs, check_inputs, resolve_target
+from .runtime.launcher import Launcher, check_inputs, resolve_target
+from .runtime.tile_configs import TileConfig, candidate_configs
 from .choosing.dispatch import SizeDispatch, choose_bucket
 from .sizes import Guards, bind, sizes_of, specialise, symbols
 from .choosing.translation_validation import validate_translation

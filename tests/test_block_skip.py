@@ -266,7 +266,8 @@ def test_decode_split_with_key_ranges_per_head():
     got = kern(q=q, k=k, v=v, lo=starts, hi=ends)
     assert torch.isfinite(got).all()
     # the split-k candidate (partial + combine, and one launch) bounds every chunk the same way
-    from neptune_eq.runtime.launcher import Launcher, candidate_configs
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
     row = next((r for r in kern.candidates if r.plan is not None and r.plan.split), None)
     if row is None:
         pytest.skip("no split-k candidate for this decode")

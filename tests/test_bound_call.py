@@ -15,7 +15,8 @@ from neptune_eq.interp import evaluate
 from neptune_eq.runtime import launcher as launcher_mod, tuning
 from neptune_eq.runtime.bound_call import BoundCall
 from neptune_eq.runtime.launch import int_classes
-from neptune_eq.runtime.launcher import Launcher, TileConfig
+from neptune_eq.runtime.launcher import Launcher
+from neptune_eq.runtime.tile_configs import TileConfig
 
 from helpers import count_calls, random_inputs
 

@@ -119,7 +119,8 @@ def test_lowering_recomputes_derived_definitions_where_they_are_read(name):
     reductions is split into folds and recomputed per row from their final states."""
     from neptune_eq.lowering.kernelgen import generate
     from neptune_eq.lowering.lower import plan
-    from neptune_eq.runtime.launcher import Launcher, candidate_configs
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
     chain, sizes = CHAINS[name], SHAPES[0]
     prog = chain.program(sizes)
     assert inline_derived(prog) is not prog

@@ -7,7 +7,8 @@ import neptune_eq as ne
 from neptune_eq.frontend import examples
 from neptune_eq.choosing.choose import structure_of
 from neptune_eq.interp import evaluate
-from neptune_eq.runtime.launcher import Launcher, candidate_configs
+from neptune_eq.runtime.launcher import Launcher
+from neptune_eq.runtime.tile_configs import candidate_configs
 from helpers import random_inputs
 
 
@@ -182,7 +183,7 @@ def test_cost_model_sees_register_spills_and_wgmma_shapes():
     from neptune_eq.choosing.choose import prune_configs
     from neptune_eq.choosing.costmodel import (DEVICES, config_seconds, registers_per_thread,
                                                wgmma_shape)
-    from neptune_eq.runtime.launcher import TileConfig
+    from neptune_eq.runtime.tile_configs import TileConfig
     h, n, e = 32, 4096, 128   # heads give the grid its fill, as batch x heads does
     p = ne.placeholder((h, n, n), "float32", "p")
     do = ne.placeholder((h, n, e), "bfloat16", "do")

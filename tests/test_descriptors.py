@@ -18,7 +18,8 @@ from helpers import random_inputs
 from sm90_compile import compile_for_sm90
 from neptune_eq.frontend import examples
 from neptune_eq.interp import evaluate
-from neptune_eq.runtime.launcher import Launcher, TileConfig, candidate_configs
+from neptune_eq.runtime.launcher import Launcher
+from neptune_eq.runtime.tile_configs import TileConfig, candidate_configs
 
 _TOL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
 

@@ -16,9 +16,9 @@ from sm90_compile import compile_for_sm90
 from neptune_eq.choosing.choose import prune_configs
 from neptune_eq.choosing.costmodel import DEFAULT_DEVICE, DEVICES
 from neptune_eq.dropin import flex
-from neptune_eq.runtime import gluon_launch, launcher
+from neptune_eq.runtime import gluon_launch, tile_configs
 from neptune_eq.runtime.gluon_launch import make_launcher, sm90_spec
-from neptune_eq.runtime.launcher import TileConfig, candidate_configs
+from neptune_eq.runtime.tile_configs import TileConfig, candidate_configs
 from neptune_eq.runtime.tile_order import tile_order, tile_work
 
 
@@ -212,7 +212,7 @@ def test_plans_outside_the_skeleton_keep_only_tl_forms(monkeypatch):
     decode = ne.superoptimize(ne.attention(1, 2, 1, 300, 64), target="interpreter", cache=False)
     split = [r.kernel for r in decode.candidates if r.plan is not None and r.plan.split]
     assert split and all(ks.gluon is None and "unsplit" in ks.gluon_why for ks in split)
-    monkeypatch.setattr(launcher, "gluon_unavailable", lambda: None)
+    monkeypatch.setattr(tile_configs, "gluon_unavailable", lambda: None)
     assert not any(c.gluon_ws for c in candidate_configs(decode.kernel_source, "cuda"))
     odd = _kernel(d=48).kernel_source
     assert odd.gluon is None and "widths" in odd.gluon_why
@@ -224,9 +224,9 @@ def test_plans_outside_the_skeleton_keep_only_tl_forms(monkeypatch):
 def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch):
     ks = _kernel().kernel_source
     assert not any(c.gluon_ws for c in candidate_configs(ks, "interpreter"))
-    monkeypatch.setattr(launcher, "gluon_unavailable", lambda: "no CUDA GPU")
+    monkeypatch.setattr(tile_configs, "gluon_unavailable", lambda: "no CUDA GPU")
     assert not any(c.gluon_ws for c in candidate_configs(ks, "cuda"))
-    monkeypatch.setattr(launcher, "gluon_unavailable", lambda: None)
+    monkeypatch.setattr(tile_configs, "gluon_unavailable", lambda: None)
     cfgs = candidate_configs(ks, "cuda")
     gl = [c for c in cfgs if c.gluon_ws]
     # 128-key blocks (head dim 64 too) at each ring that fits in shared memory; 64-key

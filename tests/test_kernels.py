@@ -91,7 +91,8 @@ def _fake_gpu_launches(monkeypatch):
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_fast_launch_is_used_only_after_it_reproduces_tritons_launch(monkeypatch, corrupt):
     from neptune_eq.runtime import launch
-    from neptune_eq.runtime.launcher import Launcher, candidate_configs
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
     kern = ne.superoptimize(examples.softmax(3, 10), target="interpreter", cache=False)
     calls = _fake_gpu_launches(monkeypatch)
     if corrupt:

@@ -123,7 +123,8 @@ def test_a_split_k_kernel_generated_at_one_size_is_right_at_others(fused):
     from neptune_eq.choosing.choose import rank
     from neptune_eq.choosing.costmodel import device_for
     from neptune_eq.choosing.dispatch import specialised_pool
-    from neptune_eq.runtime.launcher import Launcher, candidate_configs
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
     kern = ne.superoptimize(ne.attention(1, 2, 1, "T", 16, "float32"), target="interpreter",
                             cache=False, sizes={"T": 64})
     spec, _ = specialised_pool(kern._dispatch.pool, {"T": 4096})
@@ -210,7 +211,7 @@ def test_an_untimed_bucket_takes_the_config_the_nearest_timed_bucket_chose(monke
     from dataclasses import replace
     from neptune_eq.choosing import dispatch
     from neptune_eq.choosing.costmodel import DEVICES
-    from neptune_eq.runtime.launcher import candidate_configs
+    from neptune_eq.runtime.tile_configs import candidate_configs
     out = ne.attention(1, 2, "S", "S", 16, "float32")
     kern = ne.superoptimize(out, target="interpreter", cache=False, sizes={"S": 40})
     pool, dev = kern._dispatch.pool, DEVICES["H100"]

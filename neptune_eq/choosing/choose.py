@@ -20,7 +20,8 @@ from ..egraph.extract import Candidate
 from ..ir import Program
 from ..lowering.kernelgen import KernelSource, generate
 from ..lowering.lower import LoweringError, TilePlan, plan as make_plan
-from ..runtime.launcher import TileConfig, candidate_configs, load_kernel
+from ..runtime.launcher import load_kernel
+from ..runtime.tile_configs import TileConfig, candidate_configs
 from ..runtime.tuning import compile_in_parallel, time_configs
 
 

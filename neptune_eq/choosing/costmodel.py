@@ -212,7 +212,7 @@ LOWERING_FACTOR = {"pointer": 1.0, "tma": 0.92, "warp_specialized": 0.88}
 
 
 def config_seconds(plan: TilePlan, device: Device, cfg) -> float:
-    """Predicted time of ``plan`` under tile config ``cfg`` (a ``runtime.launcher.TileConfig``):
+    """Predicted time of ``plan`` under tile config ``cfg`` (a ``runtime.tile_configs.TileConfig``):
     the count-based ``estimate``, times the lowering factor, times what the compiler makes
     of the tile shape -- register spills and whether the products can be Hopper ``wgmma``."""
     rows = cfg.blocks.get(f"B_{plan.block_axis}", 16)

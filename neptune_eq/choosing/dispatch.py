@@ -28,7 +28,8 @@ from ..egraph.extract import Candidate
 from ..ir import Program
 from ..lowering.lower import LoweringError
 from ..runtime.gluon_launch import make_launcher
-from ..runtime.launcher import Launcher, TileConfig, candidate_configs
+from ..runtime.launcher import Launcher
+from ..runtime.tile_configs import TileConfig, candidate_configs
 from ..runtime.timing import timing_tensors
 from ..runtime.tuning import time_configs
 from ..sizes import Guards, bind, bucket_of, specialise

@@ -36,7 +36,7 @@ Warp specialisation (``WS``) on Hopper is Triton's automatic pass (Triton 3.6: o
 producer warpgroup, two consumer warpgroups that split the row block).  Measured on an
 H100 (bench/ws_probe, bench/results/ws_probe/README.md) it is right only in a narrow
 form, which ``WS_WARPS`` / ``WS_RING`` / ``WS_MIN_ROWS`` below and
-``runtime.launcher.lowering_variants`` keep to:
+``runtime.tile_configs.lowering_variants`` keep to:
 
 * a K/V ring of 2 buffers (the loop's ``num_stages``): with 3 or 4 every specialised
   kernel returned NaN / garbage, nondeterministically, at every size (multiples of the

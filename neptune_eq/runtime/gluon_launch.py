@@ -23,7 +23,8 @@ from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
 from .tile_order import tile_order, tile_work
 from .launch import FastLaunch, current_stream, int_classes
-from .launcher import Launcher, TileConfig, import_source, same_outputs
+from .launcher import Launcher, import_source, same_outputs
+from .tile_configs import TileConfig
 
 GLUON_NEEDS = ("the warp-specialised form needs contiguous streamed inputs with a 16-byte "
                "aligned base")

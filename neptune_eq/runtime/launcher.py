@@ -13,19 +13,16 @@ import os
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..lowering.codegen import VDOT_ROWS
-from ..lowering.gluon_ws import SMEM_BYTES
 from ..lowering.kernelgen import COMBINE_ROWS, KernelSource
-from ..lowering.lower import split_factors
 from .block_summary import SummaryPrepass, build_summaries
 from .descriptors import ensure_allocator, tma_ok
-from .gluon_device import gluon_unavailable
 from .launch import FastLaunch, _triton_int_specialisation, class_launch_key, current_stream, launch_key
 from ..ir import Program, ProgramError
 from .triton_mode import check_interpreter_importable, enable_interpreter
+from .tile_configs import TileConfig
 
 
 
@@ -94,139 +91,6 @@ def import_source(source: str, name: str, kernel_names: list[str], interpret: bo
     return [getattr(mod, n) for n in kernel_names]
 
 
-@dataclass
-class TileConfig:
-    blocks: dict[str, int]
-    num_warps: int = 4
-    num_stages: int = 2
-    splits: int = 0          # split-k chunks (0: not a split-k kernel)
-    fused: bool = False      # split-k in one launch (the last chunk combines)
-    tma: bool = False        # tiles through tensor descriptors (lowering/descriptors.py)
-    warp_specialize: bool = False  # the main key loop warp-specialised (needs tma)
-    loop_stages: int = 0     # pipeline depth of the main key loop (0: num_stages)
-    gluon_ws: bool = False   # the warp-specialised Gluon form (lowering/gluon_ws.py);
-    #                          num_stages is then the depth of its TMA ring
-    vector_dot: bool = False  # contractions on the CUDA cores, not tl.dot (codegen.VDOT)
-
-    def __str__(self):
-        b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
-        sp = f" splits={self.splits}" if self.splits else ""
-        sp += " one-launch" if self.fused else ""
-        sp += " tma" if self.tma else ""
-        sp += " warp-specialized" if self.warp_specialize else ""
-        sp += f" loop-stages={self.loop_stages}" if self.loop_stages else ""
-        sp += " gluon-ws" if self.gluon_ws else ""
-        sp += " cuda-cores" if self.vector_dot else ""
-        return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
-
-    def at(self, values: dict) -> "TileConfig":
-        """This config at the given sizes: a split factor chosen for a bucket is an
-        expression of the named sizes (more keys, more chunks)."""
-        from ..sizes import value
-        return replace(self, splits=max(1, value(self.splits, values)) if self.splits else 0)
-
-    def as_dict(self) -> dict:
-        return {"blocks": dict(self.blocks), "num_warps": self.num_warps,
-                "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused,
-                "tma": self.tma, "warp_specialize": self.warp_specialize,
-                "loop_stages": self.loop_stages, "gluon_ws": self.gluon_ws,
-                "vector_dot": self.vector_dot}
-
-    @property
-    def pointer_form(self) -> "TileConfig":
-        """The same tiles with pointer loads (where descriptors cannot be used)."""
-        return replace(self, tma=False, warp_specialize=False)
-
-
-def _tiled_blocks(ks: KernelSource) -> list[str]:
-    """The block sizes a tile config sets: rows, keys and the epilogue's column block."""
-    return [k for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"]
-
-
-def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
-    """Tile configs to try: one small config in the interpreter, a handful on the GPU."""
-    tun = _tiled_blocks(ks)
-    if target == "interpreter":
-        splits = min(3, max(1, -(-ks.split_extent // 16))) if ks.split_extent else 0
-        return [TileConfig({k: 16 for k in tun}, 4, 1, splits)]
-    wide = max([v for k, v in ks.tunables.items() if k not in tun] or [16])
-    shapes = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-              (64, 128, 4, 2), (32, 128, 4, 3))
-    decode = ks.row_extent <= 16
-    if decode:  # one row block; the loop block and split matter
-        # 32-key blocks split 32 ways were the fastest GQA decode at 2048 keys on the GPU
-        # alone; 256-key blocks never were (bench/results/decode_configs_h100.md)
-        shapes = ((16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 4))
-        if not ks.split_extent:
-            # A single-pass decode is short (long ones split): host-bound, so the loop block
-            # hardly moves its time, but it is the accuracy granularity -- P is re-based per
-            # key block (TilePlan.block_rebase), one exact p = 1 each; 64 keys match the
-            # split length of FlashDecoding-style kernels.
-            shapes = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 3), (16, 32, 4, 3))
-    out = []
-    for bi, bl, w, s in shapes:
-        if wide > 128 and bi * bl > 128 * 64:
-            continue
-        blocks = {}
-        for k in tun:
-            blocks[k] = bi if k == f"B_{ks.block_axis}" else bl
-        programs = -(-ks.row_extent // bi) * ks.grid_size
-        splits = split_factors(programs, ks.split_extent, bl, sms) if ks.split_extent else [0]
-        if decode and ks.split_extent >= 4 * bl:
-            # a decode split in two: its combine reads the fewest partials, and with the
-            # K/V cache out of L2 it was the fastest decode of 32 heads at 2048 and 8192
-            # keys (bench/results/decode_configs_h100.md)
-            splits = sorted(set(splits) | {2})
-        for sp in splits:
-            out.append(TileConfig(blocks, w, s, sp))
-            if sp:  # and split-k in one launch: timing decides
-                out.append(TileConfig(blocks, w, s, sp, fused=True))
-    return out + lowering_variants(ks, out) + gluon_configs(ks) + vector_dot_configs(ks, sms)
-
-
-VDOT_MAX_KEYS = 1024  # the longest key loop the CUDA-core form is offered for
-
-
-def vector_dot_configs(ks: KernelSource, sms: int = 132) -> list[TileConfig]:
-    """Configs of the CUDA-core contraction form (``codegen.VDOT``), where the kernel has
-    one: a program of exactly its rows (1 or 2 -- no padding to the tensor core's 16),
-    32 keys a step at 4 warps, split for 2, 4 and 8 programs an SM, combined in the same
-    launch.  That is the form's one shape that won anywhere in a sweep of 16-128 keys x
-    4/8 warps x splits 4-128 x one/two launches (H200, bench/results/decode_s23/): causal
-    and ALiBi decode at 512 keys, where a call is all latency (graphed 1.15 TB/s, 1.04x
-    SDPA; the tensor-core form's choice ran 0.87x in session 11).  From 2048 keys the
-    tensor-core form's pipelined loads win (1.93 vs 1.83 TB/s at 2048, 3.29 vs 2.33 at
-    8192), so it is offered up to ``VDOT_MAX_KEYS`` only: its configs cost a longer
-    decode's cold choice 3-5 s and never won there."""
-    if (not getattr(ks, "vector_dot", False) or ks.row_extent > VDOT_ROWS
-            or ks.split_extent > VDOT_MAX_KEYS):
-        return []
-    rows = 1 if ks.row_extent <= 1 else 2
-    keys, warps = 32, 4
-    blocks = {k: (rows if k == f"B_{ks.block_axis}" else keys) for k in _tiled_blocks(ks)}
-    if not ks.split_extent:
-        return [TileConfig(blocks, warps, 3, vector_dot=True)]
-    programs = ks.grid_size * -(-ks.row_extent // rows)
-    return [TileConfig(blocks, warps, 3, sp, fused=True, vector_dot=True)
-            for sp in split_factors(programs, ks.split_extent, keys, 2 * sms)]
-
-
-def gluon_configs(ks: KernelSource) -> list[TileConfig]:
-    """The warp-specialised Gluon form's configs (``lowering/gluon_ws.py``), where the plan
-    has one and this machine runs it (``gluon_device.gluon_unavailable``): 128 rows per
-    program (two consumer warpgroups), the key blocks the form finds worth timing
-    (``GluonForm.key_blocks``: 128 fills the tensor cores better, 64 wastes less on a
-    narrow key range) and a TMA ring 2 or 3 deep where it fits in shared memory (3 × 128
-    keys fills 224 KiB at width 128); timing decides.  Not for a decode (at most 16
-    rows): a 128-row program would compute mostly padding."""
-    form = getattr(ks, "gluon", None)
-    if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
-        return []
-    return [TileConfig({f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True)
-            for bl in form.key_blocks for ring in form.rings(bl)
-            if form.ring_bytes(bl, ring) <= SMEM_BYTES]
-
-
 def same_outputs(ks: KernelSource, want: dict, got: dict, names) -> bool:
     """Whether a direct launch wrote what Triton's own launch did, for the tensors
     ``names``: bit for bit, except outputs summed atomically, which add in no fixed
@@ -235,50 +99,6 @@ def same_outputs(ks: KernelSource, want: dict, got: dict, names) -> bool:
     return all(torch.allclose(want[n], got[n], rtol=1e-4, atol=1e-6) if n in ks.scattered
                else torch.equal(want[n].contiguous().view(torch.uint8),
                                 got[n].contiguous().view(torch.uint8)) for n in names)
-
-
-def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
-    """The GPU-only lowering choices of each pointer config: its tiles through tensor
-    descriptors (TMA), and -- where ``ks.warp_specializable`` says Triton can -- the main key
-    loop warp-specialised; the cost model prunes what is timed (``choose.prune_configs``).
-    ``NEPTUNE_EQ_TMA=0`` turns descriptors off.
-
-    Warp-specialised configs take only the form that was right on Triton 3.6 (H100,
-    bench/results/ws_probe/README.md; ``lowering.descriptors``): a row block of at least
-    ``WS_MIN_ROWS`` (the two consumer warpgroups take half each), ``WS_WARPS`` warps, and
-    a ``WS_RING``-deep K/V ring with ``num_stages`` = ``WS_RING`` (3 with a 2-deep ring was
-    right but 5-11% slower).  Deeper rings returned NaN -- the four wrong configs of
-    bench/results/gpu_validate_tma.md were 3- and 4-deep -- 8 warps left the loop
-    unspecialised, and 64-row blocks computed every row twice.  Key blocks under
-    ``WS_MIN_KEYS`` are left out (slow; they displaced the 128-key config in
-    ``prune_configs``).  In that form every warp-specialised config was right: 9 of 9 over
-    the three global cases (bench/gpu_validate_tma.py), and 10 of 10 in kernels taking
-    their sizes at run time, at 5 sizes from 4500 to 8000 (``--symbolic``, H100,
-    bench/results/gpu_validate_tma_symbolic.json).  The best gained 2-5% over the best
-    pointer config at S=8192, D=128 on the H100.  Off unless ``NEPTUNE_EQ_WARP_SPECIALIZE=1``:
-    on an H200 (session 13), bf16 B=2 H=16 S=8192 D=128 attention -- a shape the checks
-    above never ran -- faulted (illegal memory access) in 3 of 3 cold choices timing them,
-    and was right in 3 of 3 without (``bench/cold_choice_check.py``).  A fault
-    poisons the user's CUDA context: no few percent is worth that."""
-    from ..lowering.descriptors import WS_MIN_KEYS, WS_MIN_ROWS, WS_RING, WS_WARPS
-    if not getattr(ks, "descriptors", None) or os.environ.get("NEPTUNE_EQ_TMA", "1") == "0":
-        return []
-    out = [replace(c, tma=True) for c in pointer_configs]
-    warps = getattr(ks, "warp_specializable", ())
-    if os.environ.get("NEPTUNE_EQ_WARP_SPECIALIZE", "0") != "1" or WS_WARPS not in warps:
-        return out
-    rows = f"B_{ks.block_axis}"
-    seen = set()
-    for c in pointer_configs:
-        if (c.blocks.get(rows, ks.tunables.get(rows, 0)) < WS_MIN_ROWS
-                or c.blocks.get("B_L", WS_MIN_KEYS) < WS_MIN_KEYS):
-            continue
-        ws = replace(c, num_warps=WS_WARPS, num_stages=WS_RING, tma=True, warp_specialize=True,
-                     loop_stages=0)
-        if str(ws) not in seen:
-            seen.add(str(ws))
-            out.append(ws)
-    return out
 
 
 # kernel variant (source, constexprs, warps, stages, one-launch) -> launch key -> checked

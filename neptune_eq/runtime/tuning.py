@@ -13,7 +13,8 @@ from ..lowering.kernelgen import KernelSource
 from .bound_call import BoundCall
 from .descriptors import TMA_NEEDS, tma_ok
 from .gluon_launch import GLUON_NEEDS, gluon_inputs_ok, load_gluon, make_launcher
-from .launcher import TileConfig, load_kernel
+from .launcher import load_kernel
+from .tile_configs import TileConfig
 
 
 def compile_threads() -> int:
