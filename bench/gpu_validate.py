@@ -26,6 +26,33 @@ from neptune_eq.interp import evaluate
 TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}
 
 
+def graph_replays(kern, prog, ins: dict, ok: bool, err: float) -> tuple[bool, float]:
+    """The call captured in a CUDA graph, replayed over three fresh inputs copied into its
+    static ones: each replay against the reference.  Split-k's combine is launched as a
+    programmatic dependent of the partials on sm_90 (``kernelgen.PDL_FLAG``); a replay
+    must see every partial of its own inputs, not the last replay's."""
+    dt = prog.dtype_of(prog.outputs[0])
+    static = {k: v.cuda() for k, v in ins.items()}
+    args = [static[p.name] for p in prog.inputs]
+    kern(*args)  # warm: compiled and checked before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kern(*args)
+    for k in range(3):
+        fresh = {n: (v.double() * (0.5 + k) + k).to(v.dtype) for n, v in ins.items()}
+        for n, v in fresh.items():
+            static[n].copy_(v)
+        g.replay()
+        torch.cuda.synchronize()
+        got = out.cpu()
+        ref = evaluate(prog, fresh)[prog.outputs[0]]
+        e = (got.double() - ref).abs().max().item()
+        ok &= bool(torch.isfinite(got).all()) and e <= TOL[dt] * max(1.0, ref.abs().max().item())
+        err = max(err, e)
+    return ok, err
+
+
 def case(name, out, scale=1.0):
     t0 = time.perf_counter()
     kern = ne.superoptimize(out, target="cuda")
@@ -54,8 +81,9 @@ def case(name, out, scale=1.0):
     la = kern._launcher
     from dataclasses import replace
     from neptune_eq.runtime.launcher import Launcher
-    # the split-k form not chosen, and every CUDA-core config offered, checked too
     from neptune_eq.runtime.tile_configs import vector_dot_configs
+    if kern.config.splits:  # replayed from a CUDA graph (a dependent launch is captured too)
+        ok, err = graph_replays(kern, prog, ins, ok, err)
     # the split-k form not chosen, and every CUDA-core config offered, checked too
     alts = [replace(kern.config, fused=not kern.config.fused)] if kern.config.splits else []
     alts += [c for c in vector_dot_configs(kern.kernel_source) if c != kern.config]

@@ -404,9 +404,12 @@ def _renamed_locals(lines: list[str], suffix: str) -> list[str]:
     return out
 
 
-# constexpr of the one-launch split-k kernel: the rows its combine folds per program
-# (B_<rows> where a row block is full; else the next power of two of the row count)
+# constexpr of the split-k combines: the rows they fold per program (B_<rows> where a
+# row block is full; else the next power of two of the row count)
 COMBINE_ROWS = "B_IC"
+# constexpr of the two-launch split-k kernels: the combine is launched as a programmatic
+# dependent of the partials (runtime.launch.pdl_available)
+PDL_FLAG = "PDL"
 
 
 def _grid_size(plan: TilePlan) -> int:
@@ -503,9 +506,14 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     _init_states(em)
     _pass_loop(em, 0, split=True)
     vector_dot = em.vector_dots > 0
+    # the combine may launch now (Programmatic Dependent Launch, sm_90): its programs
+    # start while the last chunks finish, and wait at gdc_wait for every partial store
+    em.emit(f"if {PDL_FLAG}:")
+    em.emit("    tl.extra.cuda.gdc_launch_dependents()")
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
-    part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em)
+    pdl = [f"{PDL_FLAG}: tl.constexpr"]
+    part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts + pdl, em)
     states = [em.desc]
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
     width = combine_width_axis(plan)
@@ -513,10 +521,12 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     em.block_sizes[ba] = COMBINE_ROWS  # the real rows only, as in the one-launch combine
     _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
+    em.emit(f"if {PDL_FLAG}:  # launched early: the partials are complete and visible after this")
+    em.emit("    tl.extra.cuda.gdc_wait()")
     _combine(em)
     epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
-                        + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em)
+                        + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"] + pdl, em)
     states.append(em.desc)
     # ... or both in one launch
     em = Emitter(plan, name, bf16_dot_in_fp32)
