@@ -503,13 +503,18 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     # split-k: the partials kernel runs the pass on one chunk and stores fold states ...
     em = Emitter(plan, name, bf16_dot_in_fp32)
     _prologue(em, split_axis=True)
+    # the combine may launch now (Programmatic Dependent Launch, sm_90): its programs
+    # start beside the chunks, and wait at gdc_wait for every partial store.  Signalled
+    # first thing: the trigger fires once every chunk program has signalled or exited,
+    # so the combine's programs never take a slot a chunk still waits for.  H100, GQA
+    # decode (8 packed heads), each two-launch config timed with and without, from
+    # DRAM: 0.76-0.78 -> 0.79-0.82 TB/s at 2048 keys, 1.68-1.72 -> 1.78-1.80 at 8192
+    # (bench/results/decode_s24/); signalled after the key loop instead, no gain.
+    em.emit(f"if {PDL_FLAG}:")
+    em.emit("    tl.extra.cuda.gdc_launch_dependents()")
     _init_states(em)
     _pass_loop(em, 0, split=True)
     vector_dot = em.vector_dots > 0
-    # the combine may launch now (Programmatic Dependent Launch, sm_90): its programs
-    # start while the last chunks finish, and wait at gdc_wait for every partial store
-    em.emit(f"if {PDL_FLAG}:")
-    em.emit("    tl.extra.cuda.gdc_launch_dependents()")
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
     pdl = [f"{PDL_FLAG}: tl.constexpr"]
