@@ -2,7 +2,7 @@
 as called and on the GPU alone, beside SDPA and FlexAttention in the same process.
 
     python bench/decode_configs.py [--ops gqa-dc causal-dc] [--seqs 2048 8192]
-                                   [--sweep] [--kernels] [--pdl-ab] [--out bench/results]
+                                   [--sweep] [--kernels] [--out bench/results]
 
 At decode lengths a call is host-bound: ``do_bench`` of a call measures the host's launch
 path, so every config times alike and a choice made that way is noise.  Three times per
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -79,7 +78,7 @@ def device_kernels(fns: list) -> list[dict]:
                     "launches": 0}]
 
 
-def one(op: str, S: int, wide: bool, kernels: bool = False, pdl_ab: bool = False) -> dict:
+def one(op: str, S: int, wide: bool, kernels: bool = False) -> dict:
     out, spec, work, unit = ops.build(op, S)
     q, k, v, slopes, args = ops.make_inputs(spec)
     kern = ne.superoptimize(out, target="cuda", top_k=2)
@@ -119,21 +118,12 @@ def one(op: str, S: int, wide: bool, kernels: bool = False, pdl_ab: bool = False
             compile_in_parallel([(r.program, r.kernel, c) for c in configs], "cuda", tensors)
         called = time_configs(r.program, r.kernel, "cuda", tensors, configs, host=True)
         cold = time_configs(r.program, r.kernel, "cuda", tensors, configs)
-        no_pdl = {}
-        if pdl_ab:  # the two-launch configs again, the combine launched after the partials
-            two = [c for c in configs if c.splits and not c.fused]
-            os.environ["NEPTUNE_EQ_PDL"] = "0"
-            try:
-                no_pdl = {str(c): ms for c, ms, _ in time_configs(r.program, r.kernel, "cuda", tensors, two)}
-            finally:
-                os.environ.pop("NEPTUNE_EQ_PDL")
         for (c, ms, st), (_, gms, gst) in zip(called, cold):
             row["configs"].append({
                 "candidate": r.structure, "config": str(c), "chosen": r.chosen and c == r.config,
                 "offered": any(c == x for x, _, _ in r.timings),
                 "called": work / (ms / 1e3) if ms else st,
-                "cold": work / (gms / 1e3) if gms else gst,
-                **({"cold_no_pdl": work / (no_pdl[str(c)] / 1e3)} if no_pdl.get(str(c)) else {})})
+                "cold": work / (gms / 1e3) if gms else gst})
     best = max((c for c in row["configs"] if isinstance(c["cold"], float)),
                key=lambda c: c["cold"], default=None)
     print(f"{op} S={S}: chosen {row['chosen']}; best cold {best and best['config']} "
@@ -165,11 +155,10 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
         if r.get("host_profile"):
             md += ["", "neptune_eq's host side per call (cProfile, 200 calls):", "", "```",
                    r["host_profile"].strip(), "```"]
-        md += ["", "| candidate | config | offered | chosen | called TB/s | cold TB/s | cold, "
-               "no PDL |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        md += ["", "| candidate | config | offered | chosen | called TB/s | cold TB/s |",
+               "| --- | --- | --- | --- | --- | --- |"]
         md += [f"| {c['candidate']} | {c['config']} | {'yes' if c['offered'] else ''} | "
-               f"{'<-' if c['chosen'] else ''} | {f(c['called'])} | {f(c['cold'])} | "
-               f"{f(c.get('cold_no_pdl', ''))} |"
+               f"{'<-' if c['chosen'] else ''} | {f(c['called'])} | {f(c['cold'])} |"
                for c in sorted(r["configs"], key=lambda c: -(c["cold"] if isinstance(
                    c["cold"], float) else 0))]
         md.append("")
@@ -183,8 +172,6 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also a wider grid than the offered one")
     ap.add_argument("--kernels", action="store_true",
                     help="also each kernel's device time per call, ours and the peers'")
-    ap.add_argument("--pdl-ab", action="store_true",
-                    help="also time the two-launch configs without the dependent launch")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = ap.parse_args()
     for op in a.ops:
@@ -197,7 +184,7 @@ def main() -> None:
     rows = []
     for op in a.ops:
         for S in a.seqs:
-            rows.append(one(op, S, a.sweep, a.kernels, a.pdl_ab))
+            rows.append(one(op, S, a.sweep, a.kernels))
             write(a.out, rows, meta)  # after each setup: a cut-off run keeps what it measured
 
 

@@ -28,9 +28,8 @@ TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}
 
 def graph_replays(kern, prog, ins: dict, ok: bool, err: float) -> tuple[bool, float]:
     """The call captured in a CUDA graph, replayed over three fresh inputs copied into its
-    static ones: each replay against the reference.  Split-k's combine is launched as a
-    programmatic dependent of the partials on sm_90 (``kernelgen.PDL_FLAG``); a replay
-    must see every partial of its own inputs, not the last replay's."""
+    static ones: each replay against the reference (a replay must see every partial of
+    its own inputs, and the one-launch form's counters must be zero again)."""
     dt = prog.dtype_of(prog.outputs[0])
     static = {k: v.cuda() for k, v in ins.items()}
     args = [static[p.name] for p in prog.inputs]

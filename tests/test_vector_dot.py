@@ -141,33 +141,3 @@ def test_one_launch_tensor_core_form_compiles_for_sm90_without_spills(tmp_path):
     res = compile_for_sm90(path, f"{ks.name}_fused", spec, timeout=300)
     assert res["ok"], res.get("error")
     assert res["spill_stores"] == 0, res
-
-
-def test_two_launch_split_k_compiles_for_sm90_as_a_dependent_launch(tmp_path, monkeypatch):
-    """On sm_90 the combine is launched as a programmatic dependent of the partials
-    (``kernelgen.PDL_FLAG``): the partials signal after their key loop
-    (griddepcontrol.launch_dependents), the combine waits before reading them
-    (griddepcontrol.wait).  Both compile for sm_90 with the launcher's constexprs and
-    options; without PDL neither instruction is emitted."""
-    from neptune_eq.runtime import launcher as launcher_mod
-    kern = ne.superoptimize(_decode(64, 8, 2048, "float16", d=128), target="interpreter",
-                            cache=False)
-    program, ks = next((p, k) for p, k in _rows(kern) if k.split_extent)
-    cfg = TileConfig({"B_i": 16, "B_L": 32}, 4, 3, 32)
-    monkeypatch.setattr(launcher_mod, "pdl_available", lambda: True)
-    la = Launcher(program, ks, "interpreter", cfg)
-    la.target = "cuda"  # no GPU here: plan the launches a GPU would get
-    part, comb = la._plan_launches()
-    assert part.consts["PDL"] and comb.consts["PDL"] and comb.options["launch_pdl"]
-    assert comb.consts["B_IC"] == 8  # the combine folds the 8 packed heads, not 16 rows
-    path = tmp_path / "split.py"
-    path.write_text(ks.source)
-    dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
-    for launch, name, op in ((part, "partial", "griddepcontrol.launch_dependents"),
-                             (comb, "combine", "griddepcontrol.wait")):
-        for pdl in (True, False):
-            spec = {"dtypes": dtypes, "constexprs": {**launch.consts, "PDL": pdl},
-                    "num_warps": 4, "num_stages": 3, "options": {"launch_pdl": pdl}}
-            res = compile_for_sm90(path, f"{ks.name}_{name}", spec, timeout=300)
-            assert res["ok"], res.get("error")
-            assert res["griddepcontrol"] == ([op] if pdl else []), res

@@ -404,12 +404,9 @@ def _renamed_locals(lines: list[str], suffix: str) -> list[str]:
     return out
 
 
-# constexpr of the split-k combines: the rows they fold per program (B_<rows> where a
-# row block is full; else the next power of two of the row count)
+# constexpr of the one-launch split-k kernel: the rows its combine folds per program
+# (B_<rows> where a row block is full; else the next power of two of the row count)
 COMBINE_ROWS = "B_IC"
-# constexpr of the two-launch split-k kernels: the combine is launched as a programmatic
-# dependent of the partials (runtime.launch.pdl_available)
-PDL_FLAG = "PDL"
 
 
 def _grid_size(plan: TilePlan) -> int:
@@ -503,22 +500,12 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     # split-k: the partials kernel runs the pass on one chunk and stores fold states ...
     em = Emitter(plan, name, bf16_dot_in_fp32)
     _prologue(em, split_axis=True)
-    # the combine may launch now (Programmatic Dependent Launch, sm_90): its programs
-    # start beside the chunks, and wait at gdc_wait for every partial store.  Signalled
-    # first thing: the trigger fires once every chunk program has signalled or exited,
-    # so the combine's programs never take a slot a chunk still waits for.  H100, GQA
-    # decode (8 packed heads), each two-launch config timed with and without, from
-    # DRAM: 0.76-0.78 -> 0.79-0.82 TB/s at 2048 keys, 1.68-1.72 -> 1.78-1.80 at 8192
-    # (bench/results/decode_s24/); signalled after the key loop instead, no gain.
-    em.emit(f"if {PDL_FLAG}:")
-    em.emit("    tl.extra.cuda.gdc_launch_dependents()")
     _init_states(em)
     _pass_loop(em, 0, split=True)
     vector_dot = em.vector_dots > 0
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
-    pdl = [f"{PDL_FLAG}: tl.constexpr"]
-    part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts + pdl, em)
+    part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em)
     states = [em.desc]
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
     width = combine_width_axis(plan)
@@ -526,12 +513,10 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     em.block_sizes[ba] = COMBINE_ROWS  # the real rows only, as in the one-launch combine
     _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
-    em.emit(f"if {PDL_FLAG}:  # launched early: the partials are complete and visible after this")
-    em.emit("    tl.extra.cuda.gdc_wait()")
     _combine(em)
     epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
-                        + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"] + pdl, em)
+                        + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em)
     states.append(em.desc)
     # ... or both in one launch
     em = Emitter(plan, name, bf16_dot_in_fp32)

@@ -15,8 +15,6 @@ path is switched off for good and ``reason`` says why.
 """
 from __future__ import annotations
 
-import os
-
 
 def _hook_source():
     """Where Triton keeps its launch hooks (profilers set them at any time, so they are
@@ -27,27 +25,6 @@ def _hook_source():
     except (ImportError, AttributeError):  # pragma: no cover - older Triton
         from triton.compiler import CompiledKernel
         return CompiledKernel, "launch_enter_hook", "launch_exit_hook"
-
-
-_PDL: list = []  # [whether this Triton and GPU take programmatic dependent launches]
-
-
-def pdl_available() -> bool:
-    """Whether a kernel can be launched as a programmatic dependent of the one before it
-    (PDL, sm_90 on): it starts while that one finishes and waits in ``gdc_wait`` for its
-    stores -- the dependent's launch latency is hidden.  Needs this Triton's
-    ``launch_pdl`` option and ``gdc_*`` ops.  ``NEPTUNE_EQ_PDL=0`` turns it off."""
-    if not _PDL:
-        try:
-            import torch
-            import triton.language.extra.cuda as cuda_ops
-            from triton.backends.nvidia.compiler import CUDAOptions
-            _PDL.append(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-                        and "launch_pdl" in CUDAOptions.__dataclass_fields__
-                        and hasattr(cuda_ops, "gdc_wait") and hasattr(cuda_ops, "gdc_launch_dependents"))
-        except Exception:  # noqa: BLE001 - no CUDA backend: no dependent launches
-            _PDL.append(False)
-    return _PDL[0] and os.environ.get("NEPTUNE_EQ_PDL", "1") != "0"
 
 
 def current_stream(device: int):

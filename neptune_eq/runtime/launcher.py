@@ -16,11 +16,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..lowering.kernelgen import COMBINE_ROWS, PDL_FLAG, KernelSource
+from ..lowering.kernelgen import COMBINE_ROWS, KernelSource
 from .block_summary import SummaryPrepass, build_summaries
 from .descriptors import ensure_allocator, tma_ok
-from .launch import (FastLaunch, _triton_int_specialisation, class_launch_key, current_stream,
-                     launch_key, pdl_available)
+from .launch import FastLaunch, _triton_int_specialisation, class_launch_key, current_stream, launch_key
 from ..ir import Program, ProgramError
 from .triton_mode import check_interpreter_importable, enable_interpreter
 from .tile_configs import TileConfig
@@ -229,14 +228,10 @@ class Launcher:
                                {**self.consts, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
                                self.options)]
         bp, over, nw = self._combine_shape(nsplit)
-        # the combine as a programmatic dependent of the partials where the GPU takes it:
-        # its launch overlaps their last chunks (kernelgen.PDL_FLAG)
-        pdl = self.target == "cuda" and pdl_available()
-        comb = {**self.consts, **over, "B_P": bp, COMBINE_ROWS: self._combine_rows(), PDL_FLAG: pdl}
-        return [FastLaunch(self.fns[0], self.grid() + (nsplit,), {**self.consts, PDL_FLAG: pdl},
-                           self.options),
-                FastLaunch(self.fns[1], self.grid() + (nw,), comb,
-                           {**self.options, "launch_pdl": True} if pdl else self.options)]
+        return [FastLaunch(self.fns[0], self.grid() + (nsplit,), self.consts, self.options),
+                FastLaunch(self.fns[1], self.grid() + (nw,),
+                           {**self.consts, **over, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
+                           self.options)]
 
     def _arg_lists(self, tensors: dict) -> tuple[list[list], tuple | None, int | None, list]:
         """Arguments of each kernel in launch order, the fast-launch key, the stream the
