@@ -2,7 +2,7 @@
 as called and on the GPU alone, beside SDPA and FlexAttention in the same process.
 
     python bench/decode_configs.py [--ops gqa-dc causal-dc] [--seqs 2048 8192]
-                                   [--sweep] [--kernels] [--out bench/results]
+                                   [--sweep] [--kernels] [--combine-tile N] [--out DIR]
 
 At decode lengths a call is host-bound: ``do_bench`` of a call measures the host's launch
 path, so every config times alike and a choice made that way is noise.  Three times per
@@ -172,12 +172,18 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also a wider grid than the offered one")
     ap.add_argument("--kernels", action="store_true",
                     help="also each kernel's device time per call, ours and the peers'")
+    ap.add_argument("--combine-tile", type=int, default=None,
+                    help="values a combine step folds (runtime.launcher.COMBINE_TILE): fewer "
+                         "spread the two-launch combine over more programs")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = ap.parse_args()
     for op in a.ops:
         if op not in ops.OPS or not ops.OPS[op][2]:
             ap.error(f"expected decode operators of bench/neptune_ops.py "
                      f"({[o for o, s in ops.OPS.items() if s[2]]}), got {op!r}")
+    if a.combine_tile:
+        from neptune_eq.runtime import launcher
+        launcher.COMBINE_TILE = a.combine_tile
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "date": __import__("time").strftime("%Y-%m-%d"),
             "command": "python bench/decode_configs.py " + " ".join(sys.argv[1:])}

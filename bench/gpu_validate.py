@@ -81,7 +81,7 @@ def case(name, out, scale=1.0):
     from dataclasses import replace
     from neptune_eq.runtime.launcher import Launcher
     from neptune_eq.runtime.tile_configs import vector_dot_configs
-    if kern.config.splits:  # replayed from a CUDA graph (a dependent launch is captured too)
+    if kern.config.splits:  # replayed from a CUDA graph: each replay reads its own inputs
         ok, err = graph_replays(kern, prog, ins, ok, err)
     # the split-k form not chosen, and every CUDA-core config offered, checked too
     alts = [replace(kern.config, fused=not kern.config.fused)] if kern.config.splits else []

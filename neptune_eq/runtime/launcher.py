@@ -193,14 +193,11 @@ class Launcher:
 
     def _combine_shape(self, nsplit: int, spread_width: bool = True) -> tuple[int, dict, int]:
         """(B_P, constexpr overrides, programs along grid axis 2) of the combine kernel.
-        Each step folds B_P partials as one tile of B_P x rows x width (at most 8192
-        values); where the combine may spread the width axis over programs, it takes
-        all partials in one step and as many programs as that leaves width for."""
+        Each step folds B_P partials as one tile of B_P x rows x width (at most
+        ``COMBINE_TILE`` values); where the combine may spread the width axis over
+        programs, it takes all partials in one step and as many programs as that leaves
+        width for."""
         rows, tile = self._combine_rows(), COMBINE_TILE
-        if not spread_width:  # the one-launch combine: half the tile -- it shares the
-            # registers of the loop before it (ptxas, sm_90: a 64 x 1 x 128 fp32 step
-            # spilled 36-64 bytes after a 16 x 64 tensor-core loop)
-            tile = COMBINE_TILE // 2
         all_p = 1 << max(1, (nsplit - 1).bit_length())
         if self.ks.combine_width and spread_width:
             axis, ext = self.ks.combine_width
@@ -362,7 +359,13 @@ class Launcher:
             self._checked["failed"] = reason
 
 
-COMBINE_TILE = 8192  # values per combine step (B_P x rows x width): registers, not spills
+# Values per combine step (B_P x rows x width).  The one-launch combine shares the
+# registers of the key loop before it (ptxas, sm_90: a 64 x 1 x 128 fp32 step spilled 36-64
+# bytes after a 16 x 64 tensor-core loop; 32 x 1 x 128 none).  The two-launch combine
+# spreads the width over more programs at this tile than at 8192: GQA decode's combine
+# (32 partials x 8 heads) ran 2.60 vs 3.16 us at 2048 keys and 2.81 vs 3.33 at 8192, the
+# decode 0.90 vs 0.84 TB/s from DRAM (H200, bench/results/decode_s24/).
+COMBINE_TILE = 4096
 
 
 def _pow2_floor(n: int) -> int:
