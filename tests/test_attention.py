@@ -1,6 +1,5 @@
 """ne.attention variants (Neptune's operators, small shapes) equal the reference, incl.
 odd sizes, captured tensors, GQA, decode and fully masked rows."""
-import math
 
 import pytest
 import torch

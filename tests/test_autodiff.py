@@ -1,7 +1,6 @@
 """Reverse-mode differentiation of the IR (issue 18, item 1): the plain backward
 programs, evaluated by the fp64 interpreter, against torch autograd in fp64 through the
 forward program (the interpreter is written in torch ops, so autograd runs through it)."""
-import math
 import re
 
 import pytest

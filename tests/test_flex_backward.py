@@ -5,7 +5,6 @@ decode.  Small shapes: the kernels run in the Triton interpreter."""
 import math
 import re
 
-import pytest
 import torch
 
 import neptune_eq as ne

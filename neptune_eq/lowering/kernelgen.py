@@ -290,7 +290,8 @@ def _combine(em: Emitter, cache: str = "") -> None:
     before the step to the values after it, t' = t·h(R→R'), and each partial from its own
     producers' values, + Σ_P t_p·h(R_p→R').  All partials usually fit in one step, so
     every load of the combine issues at once -- one round trip to L2, not one per level
-    of producers (H100, GQA decode S=2048: the combine kernel took 4.55 us, cuDNN's 2.28).
+    of producers (H100, GQA decode S=2048: the combine kernel 4.55 -> 3.10 us; cuDNN's
+    2.28).
     """
     ba = em.plan.block_axis
     folds = fold_order(em.plan.passes[0].folds)
