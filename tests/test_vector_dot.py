@@ -141,3 +141,25 @@ def test_one_launch_tensor_core_form_compiles_for_sm90_without_spills(tmp_path):
     res = compile_for_sm90(path, f"{ks.name}_fused", spec, timeout=300)
     assert res["ok"], res.get("error")
     assert res["spill_stores"] == 0, res
+
+
+@pytest.mark.parametrize("hq, hkv, rows", [(64, 8, 8), (32, 32, 1)], ids=["gqa-8-packed", "one-row"])
+def test_two_launch_split_k_compiles_for_sm90(tmp_path, hq, hkv, rows):
+    """The two-launch form's combine folds the real rows only (``B_IC``: 8 packed heads,
+    or the one query), spread over the width, in one loop: both kernels compile for sm_90
+    with the launcher's constexprs (Triton checks types the interpreter does not)."""
+    kern = ne.superoptimize(_decode(hq, hkv, 2048, "float16", d=128), target="interpreter",
+                            cache=False)
+    program, ks = next((p, k) for p, k in _rows(kern) if k.split_extent)
+    la = Launcher(program, ks, "interpreter", TileConfig({"B_i": 16, "B_L": 32}, 4, 3, 32))
+    part, comb = la._launches
+    assert comb.consts["B_IC"] == rows and comb.consts["B_P"] == 32  # all partials, one step
+    path = tmp_path / "split.py"
+    path.write_text(ks.source)
+    dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
+    for launch, name in ((part, "partial"), (comb, "combine")):
+        spec = {"dtypes": dtypes, "constexprs": launch.consts, "num_warps": 4, "num_stages": 3,
+                "resources": True}
+        res = compile_for_sm90(path, f"{ks.name}_{name}", spec, timeout=300)
+        assert res["ok"], res.get("error")
+        assert res["spill_stores"] == 0, res
