@@ -26,11 +26,20 @@ from neptune_eq.interp import evaluate
 TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}
 
 
+def compared(got, prog, ins: dict) -> tuple[bool, float, float]:
+    """(right, max abs error, its bound) of output ``got`` against the fp64 reference on
+    ``ins``: finite everywhere and within ``TOL`` of the output dtype, relative to the
+    reference's magnitude where that exceeds 1."""
+    ref = evaluate(prog, ins)[prog.outputs[0]]
+    e = (got.double() - ref).abs().max().item()
+    b = TOL[prog.dtype_of(prog.outputs[0])] * max(1.0, ref.abs().max().item())
+    return bool(torch.isfinite(got).all()) and e <= b, e, b
+
+
 def graph_replays(kern, prog, ins: dict, ok: bool, err: float) -> tuple[bool, float]:
     """The call captured in a CUDA graph, replayed over three fresh inputs copied into its
     static ones: each replay against the reference (a replay must see every partial of
     its own inputs, and the one-launch form's counters must be zero again)."""
-    dt = prog.dtype_of(prog.outputs[0])
     static = {k: v.cuda() for k, v in ins.items()}
     args = [static[p.name] for p in prog.inputs]
     kern(*args)  # warm: compiled and checked before capture
@@ -44,11 +53,8 @@ def graph_replays(kern, prog, ins: dict, ok: bool, err: float) -> tuple[bool, fl
             static[n].copy_(v)
         g.replay()
         torch.cuda.synchronize()
-        got = out.cpu()
-        ref = evaluate(prog, fresh)[prog.outputs[0]]
-        e = (got.double() - ref).abs().max().item()
-        ok &= bool(torch.isfinite(got).all()) and e <= TOL[dt] * max(1.0, ref.abs().max().item())
-        err = max(err, e)
+        right, e, _ = compared(out.cpu(), prog, fresh)
+        ok, err = ok and right, max(err, e)
     return ok, err
 
 
@@ -72,11 +78,8 @@ def case(name, out, scale=1.0):
             first = prog.inputs[0].name
             dev[first] = dev[first].transpose(-1, -2).contiguous().transpose(-1, -2)
         got = (kern(**dev) if call == 0 else kern(*[dev[p.name] for p in prog.inputs])).cpu()
-        ref = evaluate(prog, ins)[prog.outputs[0]]
-        e = (got.double() - ref).abs().max().item()
-        b = TOL[dt] * max(1.0, ref.abs().max().item())
-        ok &= bool(torch.isfinite(got).all()) and e <= b
-        err, bound = max(err, e), max(bound, b)
+        right, e, b = compared(got, prog, ins)
+        ok, err, bound = ok and right, max(err, e), max(bound, b)
     la = kern._launcher
     from dataclasses import replace
     from neptune_eq.runtime.launcher import Launcher
@@ -94,11 +97,8 @@ def case(name, out, scale=1.0):
             outs = {n: torch.empty(prog.shape_of(n), dtype=getattr(torch, dt), device="cuda")
                     for n in prog.outputs}
             alt({**dev, **outs})
-            got = outs[prog.outputs[0]].cpu()
-            ref = evaluate(prog, ins)[prog.outputs[0]]
-            e = (got.double() - ref).abs().max().item()
-            ok &= bool(torch.isfinite(got).all()) and e <= TOL[dt] * max(1.0, ref.abs().max().item())
-            err = max(err, e)
+            right, e, _ = compared(outs[prog.outputs[0]].cpu(), prog, ins)
+            ok, err = ok and right, max(err, e)
         checked.append(f"{cfg} (fast {alt.fast_ok})")
     other = "; ".join(checked) + (" also checked" if checked else "")
     return {"case": name, "ok": ok, "max_abs_err": err, "bound": bound, "also": other,

@@ -98,6 +98,20 @@ def test_cuda_core_form_is_offered_only_where_the_rows_are_few():
                  TileConfig({"B_i": 8, "B_L": 16}, 4, 1, 3, vector_dot=True))
 
 
+def _sm90(tmp_path, ks, kernel: str, launch, num_warps: int, num_stages: int) -> dict:
+    """Kernel ``<name>_<kernel>`` of ``ks`` compiled for sm_90 with ``launch``'s constexprs
+    (fp16 tensors, fp32 scratch, the one-launch form's int32 counters): ptxas's report."""
+    path = tmp_path / f"{kernel}.py"
+    path.write_text(ks.source)
+    dtypes = ({p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
+              | {"sem_ptr": "*i32"})
+    spec = {"dtypes": dtypes, "constexprs": launch.consts, "num_warps": num_warps,
+            "num_stages": num_stages, "resources": True}
+    res = compile_for_sm90(path, f"{ks.name}_{kernel}", spec, timeout=300)
+    assert res["ok"], res.get("error")
+    return res
+
+
 def test_cuda_core_form_compiles_for_sm90_without_spills(tmp_path):
     """The offered GPU form (one launch, 32 keys, 4 warps, B_P as the launcher picks)
     compiles for sm_90 -- the newest Triton's compiler; 3.6 on the GPU machine
@@ -107,16 +121,10 @@ def test_cuda_core_form_compiles_for_sm90_without_spills(tmp_path):
     program, ks = next((p, k) for p, k in _rows(kern) if k.split_extent)
     (cfg,) = vector_dot_configs(ks)  # 512 keys: chunks of at least two blocks, 8 splits
     la = Launcher(program, ks, "interpreter", cfg)
-    path = tmp_path / "vdot.py"
-    path.write_text(ks.source)
-    dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
     (launch,) = la._launches                       # the one launch, as the launcher plans it
     consts = launch.consts
     assert consts["B_IC"] == 1                     # its combine folds the one real row
-    spec = {"dtypes": dtypes | {"sem_ptr": "*i32"}, "constexprs": consts,
-            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "resources": True}
-    res = compile_for_sm90(path, f"{ks.name}_fused", spec, timeout=300)
-    assert res["ok"], res.get("error")
+    res = _sm90(tmp_path, ks, "fused", launch, cfg.num_warps, cfg.num_stages)
     assert consts["VDOT"] and not res["wgmma"] and res["spill_stores"] == 0, res
 
 
@@ -133,13 +141,7 @@ def test_one_launch_tensor_core_form_compiles_for_sm90_without_spills(tmp_path):
     (launch,) = la._launches
     # one real row: every partial (16 chunks of 128 keys) folds in one step of loads
     assert launch.consts["B_IC"] == 1 and launch.consts["B_P"] >= la._chunks[1] == 16
-    path = tmp_path / "fused.py"
-    path.write_text(ks.source)
-    dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
-    spec = {"dtypes": dtypes | {"sem_ptr": "*i32"}, "constexprs": launch.consts,
-            "num_warps": 4, "num_stages": 3, "resources": True}
-    res = compile_for_sm90(path, f"{ks.name}_fused", spec, timeout=300)
-    assert res["ok"], res.get("error")
+    res = _sm90(tmp_path, ks, "fused", launch, 4, 3)
     assert res["spill_stores"] == 0, res
 
 
@@ -154,12 +156,6 @@ def test_two_launch_split_k_compiles_for_sm90(tmp_path, hq, hkv, rows):
     la = Launcher(program, ks, "interpreter", TileConfig({"B_i": 16, "B_L": 32}, 4, 3, 32))
     part, comb = la._launches
     assert comb.consts["B_IC"] == rows and comb.consts["B_P"] == 32  # all partials, one step
-    path = tmp_path / "split.py"
-    path.write_text(ks.source)
-    dtypes = {p: "*fp16" for p in ks.params} | {f"{w}_ptr": "*fp32" for w in ks.scratch}
     for launch, name in ((part, "partial"), (comb, "combine")):
-        spec = {"dtypes": dtypes, "constexprs": launch.consts, "num_warps": 4, "num_stages": 3,
-                "resources": True}
-        res = compile_for_sm90(path, f"{ks.name}_{name}", spec, timeout=300)
-        assert res["ok"], res.get("error")
+        res = _sm90(tmp_path, ks, name, launch, 4, 3)
         assert res["spill_stores"] == 0, res

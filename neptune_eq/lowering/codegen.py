@@ -334,14 +334,7 @@ class Emitter:
             t = Term(t.op, (t.args[1], t.args[0]), t.val)
         lhs = a if a.axes == (m, kaxis) else Tile(f"tl.trans({a.code})", (m, kaxis), a.kind)
         rhs = b if b.axes == (kaxis, n) else Tile(f"tl.trans({b.code})", (kaxis, n), b.kind)
-        # Padding along the contracted axis must contribute exactly zero: a masked load
-        # is zero there; any computed operand (which may be inf there) is masked.
-        kmask = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), (m, kaxis))
-        if t.args[0].op != "load":
-            lhs = Tile(f"tl.where({kmask}, {lhs.code}, 0.0)", lhs.axes, lhs.kind)
-        if t.args[1].op != "load":
-            kmask = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), (kaxis, n))
-            rhs = Tile(f"tl.where({kmask}, {rhs.code}, 0.0)", rhs.axes, rhs.kind)
+        lhs, rhs = (self._zero_k_padding(x, o, kaxis) for x, o in zip(t.args, (lhs, rhs)))
         vector = self._vector_dot(t, a, b, kaxis) if self.plan.row_extent <= VDOT_ROWS else None
         low = [k for k in (lhs.kind, rhs.kind) if k in ("float16", "bfloat16")]
         if low and low[0] == "bfloat16" and self.bf16_dot_in_fp32:
@@ -360,19 +353,22 @@ class Emitter:
             code = f"({vector} if {VDOT_FLAG} else {code})"
         return self.bind(code, out_axes, "f32", scope)
 
+    def _zero_k_padding(self, term: Term, tile: Tile, kaxis: str) -> Tile:
+        """Operand ``tile`` of a contraction over ``kaxis``, its padding along that axis
+        exactly zero: a masked load is zero there already; a computed operand (which may
+        be inf there) is masked."""
+        if term.op == "load":
+            return tile
+        km = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), tile.axes)
+        return Tile(f"tl.where({km}, {tile.code}, 0.0)", tile.axes, tile.kind)
+
     def _vector_dot(self, t: Term, a: Tile, b: Tile, kaxis: str) -> str:
         """The contraction Σ_k a·b on the CUDA cores: both operands broadcast by axis name
         to [m, n, k] in the canonical order and summed over k, in fp32 (P stays fp32, where
         tl.dot rounds it to the input dtype).  As for tl.dot, padding along k must add 0: a
         masked load is 0 there, a computed operand is masked."""
         self.vector_dots += 1
-        ops = []
-        for term, tile in zip(t.args, (a, b)):
-            tile = self.f32(tile)
-            if term.op != "load":
-                km = self.bcast(Tile(f"mask_{kaxis}", (kaxis,), "bool"), tile.axes)
-                tile = Tile(f"tl.where({km}, {tile.code}, 0.0)", tile.axes, "f32")
-            ops.append(tile)
+        ops = [self._zero_k_padding(x, self.f32(o), kaxis) for x, o in zip(t.args, (a, b))]
         axes = self.canon(ops[0].axes + ops[1].axes)
         prod = " * ".join(self.bcast(o, axes) for o in ops)
         return f"tl.sum({prod}, axis={axes.index(kaxis)})"

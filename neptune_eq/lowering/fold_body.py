@@ -54,24 +54,18 @@ def loop_body(em: Emitter, k: int, loop_var: str, known: frozenset) -> None:
             em.emit(f"{f.name}_blk = {partc}")
             em.states[f"{f.name}_blk"] = Tile(f"{f.name}_blk", st.axes, "f32")
             partc = f"{f.name}_blk"
-        if f.op == "max":
-            upd = f"tl.maximum({f.name}, {partc})"
-        elif f.op == "min":
-            upd = f"tl.minimum({f.name}, {partc})"
-        elif f.op == "sum":
-            upd = f"{f.name} + {partc}"
-        elif f.op == "rollmax":
-            corr = em.f32(em.expr(f.term.args[1]))
-            upd = f"tl.maximum({f.name} + {em.bcast(corr, st.axes)}, {partc})"
-        else:  # rollsum / splitk: t' = t·h(R→R') + Σ_block g(R')
+        rebase = None
+        if f.op == "rollmax":
+            rebase = em.bcast(em.f32(em.expr(f.term.args[1])), st.axes)
+        elif f.op not in ("max", "min", "sum"):  # rollsum / splitk
             corr = em.f32(em.expr(f.term.args[1]))
             if not set(corr.axes) <= set(st.axes):
                 raise LoweringError(f"The correction of {f.name} depends on the loop axis.")
             if local:  # ... + h(R_blk→R')·Σ_block g(R_blk): the split-k combine, per block
                 rb = em.f32(em.expr(at_block(f.term.args[1], local, "prev")))
                 partc = f"{partc} * {em.bcast(rb, st.axes)}"
-            upd = f"{f.name} * {em.bcast(corr, st.axes)} + {partc}"
-        em.emit(f"{f.name}_new = {upd}")
+            rebase = em.bcast(corr, st.axes)
+        em.emit(f"{f.name}_new = {fold_update(f.op, f.name, partc, rebase)}")
     for sc in ps.scattered:  # outputs summed over the rows: this block's term, atomically
         emit_scattered(em, sc, loop_var, atoms)
     for f in ordered:
@@ -79,6 +73,22 @@ def loop_body(em: Emitter, k: int, loop_var: str, known: frozenset) -> None:
     em.env.pop(loop_var, None)
     for f in ps.folds:
         em.running.pop(f.name, None)
+
+
+def fold_update(op: str, state: str, part: str, rebase: str | None) -> str:
+    """A fold's state after one more part (a key block's, or a combine step's partials,
+    already reduced): ``max``/``min``/``sum`` by their operator; a rolling state re-based
+    from its producers' old values to the new ones first (``rebase`` = h(R→R')):
+    t' = max(t + h, part) for ``rollmax``, t' = t·h + part for ``rollsum`` / ``splitk``."""
+    if op == "max":
+        return f"tl.maximum({state}, {part})"
+    if op == "min":
+        return f"tl.minimum({state}, {part})"
+    if op == "sum":
+        return f"{state} + {part}"
+    if op == "rollmax":
+        return f"tl.maximum({state} + {rebase}, {part})"
+    return f"{state} * {rebase} + {part}"
 
 
 def block_local(em: Emitter, f: Fold, blk: dict[str, str]) -> dict[str, str]:

@@ -24,7 +24,7 @@ from .codegen import (ECOL, LOOP, NEG, POS, SPLIT, VDOT_FLAG, Emitter, Tile, gri
 from ..ir import accessed
 from .block_ranges import data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
-from .fold_body import at_block, epilogue, fold_order, loop_body
+from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
 from . import gluon_sums, gluon_ws
 from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
@@ -314,23 +314,19 @@ def _combine(em: Emitter, cache: str = "") -> None:
     for f in folds:
         part = em.states[f"{f.name}_p"]
         inside = em.bcast(Tile(f"mask_{SPLIT}", (SPLIT,), "bool"), part.axes)
-        if f.op in ("max", "min"):
-            upd = f"tl.{'maximum' if f.op == 'max' else 'minimum'}({f.name}, tl.{f.op}({part.code}, axis=0))"
-        elif f.op == "sum":
-            upd = f"{f.name} + tl.sum({part.code}, axis=0)"
+        rebase = None
+        if f.op in ("max", "min", "sum"):  # padded splits load the operator's identity
+            step = f"tl.{f.op}({part.code}, axis=0)"
         else:
-            st = em.states[f.name]
-            rebase = em.bcast(em.f32(em.expr(f.term.args[1])), st.axes)
+            rebase = em.bcast(em.f32(em.expr(f.term.args[1])), em.states[f.name].axes)
             own = {n: f"{n}_p" for n in accessed(f.term.args[1], ("prev",))}
             corr = em.f32(em.expr(at_block(f.term.args[1], own, "prev")))
             c = em.bcast(corr, em.canon(part.axes + corr.axes))
             if f.op == "rollmax":
-                upd = (f"tl.maximum({f.name} + {rebase}, tl.max(tl.where({inside}, "
-                       f"{part.code} + {c}, {NEG}), axis=0))")
+                step = f"tl.max(tl.where({inside}, {part.code} + {c}, {NEG}), axis=0)"
             else:  # padded splits must add exactly 0, even where h is inf or NaN there
-                upd = (f"{f.name} * {rebase} + tl.sum(tl.where({inside}, {part.code} * {c}, "
-                       "0.0), axis=0)")
-        em.emit(f"{f.name}_new = {upd}")
+                step = f"tl.sum(tl.where({inside}, {part.code} * {c}, 0.0), axis=0)"
+        em.emit(f"{f.name}_new = {fold_update(f.op, f.name, step, rebase)}")
     for f in folds:
         em.emit(f"{f.name} = {f.name}_new")
         em.running.pop(f.name, None)
@@ -405,8 +401,8 @@ def _renamed_locals(lines: list[str], suffix: str) -> list[str]:
     return out
 
 
-# constexpr of the one-launch split-k kernel: the rows its combine folds per program
-# (B_<rows> where a row block is full; else the next power of two of the row count)
+# constexpr of the split-k combines: the rows they fold per program (B_<rows> where a
+# row block is full; else the next power of two of the row count)
 COMBINE_ROWS = "B_IC"
 
 
