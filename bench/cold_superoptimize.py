@@ -4,6 +4,12 @@ cache and ``cache=False``, with the configs compiled one at a time and on thread
 (``NEPTUNE_EQ_COMPILE_THREADS``).  Prints where the time went (``Kernel.build_stages``).
 
     python bench/cold_superoptimize.py [--threads 1 8]   # writes bench/results/cold_superoptimize.{json,md}
+    python bench/cold_superoptimize.py --ops window-pf:8192 causal-dc:8192 --out DIR
+
+``--ops`` takes bench/neptune_ops.py's operators at a length (``op:S``), built as that
+benchmark builds them (``top_k=2``), and splits the choice's time into compiling (the
+thread pool, ``runtime.tuning.compile_in_parallel``) and timing (``time_configs``: the
+first launch of each config, its checks and its timed replays).
 """
 from __future__ import annotations
 
@@ -29,20 +35,37 @@ STRUCTURES = {
 CHILD = """
 import json, sys, time
 import neptune_eq as ne
+from neptune_eq.choosing import choose as _choose
+split = {{"compile": 0.0, "time": 0.0}}
+
+def _clocked(name, fn):  # how long the choice spends compiling vs timing
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            split[name] += time.perf_counter() - t
+    return run
+
+_choose.compile_in_parallel = _clocked("compile", _choose.compile_in_parallel)
+_choose.time_configs = _clocked("time", _choose.time_configs)
+sys.path.insert(0, "bench")
+{setup}
 t0 = time.perf_counter()
-kern = ne.superoptimize({expr}, target="cuda", cache=False)
+kern = ne.superoptimize({expr}, target="cuda", cache=False, top_k={top_k})
 total = time.perf_counter() - t0
 timed = sum(len(r.timings) for r in kern.candidates)
 print("RESULT " + json.dumps({{"total_s": total, "stages": kern.build_stages, "configs_timed": timed,
-                              "chosen": kern.chosen_row.description, "config": str(kern.config)}}))
+                              "split": split, "chosen": kern.chosen_row.description,
+                              "config": str(kern.config)}}))
 """
 
 
-def one(expr: str, threads: int) -> dict:
+def one(expr: str, threads: int, setup: str = "", top_k: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "NEPTUNE_EQ_COMPILE_THREADS": str(threads),
                "NEPTUNE_EQ_CACHE": cache, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        r = subprocess.run([sys.executable, "-c", CHILD.format(expr=expr)], capture_output=True,
+        r = subprocess.run([sys.executable, "-c", CHILD.format(expr=expr, setup=setup, top_k=top_k)], capture_output=True,
                            text=True, env=env, cwd=ROOT)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -55,30 +78,43 @@ def main():
     import torch
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, nargs="+", default=[1, max(1, min(16, os.cpu_count() or 1))])
+    ap.add_argument("--ops", nargs="+", default=None,
+                    help="bench/neptune_ops.py operators at a length, op:S (e.g. gqa-pf:32768)")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    if args.ops:
+        jobs = [(o, "import neptune_ops as ops\nprogram = ops.build(%r, %d)[0]" % (o.split(":")[0],
+                 int(o.split(":")[1])), "program", 2) for o in args.ops]
+    else:
+        jobs = [(name, "", expr, 3) for name, expr in STRUCTURES.items()]
     rows = []
-    for name, expr in STRUCTURES.items():
+    for name, setup, expr, top_k in jobs:
         for threads in args.threads:
-            res = {"structure": name, "threads": threads, **one(expr, threads)}
+            res = {"structure": name, "threads": threads, **one(expr, threads, setup, top_k)}
             rows.append(res)
             print(json.dumps(res), flush=True)
     out = {"device": torch.cuda.get_device_name(), "rows": rows}
-    OUT.mkdir(exist_ok=True)
-    (OUT / "cold_superoptimize.json").write_text(json.dumps(out, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cold_superoptimize.json").write_text(json.dumps(out, indent=1))
+    command = " ".join(["python bench/cold_superoptimize.py"] + sys.argv[1:])
     lines = [f"# Cold superoptimize per structure ({out['device']})", "",
-             f"Command: `python bench/cold_superoptimize.py --threads {' '.join(map(str, args.threads))}` (fresh process, empty Triton cache, "
-             "`cache=False`; threads = configs compiled at once).", "",
-             "| structure | threads | total s | saturate | extract | lower, compile, time | validate | configs timed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"Command: `{command}` (fresh process, empty Triton cache, "
+             "`cache=False`; threads = configs compiled at once; `compile` and `time` split "
+             "the choice's stage: the thread pool's compiles, and each config's first launch, "
+             "checks and timed runs).", "",
+             "| structure | threads | total s | saturate | extract | lower, compile, time "
+             "| (compile) | (time) | validate | configs timed | chosen config |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['structure']} | {r['threads']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r['structure']} | {r['threads']} | error: {r['error']} | | | | | | | | |")
             continue
-        s = r["stages"]
+        s, sp = r["stages"], r.get("split", {})
         lines.append(f"| {r['structure']} | {r['threads']} | {r['total_s']:.1f} | {s.get('saturate', 0):.1f} | "
                      f"{s.get('extract', 0):.1f} | {s.get('lower, compile and time', 0):.1f} | "
-                     f"{s.get('validate', 0):.1f} | {r['configs_timed']} |")
-    (OUT / "cold_superoptimize.md").write_text("\n".join(lines) + "\n")
+                     f"{sp.get('compile', 0):.1f} | {sp.get('time', 0):.1f} | "
+                     f"{s.get('validate', 0):.1f} | {r['configs_timed']} | {r.get('config', '')} |")
+    (args.out / "cold_superoptimize.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

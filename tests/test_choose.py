@@ -233,6 +233,26 @@ def test_configs_are_timed_on_the_given_tensors_where_they_fit():
     assert set(got) == {"q", "k", "v", *prog.outputs}
 
 
+def test_the_decode_grid_leaves_out_the_kinds_that_never_won():
+    """A decode's GPU configs leave out what never was the best of a measured case
+    (``tile_configs.DECODE_GRID_EVIDENCE``): tensor descriptors, 128 keys at 8 warps, a
+    split in two below 128 keys, and one-launch split-k where a program packs several
+    rows (GQA's heads of a group); a one-row decode keeps its one-launch form."""
+    def grid(hq, hkv):
+        kern = ne.superoptimize(ne.attention(1, hq, 1, 8192, 128, "float16", kv_heads=hkv,
+                                             mask_mod=_causal(1, 8192)),
+                                target="interpreter", device="H200", cache=False)
+        assert kern.kernel_source.split_extent, "a split-k decode"
+        return kern.kernel_source.row_extent, candidate_configs(kern.kernel_source, "cuda")
+    for hq, hkv in ((32, 32), (64, 8)):
+        rows, cfgs = grid(hq, hkv)
+        assert rows == hq // hkv and cfgs
+        assert not any(c.tma or c.warp_specialize for c in cfgs)
+        assert not any(c.num_warps == 8 and c.blocks["B_L"] == 128 for c in cfgs)
+        assert {c.blocks["B_L"] for c in cfgs if c.splits == 2} == {128}
+        assert any(c.fused for c in cfgs) == (rows == 1)
+
+
 def test_fewest_launches_win_among_configs_within_the_tie():
     """A config is chosen by GPU time, but split-k in one launch beats two launches when
     it is within ``LAUNCH_TIE`` of them (a host launch costs more than the graph shows);

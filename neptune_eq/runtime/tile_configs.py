@@ -80,8 +80,10 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
     decode = ks.row_extent <= 16
     if decode:  # one row block; the loop block and split matter
         # 32-key blocks split 32 ways were the fastest GQA decode at 2048 keys on the GPU
-        # alone; 256-key blocks never were (bench/results/decode_configs_h100.md)
-        shapes = ((16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 4))
+        # alone; 256-key blocks never were (bench/results/decode_configs_h100.md).  128
+        # keys at 8 warps was never the only best config of a case (DECODE_GRID_EVIDENCE),
+        # so that shape is not compiled.
+        shapes = ((16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3))
         if not ks.split_extent:
             # A single-pass decode is short (long ones split): host-bound, so the loop block
             # hardly moves its time, but it is the accuracy granularity -- P is re-based per
@@ -97,16 +99,34 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             blocks[k] = bi if k == f"B_{ks.block_axis}" else bl
         programs = -(-ks.row_extent // bi) * ks.grid_size
         splits = split_factors(programs, ks.split_extent, bl, sms) if ks.split_extent else [0]
-        if decode and ks.split_extent >= 4 * bl:
+        if decode and bl == 128 and ks.split_extent >= 4 * bl:
             # a decode split in two: its combine reads the fewest partials, and with the
             # K/V cache out of L2 it was the fastest decode of 32 heads at 2048 and 8192
-            # keys (bench/results/decode_configs_h100.md)
+            # keys (bench/results/decode_configs_h100.md) -- at 128 keys a step; with
+            # 32 or 64 it never came within 10% of the best (DECODE_GRID_EVIDENCE)
             splits = sorted(set(splits) | {2})
         for sp in splits:
             out.append(TileConfig(blocks, w, s, sp))
-            if sp:  # and split-k in one launch: timing decides
+            if sp and not (decode and ks.row_extent > 1):
+                # and split-k in one launch: timing decides.  Not for a decode of packed
+                # rows (GQA's heads of a group, several queries): its last program folds
+                # every row's partials alone, and it never came within 16% of the best
+                # (DECODE_GRID_EVIDENCE)
                 out.append(TileConfig(blocks, w, s, sp, fused=True))
-    return out + lowering_variants(ks, out) + gluon_configs(ks) + vector_dot_configs(ks, sms)
+    # A decode's loads are a few rows and a stream of keys: tensor descriptors never came
+    # within 9% of its pointer form (DECODE_GRID_EVIDENCE), so its variants are not offered
+    variants = [] if decode else lowering_variants(ks, out)
+    return out + variants + gluon_configs(ks) + vector_dot_configs(ks, sms)
+
+
+# Where the decode grid above was pruned from: every decode config timed cold (K/V from
+# DRAM, on the GPU alone) in bench/results/**/decode_configs*.json -- sessions 11, 23 and
+# 24, H100 and H200, causal / ALiBi / GQA / softcap decode at 2048 and 8192 keys -- ranked
+# against the best of its case.  No kind left out was ever the only best config of a
+# case (72-271 timings each; all four left out at once, every one of the 36 cases keeps
+# its best).  It took a decode's cold choice from 30-34 compiled configs to 10-20
+# (bench/results/cold_s25/).
+DECODE_GRID_EVIDENCE = "bench/results/decode_grid_evidence.md"
 
 
 VDOT_MAX_KEYS = 1024  # the longest key loop the CUDA-core form is offered for

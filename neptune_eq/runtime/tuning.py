@@ -72,8 +72,7 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     raised.  ``values``: the named sizes of ``tensors`` when the kernel takes them at run
     time.  The time is the GPU's (``runtime.timing.device_ms``: replayed from a CUDA
     graph, over copies of the inputs that exceed L2); ``host=True`` times the call from
-    the host instead (``do_bench``: host launch path included, for reports)."""
-    from triton.testing import do_bench
+    the host instead (``timing.host_ms``: host launch path included, for reports)."""
     from ..sizes import bind
     from . import timing
     values = values or {}
@@ -113,7 +112,7 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
             except ValueError:  # a form the replay does not cover: the general call
                 call = lambda args: la({**tensors, **dict(zip(names, args))})  # noqa: E731
             if host or cfg.gluon_ws:  # (the Gluon form's launch path is its own: counted)
-                ms = do_bench(lambda: call(inputs), warmup=10, rep=40, return_mode="median")
+                ms = timing.host_ms(lambda: call(inputs))
             else:
                 if copies is None:
                     l2 = timing.l2_bytes(inputs[0].device)
