@@ -235,7 +235,7 @@ def test_configs_are_timed_on_the_given_tensors_where_they_fit():
 
 def test_the_decode_grid_leaves_out_the_kinds_that_never_won():
     """A decode's GPU configs leave out what never was the best of a measured case
-    (``tile_configs.DECODE_GRID_EVIDENCE``): tensor descriptors, 128 keys at 8 warps, a
+    (``tile_configs.GRID_EVIDENCE``): tensor descriptors, 128 keys at 8 warps, a
     split in two below 128 keys, and one-launch split-k where a program packs several
     rows (GQA's heads of a group); a one-row decode keeps its one-launch form."""
     def grid(hq, hkv):
@@ -251,6 +251,40 @@ def test_the_decode_grid_leaves_out_the_kinds_that_never_won():
         assert not any(c.num_warps == 8 and c.blocks["B_L"] == 128 for c in cfgs)
         assert {c.blocks["B_L"] for c in cfgs if c.splits == 2} == {128}
         assert any(c.fused for c in cfgs) == (rows == 1)
+
+
+def test_a_split_k_candidate_is_timed_only_where_rows_leave_sms_idle(monkeypatch):
+    """A prefill's row programs fill the GPU, so its split-k candidate (never faster than
+    the rolling one in 48 measured prefills: ``tile_configs.GRID_EVIDENCE``) is recorded,
+    not compiled -- unless nothing else compiles; a decode's split-k is timed."""
+    from neptune_eq.choosing import choose as ch
+    timed = []
+
+    def fake_time(program, ks, target, tensors, configs, values=None, host=False):
+        timed.append(ks.split_extent)
+        return [] if fail and not ks.split_extent else [(configs[0], 1.0 + len(timed), "ok")]
+    monkeypatch.setattr(ch, "compile_in_parallel", lambda *a, **k: None)
+    monkeypatch.setattr(ch, "time_configs", fake_time)
+
+    def choice(sq, skv):
+        kern = ne.superoptimize(ne.attention(1, 32, sq, skv, 128, "float16"), target="interpreter",
+                                top_k=2, cache=False)
+        rows = [r for r in kern.candidates if r.kernel is not None]
+        for r in rows:
+            r.chosen, r.config, r.measured_ms, r.status = False, None, None, ""
+        timed.clear()
+        return ch.choose(rows, "cuda", None, 2, 132), rows
+    fail = False
+    best, rows = choice(4096, 4096)                             # 32 row blocks x 32 heads
+    assert {bool(r.kernel.split_extent) for r in rows[:2]} == {True, False}
+    assert timed == [0] and not best.kernel.split_extent
+    assert next(r for r in rows if r.kernel.split_extent).status.startswith("not timed: split-k")
+    fail = True                                                 # the rolling one fails: split-k runs
+    best, _ = choice(4096, 4096)
+    assert timed == [0, best.kernel.split_extent] and best.kernel.split_extent
+    fail = False
+    best, rows = choice(1, 8192)                                # a decode: split-k is timed
+    assert rows[0].kernel.split_extent and timed[0] == rows[0].kernel.split_extent
 
 
 def test_fewest_launches_win_among_configs_within_the_tie():

@@ -81,7 +81,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
     if decode:  # one row block; the loop block and split matter
         # 32-key blocks split 32 ways were the fastest GQA decode at 2048 keys on the GPU
         # alone; 256-key blocks never were (bench/results/decode_configs_h100.md).  128
-        # keys at 8 warps was never the only best config of a case (DECODE_GRID_EVIDENCE),
+        # keys at 8 warps was never the only best config of a case (GRID_EVIDENCE),
         # so that shape is not compiled.
         shapes = ((16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3))
         if not ks.split_extent:
@@ -103,7 +103,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             # a decode split in two: its combine reads the fewest partials, and with the
             # K/V cache out of L2 it was the fastest decode of 32 heads at 2048 and 8192
             # keys (bench/results/decode_configs_h100.md) -- at 128 keys a step; with
-            # 32 or 64 it never came within 10% of the best (DECODE_GRID_EVIDENCE)
+            # 32 or 64 it never came within 10% of the best (GRID_EVIDENCE)
             splits = sorted(set(splits) | {2})
         for sp in splits:
             out.append(TileConfig(blocks, w, s, sp))
@@ -111,10 +111,10 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
                 # and split-k in one launch: timing decides.  Not for a decode of packed
                 # rows (GQA's heads of a group, several queries): its last program folds
                 # every row's partials alone, and it never came within 16% of the best
-                # (DECODE_GRID_EVIDENCE)
+                # (GRID_EVIDENCE)
                 out.append(TileConfig(blocks, w, s, sp, fused=True))
     # A decode's loads are a few rows and a stream of keys: tensor descriptors never came
-    # within 9% of its pointer form (DECODE_GRID_EVIDENCE), so its variants are not offered
+    # within 9% of its pointer form (GRID_EVIDENCE), so its variants are not offered
     variants = [] if decode else lowering_variants(ks, out)
     return out + variants + gluon_configs(ks) + vector_dot_configs(ks, sms)
 
@@ -126,7 +126,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
 # case (72-271 timings each; all four left out at once, every one of the 36 cases keeps
 # its best).  It took a decode's cold choice from 30-34 compiled configs to 10-20
 # (bench/results/cold_s25/).
-DECODE_GRID_EVIDENCE = "bench/results/decode_grid_evidence.md"
+GRID_EVIDENCE = "bench/results/grid_evidence.md"  # (python bench/grid_evidence.py)
 
 
 VDOT_MAX_KEYS = 1024  # the longest key loop the CUDA-core form is offered for

@@ -1,12 +1,16 @@
-"""Which decode tile configs ever come near the best: the evidence behind the pruned decode
-grid of ``runtime.tile_configs.candidate_configs`` (``DECODE_GRID_EVIDENCE``).
+"""What a cold choice leaves untimed, and the measurements that say so
+(``runtime.tile_configs.GRID_EVIDENCE``):
 
-    python bench/decode_grid_evidence.py   # reads bench/results/**/decode_configs*.json
+    python bench/grid_evidence.py   # reads bench/results/**/*.json, writes bench/results/grid_evidence.md
 
-Every config offered in a ``bench/decode_configs.py`` run is timed cold (K/V from DRAM,
-on the GPU alone: the time ``choose`` picks by).  Per case (file, operator, length) each
-config's speed is taken relative to the case's best; a kind of config is worth compiling
-only if it comes near 1.0 somewhere.  Writes bench/results/decode_grid_evidence.md.
+1. The decode grid of ``runtime.tile_configs.candidate_configs``.  Every config offered in
+   a ``bench/decode_configs.py`` run is timed cold (K/V from DRAM, on the GPU alone: the
+   time ``choose`` picks by).  Per case (file, operator, length) each config's speed is
+   taken relative to the case's best; a kind of config is worth compiling only if it is
+   the best somewhere.
+2. Split-k candidates of a prefill (``choosing.choose.choose``).  Every
+   ``bench/neptune_ops.py`` row records each timed candidate's best time; where a prefill
+   timed both the rolling and the split-k candidate, their ratio.
 """
 from __future__ import annotations
 
@@ -93,8 +97,43 @@ def main() -> None:
         lines += ["", f"128 keys at 8 warps / the same config at 4 warps: at most {w8_vs_w4[-1][0]:.3f} "
                   f"({w8_vs_w4[-1][1]}), median {w8_vs_w4[len(w8_vs_w4) // 2][0]:.3f} over "
                   f"{len(w8_vs_w4)} pairs."]
-    (RESULTS / "decode_grid_evidence.md").write_text("\n".join(lines) + "\n")
+    lines += [""] + split_k_prefill()
+    (RESULTS / "grid_evidence.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def split_k_prefill() -> list[str]:
+    """Prefill rows that timed a rolling and a split-k candidate: split-k's best time over
+    the rolling one's."""
+    ratios = []
+    for path in sorted(RESULTS.glob("**/*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        rows = data.get("rows") if isinstance(data, dict) else data
+        for row in rows if isinstance(rows, list) else []:
+            if not (isinstance(row, dict) and str(row.get("op", "")).endswith("-pf")
+                    and row.get("candidates")):
+                continue
+            timed = [(c[0], c[2], c[3]) for c in row["candidates"] if c[3]]
+            roll = [(p, m) for d, p, m in timed if d.startswith("rolling")]
+            split = [(p, m) for d, p, m in timed if d.startswith("split-k")]
+            if roll and split:
+                ratios.append((min(m for _, m in split) / min(m for _, m in roll),
+                               min(p for p, _ in split) / min(p for p, _ in roll),
+                               f"{path.relative_to(RESULTS)}: {row['op']} S={row['S']}"))
+    if not ratios:
+        return []
+    ratios.sort()
+    return ["# Split-k candidates of a prefill against the rolling one", "",
+            f"{len(ratios)} prefill rows of `bench/neptune_ops.py` runs timed both (global, causal, "
+            "ALiBi, GQA, softcap and window prefill, S = 512-32768, H100 and H200). The split-k "
+            f"candidate's best measured time / the rolling candidate's: at least {ratios[0][0]:.2f} "
+            f"({ratios[0][2]}), median {ratios[len(ratios) // 2][0]:.2f}, at most {ratios[-1][0]:.2f}. "
+            f"The cost model put it at {min(r[1] for r in ratios):.2f}-{max(r[1] for r in ratios):.2f}x: "
+            "the rolling candidate's work plus a combine, but not that the rolling candidate also "
+            "has the warp-specialised Gluon form and split-k writes every row's fold states."]
 
 
 if __name__ == "__main__":
