@@ -263,7 +263,12 @@ def _merged(old: list[dict], new: list[dict], key) -> list[dict]:
 def write(out: Path, rows, acc_rows, meta, merge=False):
     out.mkdir(parents=True, exist_ok=True)
     if merge:
-        rows = _merged(_read_csv(out / "neptune_ops.csv"), rows, lambda r: (r["op"], r["S"]))
+        # old rows from the JSON where it is there: the CSV lacks the per-candidate times
+        # (bench/grid_evidence.py reads them)
+        old_json = out / "neptune_ops.json"
+        old = (json.loads(old_json.read_text())["rows"] if old_json.exists()
+               else _read_csv(out / "neptune_ops.csv"))
+        rows = _merged(old, rows, lambda r: (r["op"], r["S"]))
         acc_rows = _merged(_read_csv(out / "accuracy.csv"), acc_rows,
                            lambda r: (r["op"], r["S"], r["impl"]))
     if acc_rows:
