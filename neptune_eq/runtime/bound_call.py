@@ -76,6 +76,11 @@ class BoundCall:
         self.steps = ([self.pre[2]] if self.pre else []) + la._launches
         self.desc_slots = ([slot[n] for n in ks.descriptors] if la.tma else [])
         self._fp32 = torch.float32
+        # stream -> the split-k fold states' scratch, kept between calls: calls on one
+        # stream run in order, so the next call's partials are written after this one's
+        # combine has read them.  Allocating and cutting it per call took ~10 of a warm
+        # decode call's ~50 us of host time (H200 host, bench/results/cold_s25/).
+        self._scratch: dict = {}
 
     def arg_lists(self, vals: list, stream) -> list[list]:
         """The arguments of every launch, in order, for the call whose tensors are
@@ -90,8 +95,15 @@ class BoundCall:
             lists.append(args + self.strides)
             return lists
         total, cuts, chunk, nsplit = self.scratch
-        buf = torch.empty(total, dtype=self._fp32, device=self.device)
-        ws = [buf[at:at + n] for n, at in cuts]
+        # A call captured in a CUDA graph takes a fresh buffer from the graph's own pool,
+        # which the graph keeps alive for its replays; a kept one could be freed first.
+        capturing = stream is not None and torch.cuda.is_current_stream_capturing()
+        ws = None if capturing else self._scratch.get(stream)
+        if ws is None:
+            buf = torch.empty(total, dtype=self._fp32, device=self.device)
+            ws = [buf[at:at + n] for n, at in cuts]
+            if not capturing:
+                self._scratch[stream] = ws
         if self.launcher.config.fused:
             sem = self.launcher._semaphores(self.device, stream)
             lists.append(args + ws + [sem] + self.strides + [chunk, nsplit])

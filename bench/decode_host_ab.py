@@ -1,0 +1,43 @@
+"""A warm decode call's host time with split-k's scratch kept per stream
+(``runtime.bound_call.BoundCall``) against allocated and cut per call, in one process,
+alternating three times: ``python bench/decode_host_ab.py`` (GPU).  Host us per call =
+wall time of a loop of calls without a sync (the GPU work per call is far shorter)."""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import neptune_ops as ops
+import neptune_eq as ne
+
+
+class NoKeep(dict):
+    def __setitem__(self, k, v):
+        pass
+
+
+def loop_us(fn, n=3000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+for op, S in [("gqa-dc", 2048), ("causal-dc", 2048), ("gqa-dc", 8192)]:
+    out, spec, work, unit = ops.build(op, S)
+    q, k, v, slopes, args = ops.make_inputs(spec)
+    kern = ne.superoptimize(out, target="cuda", top_k=2)
+    ref = kern(*args).clone()
+    res = {"kept": [], "per call": []}
+    for _ in range(3):
+        for mode in ("kept", "per call"):
+            for b in kern._bound.values():
+                if b is not None:
+                    b._scratch = {} if mode == "kept" else NoKeep()
+            res[mode].append(loop_us(lambda: kern(*args)))
+    same = torch.equal(kern(*args), ref)
+    print(op, S, kern.config, {m: [round(x, 1) for x in v] for m, v in res.items()}, "same output", same, flush=True)
