@@ -35,11 +35,8 @@ STRUCTURES = {
         'ne.attention(1, 32, 4096, 4096, 128, "float16")',
 }
 
-CHILD = """
-import json, sys, time
-import neptune_eq as ne
-from neptune_eq.choosing import choose as _choose
-split = {{"compile": 0.0, "time": 0.0}}
+# Both children clock the choice's two stages (the compile pool, the timing) alike.
+CLOCK = """split = {"compile": 0.0, "time": 0.0}
 
 def _clocked(name, fn):  # how long the choice spends compiling vs timing
     def run(*a, **k):
@@ -52,7 +49,13 @@ def _clocked(name, fn):  # how long the choice spends compiling vs timing
 
 _choose.compile_in_parallel = _clocked("compile", _choose.compile_in_parallel)
 _choose.time_configs = _clocked("time", _choose.time_configs)
-sys.path.insert(0, "bench")
+"""
+
+CHILD = """
+import json, sys, time
+import neptune_eq as ne
+from neptune_eq.choosing import choose as _choose
+{clock}sys.path.insert(0, "bench")
 {setup}
 t0 = time.perf_counter()
 kern = ne.superoptimize({expr}, target="cuda", cache=False, top_k={top_k})
@@ -72,21 +75,8 @@ from neptune_eq import api
 from neptune_eq.choosing import choose as _choose
 sys.path.insert(0, "bench")
 import backward_gpu as bg
-split = {{"compile": 0.0, "time": 0.0}}
 kernels = []
-
-def _clocked(name, fn):
-    def run(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            split[name] += time.perf_counter() - t
-    return run
-
-_choose.compile_in_parallel = _clocked("compile", _choose.compile_in_parallel)
-_choose.time_configs = _clocked("time", _choose.time_configs)
-_superoptimize = api.superoptimize
+{clock}_superoptimize = api.superoptimize
 
 def logged(program, *a, **k):
     before = dict(split)
@@ -113,7 +103,7 @@ def one(expr: str, threads: int, setup: str = "", top_k: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "NEPTUNE_EQ_COMPILE_THREADS": str(threads),
                "NEPTUNE_EQ_CACHE": cache, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        r = subprocess.run([sys.executable, "-c", CHILD.format(expr=expr, setup=setup, top_k=top_k)], capture_output=True,
+        r = subprocess.run([sys.executable, "-c", CHILD.format(expr=expr, setup=setup, top_k=top_k, clock=CLOCK)], capture_output=True,
                            text=True, env=env, cwd=ROOT)
     return _result(r)
 
@@ -130,7 +120,7 @@ def backward_step(variant: str, S: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "NEPTUNE_EQ_COMPILE_THREADS": str(threads),
                "NEPTUNE_EQ_CACHE": cache, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        r = subprocess.run([sys.executable, "-c", BACKWARD_CHILD.format(variant=variant, S=S)],
+        r = subprocess.run([sys.executable, "-c", BACKWARD_CHILD.format(variant=variant, S=S, clock=CLOCK)],
                            capture_output=True, text=True, env=env, cwd=ROOT)
     return _result(r)
 

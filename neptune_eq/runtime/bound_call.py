@@ -78,8 +78,8 @@ class BoundCall:
         self._fp32 = torch.float32
         # stream -> the split-k fold states' scratch, kept between calls: calls on one
         # stream run in order, so the next call's partials are written after this one's
-        # combine has read them.  Allocating and cutting it per call took ~10 of a warm
-        # decode call's ~50 us of host time (H200 host, bench/results/cold_s25/).
+        # combine has read them.  Allocating and cutting it per call took 13-24 us of a
+        # warm decode call's 46-89 us of host time (H200 host, bench/decode_host_ab.py).
         self._scratch: dict = {}
 
     def arg_lists(self, vals: list, stream) -> list[list]:

@@ -103,18 +103,18 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             # a decode split in two: its combine reads the fewest partials, and with the
             # K/V cache out of L2 it was the fastest decode of 32 heads at 2048 and 8192
             # keys (bench/results/decode_configs_h100.md) -- at 128 keys a step; with
-            # 32 or 64 it never came within 10% of the best (GRID_EVIDENCE)
+            # 32 or 64 it was at most 0.90x the best of its case (GRID_EVIDENCE)
             splits = sorted(set(splits) | {2})
         for sp in splits:
             out.append(TileConfig(blocks, w, s, sp))
             if sp and not (decode and ks.row_extent > 1):
                 # and split-k in one launch: timing decides.  Not for a decode of packed
-                # rows (GQA's heads of a group, several queries): its last program folds
-                # every row's partials alone, and it never came within 16% of the best
-                # (GRID_EVIDENCE)
+                # rows (GQA's heads of a group; several queries pack the same way): its
+                # last program folds every row's partials alone, and it was at most 0.84x
+                # the best of its case (GRID_EVIDENCE)
                 out.append(TileConfig(blocks, w, s, sp, fused=True))
-    # A decode's loads are a few rows and a stream of keys: tensor descriptors never came
-    # within 9% of its pointer form (GRID_EVIDENCE), so its variants are not offered
+    # A decode's loads are a few rows and a stream of keys: with tensor descriptors it was
+    # at most 0.91x the best of its case (GRID_EVIDENCE), so the variants are not offered
     variants = [] if decode else lowering_variants(ks, out)
     return out + variants + gluon_configs(ks) + vector_dot_configs(ks, sms)
 
@@ -124,7 +124,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
 # 24, H100 and H200, causal / ALiBi / GQA / softcap decode at 2048 and 8192 keys -- ranked
 # against the best of its case.  No kind left out was ever the only best config of a
 # case (72-271 timings each; all four left out at once, every one of the 36 cases keeps
-# its best).  It took a decode's cold choice from 30-34 compiled configs to 10-20
+# its best).  It took a decode's cold choice from 20-34 compiled configs to 5-20
 # (bench/results/cold_s25/).
 GRID_EVIDENCE = "bench/results/grid_evidence.md"  # (python bench/grid_evidence.py)
 
