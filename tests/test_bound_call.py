@@ -295,3 +295,43 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
     assert args == [f"desc:{q.data_ptr()}", q, k, v, out] + ints
     with pytest.raises(ValueError, match="pre-pass"):
         GluonBoundCall(NS(ks=NS(summaries=("doc",))), ["q", "k", "v"], calls[0], ["o"])
+
+
+def test_host_timing_runs_a_long_call_three_times_and_a_short_one_by_do_bench(monkeypatch):
+    """``timing.host_ms``: a call of ``LONG_CALL_MS`` or more is timed in
+    ``LONG_CALL_SAMPLES`` runs (the median; the first run counts), a shorter one by
+    ``do_bench``'s budgets -- each run after an L2 flush."""
+    import triton.testing
+    from neptune_eq.runtime import timing
+    clock = {"ms": 0.0, "runs": [], "flushes": 0}
+
+    class Event:  # elapsed time = what the call under test "took"
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock["ms"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    class Flush:
+        def zero_(self):
+            clock["flushes"] += 1
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: Flush())
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **k: ("do_bench", k))
+
+    def call_taking(times):
+        def call():
+            clock["ms"] += times[len(clock["runs"]) % len(times)]
+            clock["runs"].append(1)
+        return call
+    assert timing.host_ms(call_taking([9.0, 7.0, 8.5])) == 8.5   # the median of three runs
+    assert len(clock["runs"]) == timing.LONG_CALL_SAMPLES == clock["flushes"] == 3
+    clock["runs"].clear()
+    assert timing.host_ms(call_taking([0.2])) == ("do_bench", {"warmup": 10, "rep": 40,
+                                                              "return_mode": "median"})
