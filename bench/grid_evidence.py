@@ -75,7 +75,7 @@ def main() -> None:
                     if twin in by_cfg:
                         w8_vs_w4.append((c["cold"] / by_cfg[twin], case))
     lines = ["# Decode tile configs against the best of their case", "",
-             "`python bench/decode_grid_evidence.py` over "
+             "`python bench/grid_evidence.py` over "
              f"{len(files)} `decode_configs` runs ({cases} cases: operator x length x run; "
              "H100 and H200, sessions 11-24). Speed = the config's cold TB/s (K/V from DRAM, "
              "GPU alone) / the best offered config's in the same case.", "",
