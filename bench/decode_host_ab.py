@@ -2,29 +2,18 @@
 (``runtime.bound_call.BoundCall``) against allocated and cut per call, in one process,
 alternating three times: ``python bench/decode_host_ab.py`` (GPU).  Host us per call =
 wall time of a loop of calls without a sync (the GPU work per call is far shorter)."""
-import sys, time
+import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import neptune_ops as ops
 import neptune_eq as ne
+from host_profile import loop_us  # the warm loop without a sync, one definition
 
 
 class NoKeep(dict):
     def __setitem__(self, k, v):
         pass
-
-
-def loop_us(fn, n=3000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 for op, S in [("gqa-dc", 2048), ("causal-dc", 2048), ("gqa-dc", 8192)]:
@@ -38,6 +27,6 @@ for op, S in [("gqa-dc", 2048), ("causal-dc", 2048), ("gqa-dc", 8192)]:
             for b in kern._bound.values():
                 if b is not None:
                     b._scratch = {} if mode == "kept" else NoKeep()
-            res[mode].append(loop_us(lambda: kern(*args)))
+            res[mode].append(loop_us(lambda: kern(*args), calls=3000, warmup=50))
     same = torch.equal(kern(*args), ref)
     print(op, S, kern.config, {m: [round(x, 1) for x in v] for m, v in res.items()}, "same output", same, flush=True)

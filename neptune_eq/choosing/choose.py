@@ -100,13 +100,16 @@ def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) ->
 
 
 def rows_fill_gpu(ks: KernelSource, sms: int) -> bool:
-    """Whether a kernel's row programs alone -- at 128 rows each, the largest row block
-    offered -- give every SM one.  Then a split-k candidate splits nothing that was idle:
+    """Whether a kernel's row programs alone -- at the largest row block its GPU configs
+    offer -- give every SM one.  Then a split-k candidate splits nothing that was idle:
     it does the rolling candidate's work, then writes and combines every row's fold
     states.  In all 48 prefills measured with both timed (sessions 11-19, H100 and H200)
     it took 1.11-1.69x the rolling candidate's time, where the cost model put it within
     1.00-1.30x (``tile_configs.GRID_EVIDENCE``), so it is not compiled there."""
-    return -(-ks.row_extent // 128) * ks.grid_size >= sms
+    rows = f"B_{ks.block_axis}"
+    largest = max(c.blocks.get(rows, ks.tunables.get(rows, 16))
+                  for c in candidate_configs(ks, "cuda", sms))
+    return -(-ks.row_extent // largest) * ks.grid_size >= sms
 
 
 PRUNE_RATIO = 1.3  # candidates predicted slower than this times the best are not timed
