@@ -27,7 +27,7 @@ def test_a_sum_over_the_rows_is_added_atomically_in_the_loop():
     kern = ne.superoptimize(outs, target="interpreter", cache=False)
     text = kern.plan.describe()
     assert "b[" in text and "term atomically" in text, text
-    assert kern.source.count("tl.atomic_add(") == 1
+    assert kern.source.count("tl.atomic_add(") == 2  # the key loop's and its ragged tail's
     torch.manual_seed(0)
     x, y, z = torch.randn(37, 21), torch.randn(37, 16), torch.randn(21, 16)
     a, b = kern(x, y, z)
@@ -58,7 +58,7 @@ def test_scaled_sums_keep_the_atomic_form():
     kern = ne.superoptimize([a, b], target="interpreter", cache=False)
     text = kern.plan.describe()
     assert "b[" in text and "term atomically" in text and "epilogue: a[" in text, text
-    assert kern.source.count("tl.atomic_add(") == 1
+    assert kern.source.count("tl.atomic_add(") == 2  # the key loop's and its ragged tail's
     torch.manual_seed(0)
     xt, yt, zt = torch.randn(n, m), torch.randn(n, e), torch.randn(m, e)
     got_a, got_b = kern(xt, yt, zt)

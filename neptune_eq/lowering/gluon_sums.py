@@ -303,13 +303,13 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         em.states[f.name] = Tile(f.name, em.canon((ba, col)), "f32")
     prologue_tail = em.pop()
 
-    def fragment(known: frozenset) -> list[str]:
+    def fragment(known: frozenset, whole: bool = False) -> list[str]:
         em.frag_scattered = []  # (the edge and interior bodies reuse the Xᵀ buffers)
-        return block_fragment(em, known)
+        return block_fragment(em, known, whole)
 
     body_edge = fragment(frozenset())
     known_in = ps.bound_atoms | frozenset(atoms)
-    body_in = fragment(known_in) if known_in else body_edge
+    body_in = fragment(known_in, whole=True)
     if not em.first or not em.acc:
         raise LoweringError("The pass has no products for the sums skeleton.")
     resident = tuple(dict.fromkeys([r for _, r, _ in em.first] + em.scattered))
@@ -402,7 +402,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
                      f"        mbarrier.expect(ready{k}.index(s), s{k}_desc.block_type.nbytes)",
                      f"        tma_load(s{k}_desc, [sbase{k} + j_lo + jb * B_L, 0], ready{k}.index(s), "
                      f"ring{k}.index(s))"]
-    loops = _interior_loops(ps, body_edge, body_in, [], with_wait, data, first=0)
+    loops = _interior_loops(ps, body_edge, body_in, [], with_wait, data, bool(known_in), first=0)
     consumer = [
         "    # one warpgroup: 64 rows, its own wgmma issue, the block math between products",
         "    STAGES: gl.constexpr = ring0.type.shape[0]",

@@ -30,6 +30,10 @@ from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 
+# (constexpr) the main key loop covers every block, the ragged last one included: the
+# extent is a multiple of the block, or the loop is warp-specialised
+WHOLE_ALL = f"EVEN_{LOOP} or {descriptors.WS_FLAG}"
+
 
 @dataclass
 class KernelSource:
@@ -187,8 +191,16 @@ def _tested_loops(em: Emitter, k: int, lo: str, hi: str, split: bool) -> None:
         em.emit(f"j_lo{k}s = tl.maximum({lo}, pid_split * CHUNK)")
         em.emit(f"j_hi{k}s = tl.minimum({hi}, pid_split * CHUNK + CHUNK)")
         lo, hi = f"j_lo{k}s", f"j_hi{k}s"
+    # Key blocks inside the extent run without its mask: with an extent off the block
+    # size (S = 3000) only the last block keeps it (``_ragged_tail``).  Not where the main
+    # loop is warp-specialised (WS): a loop beside it fails to compile (``descriptors``),
+    # so it keeps the mask on every block.
+    whole = f"j_wh{k}"
+    em.emit(f"{whole} = {hi} if ({WHOLE_ALL}) else tl.maximum(tl.minimum({hi}, "
+            f"({ps.extent} // B_{LOOP}) * B_{LOOP}), {lo})")
     if not ps.bound_atoms:
-        _loop(em, k, lo, hi, frozenset(), main=True)
+        _loop(em, k, lo, whole, frozenset(), main=True, whole=True)
+        _ragged_tail(em, k, whole, hi)
         return
     # interior: keys visible to every row of the block, aligned to whole key blocks
     a, b = lo, hi
@@ -200,17 +212,30 @@ def _tested_loops(em: Emitter, k: int, lo: str, hi: str, split: bool) -> None:
         em.emit(f"j_in_hi{k} = tl.maximum(tl.minimum(((row_first + ({ps.hi_offset})) // B_{LOOP}) "
                 f"* B_{LOOP}, {hi}), {a})")
         b = f"j_in_hi{k}"
+    em.emit(f"j_in_wh{k} = tl.maximum(tl.minimum({b}, {whole}), {a})")
     if a != lo:
         _loop(em, k, lo, a, frozenset())
-    _loop(em, k, a, b, ps.bound_atoms, main=True)
+    _loop(em, k, a, f"j_in_wh{k}", ps.bound_atoms, main=True, whole=True)
     if b != hi:
-        _loop(em, k, b, hi, frozenset())
+        _loop(em, k, f"j_in_wh{k}", hi, frozenset())
+    else:  # interior to the end: only a ragged last block is left
+        _ragged_tail(em, k, f"j_in_wh{k}", hi)
+
+
+def _ragged_tail(em: Emitter, k: int, lo: str, hi: str) -> None:
+    """The key blocks in [lo, hi) past the last whole one, with the extent mask -- under a
+    constexpr ``if``, so a kernel whose extent is a multiple of the block compiles none."""
+    em.emit(f"if not ({WHOLE_ALL}):  # the ragged last key block")
+    em.push(em.scopes[-1][2] + "    ")
+    _loop(em, k, lo, hi, frozenset())
+    em.scopes[-2][0].extend(em.pop())
 
 
 def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = True,
-          main: bool = False) -> None:
+          main: bool = False, whole: bool = False) -> None:
     """One key loop; ``known``: atoms true on all its blocks; ``test``: data mask per block;
-    ``main``: the pass's main loop (pipelined, warp-specialisable: ``descriptors``)."""
+    ``main``: the pass's main loop (pipelined, warp-specialisable: ``descriptors``);
+    ``whole``: every block lies inside the key extent (its mask folds away)."""
     ps = em.plan.passes[k]
     head = descriptors.main_loop_header(lo, hi, f"B_{LOOP}") if main else \
         f"for l0 in range({lo}, {hi}, B_{LOOP}):"
@@ -220,7 +245,8 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = 
     inner = parent[2] + "    "
     em.push(inner)
     em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
-    em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | EVEN_{LOOP}")
+    em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | "
+            + (f"(EVEN_{LOOP} or not {descriptors.WS_FLAG})  # whole blocks" if whole else f"EVEN_{LOOP}"))
     # One loop variable for every fold of the pass, so shared subterms (the score
     # tile of attention) are computed once per block.
     loop_var = f"loop{k}"
