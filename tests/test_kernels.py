@@ -35,20 +35,6 @@ def test_attention_kernel_is_single_pass_and_correct(shape, dtype):
     assert src.count("tl.dot(", tail) == 2 and src.index("for l0 in tl.range(") < tail
 
 
-@pytest.mark.parametrize("mask, reversed_", [
-    (lambda b, h, i, j: j <= i, True),                        # causal: later rows see more keys
-    (lambda b, h, i, j: j >= i, False),                       # the first rows see the most
-    (lambda b, h, i, j: (j <= i) & (i - j < 8), False),       # a window: even work per row
-    (None, False)])
-def test_row_blocks_start_longest_first_where_later_rows_see_more_keys(mask, reversed_):
-    """Causal: the row blocks are launched in reverse, so the longest start first and the
-    launch ends on short ones; where work is even or falls with the row, id order stays.
-    Right at several row blocks either way (the interpreter's blocks are 16 rows)."""
-    kern = check_kernel(ne.attention(1, 2, 53, 53, 16, "float32", mask_mod=mask))
-    assert ("pid_block = tl.num_programs(0) - 1 - tl.program_id(0)" in kern.source) == reversed_
-    assert ("pid_block = tl.program_id(0)" in kern.source) != reversed_
-
-
 def test_attention_large_scores_stay_finite():
     check_kernel(examples.attention(1, 1, 9, 21, 16, "float32"), scale=30.0)
 

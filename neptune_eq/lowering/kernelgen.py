@@ -94,23 +94,11 @@ def _init(em: Emitter, f: Fold, axes) -> str:
     return f"tl.full({em.shape(axes)}, {init_fill(f.op)}, tl.float32)"
 
 
-def longest_rows_last(plan: TilePlan) -> bool:
-    """Whether a later row block visits more key blocks: every pass's key range is bounded
-    above by the row (``j < i + c``, causal) and not below (a window's work is even)."""
-    return all(ps.hi_offset is not None and ps.lo_offset is None for ps in plan.passes)
-
-
 def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
-              indent: str = "    ", longest_first: bool = False) -> None:
+              indent: str = "    ") -> None:
     plan, p = em.plan, em.p
     em.push(indent)  # scope 0: axis set-up and hoisted loop invariants
-    if longest_first:
-        # The hardware hands out programs in id order (axis 0 fastest): with the row
-        # blocks reversed, each head's longest (causal: last) rows start first and the
-        # launch ends on short ones, not on a long tail of its last heads' longest rows
-        em.emit("pid_block = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first")
-    else:
-        em.emit("pid_block = tl.program_id(0)")
+    em.emit("pid_block = tl.program_id(0)")
     em.emit("pid_grid = tl.program_id(1)")
     if split_axis:
         em.emit("pid_split = tl.program_id(2)")
@@ -517,7 +505,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
                   summaries=summaries, prepass=prepass)
     if not plan.split:
         em = Emitter(plan, name, bf16_dot_in_fp32)
-        _prologue(em, split_axis=False, longest_first=longest_rows_last(plan))
+        _prologue(em, split_axis=False)
         _init_states(em)
         for k in range(len(plan.passes)):
             _pass_loop(em, k, split=False)
