@@ -88,7 +88,11 @@ def run_setup(setup, dtype, run):
     work = 4 * b * hq * s * s * d / (2 if causal else 1) / 1e12
     row = {"dtype": dtype, "B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d, "causal": causal,
            "cold_s": round(cold, 1), "config": str(kern.config), "structure": kern.chosen_row.structure,
-           "run": run, "notes": ""}
+           "run": run, "notes": "",
+           # every config the cold choice timed (the JSON only): where a row trails its
+           # best peer, which forms were near
+           "timings": [(str(c), None if ms is None else round(ms * 1e3, 1), (err or "")[:120])
+                       for c, ms, err in kern.timings]}
     row["neptune_eq"] = work / (do_bench(lambda: kern(q, k, v), warmup=25, rep=100,
                                          return_mode="median") / 1e3)
     notes = []
