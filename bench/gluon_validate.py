@@ -258,26 +258,34 @@ def tanh_forms(s_time=8192):
     return rows
 
 
-def persistence():
+PERSISTENCE_CASES = {  # head dim -> (variant, B, H, S, kv heads)
+    128: (("global", 1, 32, 2048, None), ("global", 1, 64, 2048, 8), ("causal", 1, 32, 2048, None),
+          ("causal", 2, 32, 3000, None), ("causal", 1, 32, 8192, None),
+          ("causal", 1, 64, 2048, 8), ("softcap", 1, 32, 2048, None), ("window", 1, 32, 8192, None)),
+    # head dim 64: the Gluon form's causal run took 0.63-0.67 of its global one at S=5000
+    # where the tl forms took 0.57-0.58 and cuDNN 0.48-0.50 (bench/results/ragged_s26)
+    64: (("global", 4, 16, 5000, None), ("causal", 4, 16, 5000, None),
+         ("global", 4, 32, 4096, None), ("causal", 4, 32, 4096, None))}
+
+
+def persistence(d: int = 128):
     """``gluon_ws.PERSISTENT`` on and off in one process: the Gluon form's time per call
     (``do_bench``, host included) and replayed from a CUDA graph (device only), and
-    whether both forms' outputs are bit-identical."""
+    whether both forms' outputs are bit-identical; at head dim ``d``."""
     from neptune_eq.lowering import gluon_ws
     rows, was = [], gluon_ws.PERSISTENT
-    cases = (("global", 1, 32, 2048, None), ("global", 1, 64, 2048, 8), ("causal", 1, 32, 2048, None),
-             ("causal", 2, 32, 3000, None), ("causal", 1, 32, 8192, None),
-             ("causal", 1, 64, 2048, 8), ("softcap", 1, 32, 2048, None), ("window", 1, 32, 8192, None))
     try:
-        for variant, b, h, s, kv in cases:
-            row = {"case": "persistence", "variant": variant, "B": b, "H": h, "S": s, "kv_heads": kv}
-            q = torch.randn(b, h, s, 128, device="cuda", dtype=torch.float16)
-            k, v = (torch.randn(b, kv or h, s, 128, device="cuda", dtype=torch.float16)
+        for variant, b, h, s, kv in PERSISTENCE_CASES[d]:
+            row = {"case": "persistence", "variant": variant, "B": b, "H": h, "S": s, "D": d,
+                   "kv_heads": kv}
+            q = torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(b, kv or h, s, d, device="cuda", dtype=torch.float16)
                     for _ in range(2))
             outs = {}
             for on in (True, False):
                 gluon_ws.PERSISTENT = on
-                prog, ks = derive(variant, b, h, s, 128, "float16", kv)
-                la = gluon_launcher(prog, ks)
+                prog, ks = derive(variant, b, h, s, d, "float16", kv)
+                la = gluon_launcher(prog, ks, key_block=128)
                 t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
                 la(t)
                 la(t)  # the checked direct launch
@@ -285,12 +293,18 @@ def persistence():
                 tag = "persistent" if on else "per_tile"
                 row[f"{tag}_is"] = ks.gluon.persistent
                 ms = triton.testing.do_bench(lambda: la(t), warmup=25, rep=200)
-                row[f"tflops_{tag}_called"] = flops(variant, b, h, s, 128) / ms / 1e9
+                row[f"tflops_{tag}_called"] = flops(variant, b, h, s, d) / ms / 1e9
                 try:
                     ms = triton.testing.do_bench_cudagraph(lambda: la(t), rep=200)
-                    row[f"tflops_{tag}_graph"] = flops(variant, b, h, s, 128) / ms / 1e9
+                    row[f"tflops_{tag}_graph"] = flops(variant, b, h, s, d) / ms / 1e9
                 except Exception as e:  # noqa: BLE001 - recorded, the row still counts
                     row[f"graph_error_{tag}"] = repr(e)[-300:]
+            if variant in ("global", "causal") and kv is None:  # the peer, same inputs
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    ms = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=variant == "causal"), warmup=25, rep=200)
+                row["cudnn_tflops_called"] = flops(variant, b, h, s, d) / ms / 1e9
             row["bit_identical"] = bool(torch.equal(outs[True], outs[False]))
             row["max_diff_between_forms"] = (outs[True].float() - outs[False].float()).abs().max().item()
             if s <= 3000:  # each form against the fp32 reference, many tiles per program
@@ -363,6 +377,8 @@ def main():
     ap.add_argument("--skip-choice", action="store_true")
     ap.add_argument("--only-tanh", action="store_true", help="only the softcap tanh forms")
     ap.add_argument("--skip-tanh", action="store_true", help="no softcap tanh forms")
+    ap.add_argument("--head-dim", type=int, default=128, choices=sorted(PERSISTENCE_CASES),
+                    help="the --only-persistence cases' head dim")
     ap.add_argument("--only-persistence", action="store_true",
                     help="only the persistent / one-program-per-tile A/B")
     ap.add_argument("--variants", nargs="+", default=None,
@@ -375,7 +391,7 @@ def main():
 
     run = row_runner(rows)
     if args.only_persistence or args.only_key_blocks:
-        for row in persistence() if args.only_persistence else key_blocks():
+        for row in persistence(args.head_dim) if args.only_persistence else key_blocks():
             rows.append(row)
             print(json.dumps(row), flush=True)
         return write(rows, args.out)

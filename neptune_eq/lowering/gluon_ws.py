@@ -281,9 +281,9 @@ def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool, masked
     the whole blocks, then a ragged last one.  ``body_in``: the body with the known atoms
     and the extent mask dropped (``block_fragment(..., whole=True)``)."""
     # Blocks past the last whole one (a key extent off the block size: S = 3000) keep
-    # the extent mask; the others run the body without it (H100, bf16 B=2 H=32 D=128,
-    # causal: S=3000 ran 5% longer than S=3072 with the extent mask in every block,
-    # though 4.6% less work -- bench/results/ragged_s26/).
+    # the extent mask; the others run the body without it (H100, bf16 B=2 H=32 S=3000
+    # D=128 causal: 445 -> 476 TFLOP/s; the off-grid sweep's geomean 0.89 -> 0.97x the
+    # best peer, bench/results/ragged_s26/).
     out = [f"    n_whole = n_blocks if EVEN_L else gl.minimum(gl.maximum({ps.extent} - j_lo, 0) "
            "// B_L, n_blocks)"]
     if not masked:
