@@ -194,7 +194,7 @@ def test_sorted_document_ids_become_loop_bounds():
     src = kern.source
     assert "if mono0_" in src and "else:  # unsorted: test each key block" in src
     loops = key_loops(src)
-    # + the tested fallback loop and its ragged last key block (under ``if not EVEN_L``)
+    # + the tested fallback loop and its ragged last key block (``if not (EVEN_L or WS)``)
     assert len(loops) == 5 and branch_free_loops(src) == 3
     assert [len(b) > 0 for b in loops[:3]] == [True] * 3
     assert "t" in " ".join(loops[1]) and "doc_ptr" not in " ".join(loops[1])  # unmasked

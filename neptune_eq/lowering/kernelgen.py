@@ -30,9 +30,11 @@ from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 
-# (constexpr) the main key loop covers every block, the ragged last one included: the
-# extent is a multiple of the block, or the loop is warp-specialised
+# (constexprs) the main key loop covers every block, the ragged last one included: the
+# extent is a multiple of the block, or the loop is warp-specialised ...
 WHOLE_ALL = f"EVEN_{LOOP} or {descriptors.WS_FLAG}"
+# ... and its blocks all lie inside the extent: a multiple, or the ragged one split off
+WHOLE_ONLY = f"EVEN_{LOOP} or not {descriptors.WS_FLAG}"
 
 
 @dataclass
@@ -246,7 +248,7 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = 
     em.push(inner)
     em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
     em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | "
-            + (f"(EVEN_{LOOP} or not {descriptors.WS_FLAG})  # whole blocks" if whole else f"EVEN_{LOOP}"))
+            + (f"({WHOLE_ONLY})  # whole blocks" if whole else f"EVEN_{LOOP}"))
     # One loop variable for every fold of the pass, so shared subterms (the score
     # tile of attention) are computed once per block.
     loop_var = f"loop{k}"
