@@ -402,7 +402,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
                      f"        mbarrier.expect(ready{k}.index(s), s{k}_desc.block_type.nbytes)",
                      f"        tma_load(s{k}_desc, [sbase{k} + j_lo + jb * B_L, 0], ready{k}.index(s), "
                      f"ring{k}.index(s))"]
-    loops = _interior_loops(ps, body_edge, body_in, [], with_wait, data, bool(known_in), first=0)
+    loops = _interior_loops(ps, body_edge, body_in, [], with_wait, data, first=0)
     consumer = [
         "    # one warpgroup: 64 rows, its own wgmma issue, the block math between products",
         "    STAGES: gl.constexpr = ring0.type.shape[0]",

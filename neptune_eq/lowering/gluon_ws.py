@@ -271,10 +271,10 @@ def check_scope(plan: TilePlan, scattered_ok: bool = False) -> None:
                                 f"warp-specialised form takes widths {WIDTHS}.")
 
 
-def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool, masked: bool,
+def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool,
                     first: int = 1) -> list[str]:
     """Blocks ``first``.. of a warpgroup (the forward's block 0 runs apart: it has no
-    deferred product).  With a mask (``masked``): [first, in_lo) edge, [in_lo, in_hi)
+    deferred product).  With a mask (affine or over data): [first, in_lo) edge, [in_lo, in_hi)
     interior, [in_hi, n) edge, where interior blocks are whole and visible to all of this
     warpgroup's rows (the affine mask's interior, cut by the data mask's keys seen whole:
     ``dm_lo``..``dm_hi``, block-aligned, from the program's key-range code); without one,
@@ -284,6 +284,7 @@ def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool, masked
     # the extent mask; the others run the body without it (H100, bf16 B=2 H=32 S=3000
     # D=128 causal: 445 -> 476 TFLOP/s; the off-grid sweep's geomean 0.89 -> 0.97x the
     # best peer, bench/results/ragged_s26/).
+    masked = bool(ps.bound_atoms) or data
     out = [f"    n_whole = n_blocks if EVEN_L else gl.minimum(gl.maximum({ps.extent} - j_lo, 0) "
            "// B_L, n_blocks)"]
     if not masked:
@@ -509,7 +510,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
         "    mbarrier.arrive(b_empty.index(st), count=1)",
         *[ln[4:] for ln in _gl(body_edge)],
-        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait, data, bool(known_in))),
+        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait, data)),
         "    mbarrier.arrive(q_empty, count=1)  # the rows are read: the next tile's may load",
         "    last = (base + n_blocks - 1) % STAGES",
         "    mbarrier.wait(c_ready.index(last), ((base + n_blocks - 1) // STAGES) & 1)",
