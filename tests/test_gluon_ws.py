@@ -86,14 +86,19 @@ def test_the_key_block_is_a_launch_choice_apart_from_the_value_width(tmp_path):
 
 
 def test_an_affine_mask_cuts_the_loop_and_the_interior_body_drops_it():
-    """Causal: edge / interior / edge loops per warpgroup, no per-block branch (a wgmma
-    accumulator in flight cannot cross an if/else), and the interior body computes no
-    mask."""
+    """Causal: edge / interior / edge loops per warpgroup (then the ragged last block,
+    compiled only off a block multiple), no per-block branch (a wgmma accumulator in
+    flight cannot cross an if/else), the interior body computes no mask and only the
+    ragged block tests the key extent."""
     src = _kernel(**VARIANTS["causal-bf16-d128"]).kernel_source.gluon.source
     loops = [ln for ln in src.splitlines() if ln.strip().startswith("for jb in range(")]
-    assert [ln.split("#")[1].strip() for ln in loops[1:]] == ["edge", "interior: no mask", "edge"]
+    assert [ln.split("#")[1].strip() for ln in loops[1:]] == [
+        "edge", "interior: no mask", "edge", "the ragged last block"]
     interior = src.split("# interior: no mask")[1].split("for jb in range(")[0]
     assert ">=" not in interior and "if " not in interior
+    # only the ragged last block tests the key extent
+    edges = src.split("for jb in range(")[2:]
+    assert [("| EVEN_L" in e.split("\n    if ")[0]) for e in edges] == [False, False, False, True]
     # the second contraction of block j-1 is issued before block j's math and waited after
     assert interior.index("warpgroup_mma(p_op") < interior.index("gl.exp2(")
     assert interior.index("gl.exp2(") < interior.index("warpgroup_mma_wait(0")
@@ -132,7 +137,7 @@ def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
         assert [sp.name + "_ptr" for sp in ks.summaries] == ks.gluon.params[len(ks.gluon.params) - n_sum:]
         loops = src.split("for jb in range(")[2:]   # the consumer's: edge, interior, edge
         assert [lp.split("#")[1].split("\n")[0].strip() for lp in loops] == \
-            ["edge", "interior: no mask", "edge"], name
+            ["edge", "interior: no mask", "edge", "the ragged last block"], name
         # the mask's per-key work (documents: a read of doc at the keys) in edge loops only
         assert len(loops[1].splitlines()) < len(loops[0].splitlines()), name
         if name.startswith(("documents", "flex")):

@@ -310,6 +310,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     body_edge = fragment(frozenset())
     known_in = ps.bound_atoms | frozenset(atoms)
     body_in = fragment(known_in, whole=True)
+    body_ew = fragment(frozenset(), whole=True)  # edge blocks inside the key extent
     if not em.first or not em.acc:
         raise LoweringError("The pass has no products for the sums skeleton.")
     resident = tuple(dict.fromkeys([r for _, r, _ in em.first] + em.scattered))
@@ -402,7 +403,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
                      f"        mbarrier.expect(ready{k}.index(s), s{k}_desc.block_type.nbytes)",
                      f"        tma_load(s{k}_desc, [sbase{k} + j_lo + jb * B_L, 0], ready{k}.index(s), "
                      f"ring{k}.index(s))"]
-    loops = _interior_loops(ps, body_edge, body_in, [], with_wait, data, first=0)
+    loops = _interior_loops(ps, body_edge, body_in, body_ew, [], with_wait, data, first=0)
     consumer = [
         "    # one warpgroup: 64 rows, its own wgmma issue, the block math between products",
         "    STAGES: gl.constexpr = ring0.type.shape[0]",

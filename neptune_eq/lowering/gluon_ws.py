@@ -271,48 +271,49 @@ def check_scope(plan: TilePlan, scattered_ok: bool = False) -> None:
                                 f"warp-specialised form takes widths {WIDTHS}.")
 
 
-def _interior_loops(ps, body_edge, body_in, issue, with_wait, data: bool,
+def _interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool,
                     first: int = 1) -> list[str]:
     """Blocks ``first``.. of a warpgroup (the forward's block 0 runs apart: it has no
-    deferred product).  With a mask (affine or over data): [first, in_lo) edge, [in_lo, in_hi)
-    interior, [in_hi, n) edge, where interior blocks are whole and visible to all of this
-    warpgroup's rows (the affine mask's interior, cut by the data mask's keys seen whole:
-    ``dm_lo``..``dm_hi``, block-aligned, from the program's key-range code); without one,
-    the whole blocks, then a ragged last one.  ``body_in``: the body with the known atoms
-    and the extent mask dropped (``block_fragment(..., whole=True)``)."""
-    # Blocks past the last whole one (a key extent off the block size: S = 3000) keep
-    # the extent mask; the others run the body without it (H100, bf16 B=2 H=32 S=3000
-    # D=128 causal: 445 -> 476 TFLOP/s; the off-grid sweep's geomean 0.89 -> 0.97x the
-    # best peer, bench/results/ragged_s26/).
-    masked = bool(ps.bound_atoms) or data
+    deferred product).  With a mask (affine or over data): [first, in_lo) edge,
+    [in_lo, in_hi) interior, [in_hi, n_whole) edge, where interior blocks are visible to
+    all of this warpgroup's rows (the affine mask's interior, cut by the data mask's keys
+    seen whole: ``dm_lo``..``dm_hi``, from the program's key-range code); without one,
+    the whole blocks; then a ragged last block.  ``body_in``: the body with the known
+    atoms and the extent mask dropped (``block_fragment(..., whole=True)``); ``body_ew``:
+    with the extent mask dropped; ``body_edge``: with every mask."""
+    # Only the blocks past the last whole one keep the extent mask (S = 3000: H100, bf16
+    # B=2 H=32 D=128 causal 445 -> 476 TFLOP/s, bench/results/ragged_s26/), the edge
+    # blocks too: at head dim 64, where the block's softmax on the CUDA cores bounds it,
+    # the extent mask on the causal diagonal cost 9% (H200, bf16 B=4 H=16 S=5000: 322 ->
+    # 352 TFLOP/s; within 1% at head dim 128; bench/results/causal_s27/)
     out = [f"    n_whole = n_blocks if EVEN_L else gl.minimum(gl.maximum({ps.extent} - j_lo, 0) "
-           "// B_L, n_blocks)"]
-    if not masked:
-        out.append(f"    in_hi = gl.maximum(n_whole, {first})")
-        loops = [(f"{first}", "in_hi", body_in, "whole blocks: no mask"),
-                 ("in_hi", "n_blocks", body_edge, "the ragged last block")]
-    else:
-        out += [f"    in_lo = {first}", "    in_hi = n_blocks"]
-        if ps.lo_offset is not None:  # first block whose first key the last row sees
-            out.append(f"    in_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
-                       f"+ ({ps.lo_offset}) - j_lo, 0), B_L), {first}), n_blocks)")
-        if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
-            out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
-                       f"- j_lo, 0) // B_L, n_blocks), in_lo)")
-        if data:  # ... and inside the keys every row of the program sees by the data mask
-            out += ["    in_lo = gl.minimum(gl.maximum(in_lo, (dm_lo - j_lo) // B_L), n_blocks)",
-                    "    in_hi = gl.maximum(gl.minimum(in_hi, gl.maximum(dm_hi - j_lo, 0) // B_L), "
-                    "in_lo)"]
-        out.append("    in_hi = gl.maximum(gl.minimum(in_hi, n_whole), in_lo)")
-        loops = [(f"{first}", "in_lo", body_edge, "edge"),
-                 ("in_lo", "in_hi", body_in, "interior: no mask"),
-                 ("in_hi", "n_blocks", body_edge, "edge")]
+           "// B_L, n_blocks)", "    in_lo = 0", "    in_hi = n_blocks"]
+    if ps.lo_offset is not None:  # first block whose first key the last row sees
+        out.append(f"    in_lo = gl.minimum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
+                   f"+ ({ps.lo_offset}) - j_lo, 0), B_L), n_blocks)")
+    if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
+        out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
+                   f"- j_lo, 0) // B_L, n_blocks), in_lo)")
+    if data:  # ... and inside the keys every row of the program sees by the data mask
+        out += ["    in_lo = gl.minimum(gl.maximum(in_lo, (dm_lo - j_lo) // B_L), n_blocks)",
+                "    in_hi = gl.maximum(gl.minimum(in_hi, gl.maximum(dm_hi - j_lo, 0) // B_L), "
+                "in_lo)"]
+    # 0 <= in_lo <= in_hi <= n_whole <= n_blocks, each loop from block ``first`` on
+    out += ["    in_lo = gl.minimum(in_lo, n_whole)",
+            "    in_hi = gl.maximum(gl.minimum(in_hi, n_whole), in_lo)",
+            *[f"    e_{v} = gl.maximum({x}, {first})"
+              for v, x in (("lo", "in_lo"), ("hi", "in_hi"), ("wh", "n_whole"))]]
+    loops = [(f"{first}", "e_hi", body_in, "whole blocks: no mask")]
+    if bool(ps.bound_atoms) or data:
+        loops = [(f"{first}", "e_lo", body_ew, "edge"),
+                 ("e_lo", "e_hi", body_in, "interior: no mask"), ("e_hi", "e_wh", body_ew, "edge")]
+    loops.append(("e_wh", "n_blocks", body_edge, "the ragged last block"))
     head = ["        l0 = j_lo + jb * B_L", "        g = base + jb  # position in the ring",
             "        st = g % STAGES", "        ph = (g // STAGES) & 1", "        prev = (g - 1) % STAGES"]
     issued = ["        " + ln for ln in issue]
     for lo, hi, body, note in loops:
         loop = [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
-        if not masked and body is body_edge:  # (not compiled where every block is whole)
+        if lo == "e_wh":  # (not compiled where every block is whole)
             loop = ["    if not EVEN_L:", *["    " + ln for ln in loop]]
         out += loop
     return out
@@ -416,6 +417,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     body_edge = block_fragment(em, frozenset())
     known_in = ps.bound_atoms | frozenset(atoms)
     body_in = block_fragment(em, known_in, whole=True)
+    body_ew = block_fragment(em, frozenset(), whole=True)
     if em.qk is None or em.pv is None:
         raise LoweringError("The pass has no pair of contractions for the skeleton.")
     streamed = (em.qk[0].val, em.qk[1].val, em.pv.val)
@@ -510,7 +512,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
         "    mbarrier.arrive(b_empty.index(st), count=1)",
         *[ln[4:] for ln in _gl(body_edge)],
-        *_gl(_interior_loops(ps, body_edge, body_in, issue, with_wait, data)),
+        *_gl(_interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data)),
         "    mbarrier.arrive(q_empty, count=1)  # the rows are read: the next tile's may load",
         "    last = (base + n_blocks - 1) % STAGES",
         "    mbarrier.wait(c_ready.index(last), ((base + n_blocks - 1) // STAGES) & 1)",

@@ -1,0 +1,140 @@
+"""Probe (session 27): where a causal prefill loses to its global twin, at head dims 64
+and 128 (issue 16: cuDNN runs causal at its global TFLOP/s, ours at 0.82x of it).
+
+One process, same inputs, each kernel built from the product's own plan and launched
+directly (no timer's choice):
+
+* ``tl`` configs, causal and global (a first run also put the diagonal loop before the
+  interior loop, FlashAttention-3's order: no change, 340 vs 341 TFLOP/s, so not kept);
+* the Gluon form, causal scheduled-persistent (as generated), one program per tile, with
+  every block's mask dropped (wrong output: the mask's cost), and global;
+* cuDNN causal and global.
+
+    python bench/gluon_probe/causal_overhead.py --out DIR
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import gluon_validate as gv  # noqa: E402
+from neptune_eq.lowering import gluon_ws  # noqa: E402
+from neptune_eq.runtime.gluon_launch import make_launcher  # noqa: E402
+from neptune_eq.runtime.tile_configs import TileConfig  # noqa: E402
+
+SHAPES = ((4, 16, 5000, 64, None), (4, 16, 3000, 64, 8), (2, 32, 3000, 128, None),
+          (1, 32, 8192, 128, None))
+ONLY: tuple = ()  # kernel-name prefixes to run (--only); cuDNN always runs
+TL = {64: ((64, 64, 4, 3), (64, 128, 4, 2)), 128: ((128, 64, 8, 3), (64, 64, 4, 3))}
+
+
+def timed(fn):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def launcher(variant, b, h, s, d, kv, cfg, **flags):
+    """Build (plan -> source) under the given module flags, then the launcher."""
+    saved = {attr: getattr(mod, attr) for mod, attr in _FLAG_HOME.values()}
+    try:
+        for name, val in flags.items():
+            mod, attr = _FLAG_HOME[name]
+            setattr(mod, attr, val)
+        prog, ks = gv.derive(variant, b, h, s, d, "bfloat16", kv)
+        return make_launcher(prog, ks, "cuda", cfg), ks
+    finally:
+        for (mod, attr) in _FLAG_HOME.values():
+            setattr(mod, attr, saved[attr])
+
+
+_FLAG_HOME = {"persistent": (gluon_ws, "PERSISTENT")}
+
+
+def no_mask_fragment():
+    """Patch ``gluon_ws.block_fragment``: every block's body without the affine atoms."""
+    orig = gluon_ws.block_fragment
+
+    def patched(em, known, whole=False):
+        return orig(em, known | em.plan.passes[0].bound_atoms, whole)
+    return orig, patched
+
+
+def shape_rows(b, h, s, d, kv):
+    q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, kv or h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref = {c: gv.cudnn_attention(q, k.repeat_interleave(h // (kv or h), 1),
+                                 v.repeat_interleave(h // (kv or h), 1), c)
+           for c in (True, False)}
+    base = {"B": b, "H": h, "S": s, "D": d, "kv": kv}
+    rows = []
+
+    def run(name, variant, cfg, **flags):
+        if ONLY and not name.startswith(ONLY):
+            return
+        row = {**base, "kernel": name, "config": str(cfg)}
+        try:
+            if flags.pop("nomask", False):
+                orig, patched = no_mask_fragment()
+                gluon_ws.block_fragment = patched
+                try:
+                    la, _ = launcher(variant, b, h, s, d, kv, cfg, **flags)
+                finally:
+                    gluon_ws.block_fragment = orig
+            else:
+                la, _ = launcher(variant, b, h, s, d, kv, cfg, **flags)
+            t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
+            ms = timed(lambda: la(t))
+            row["ms"] = ms
+            row["tflops"] = gv.flops(variant, b, h, s, d) / ms / 1e9
+            want = ref[variant == "causal"]()
+            row["max_diff_vs_cudnn"] = (t["o"].float() - want.float()).abs().max().item()
+        except Exception as e:  # noqa: BLE001 - a probe row, never the whole run
+            row["error"] = repr(e)[-400:]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for c, name in ((True, "cudnn causal"), (False, "cudnn global")):
+        ms = timed(ref[c])
+        rows.append({**base, "kernel": name, "ms": ms,
+                     "tflops": gv.flops("causal" if c else "global", b, h, s, d) / ms / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+    for bi, bl, w, st in TL[d]:
+        cfg = TileConfig({"B_i": bi, "B_L": bl}, w, st)
+        run("tl causal", "causal", cfg)
+        run("tl global", "global", cfg)
+    g = TileConfig({"B_i": 128, "B_L": 128}, 4, 2, gluon_ws=True)
+    run("gluon causal", "causal", g)
+    run("gluon causal per-tile", "causal", g, persistent=False)
+    run("gluon causal no mask (wrong)", "causal", g, nomask=True)
+    run("gluon global", "global", g)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--name", default="causal_overhead.json")
+    ap.add_argument("--shapes", type=int, nargs="*", help="indices into SHAPES")
+    ap.add_argument("--only", nargs="*", default=[], help="kernel-name prefixes, e.g. gluon")
+    a = ap.parse_args()
+    global ONLY
+    ONLY = tuple(a.only)
+    rows = []
+    for i, sh in enumerate(SHAPES):
+        if a.shapes and i not in a.shapes:
+            continue
+        rows += shape_rows(*sh)
+        torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, a.name), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
