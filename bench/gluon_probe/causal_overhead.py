@@ -38,21 +38,15 @@ def timed(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
-def launcher(variant, b, h, s, d, kv, cfg, **flags):
-    """Build (plan -> source) under the given module flags, then the launcher."""
-    saved = {attr: getattr(mod, attr) for mod, attr in _FLAG_HOME.values()}
+def launcher(variant, b, h, s, d, kv, cfg, persistent=True):
+    """Build (plan -> source; ``gluon_ws.PERSISTENT`` as given), then the launcher."""
+    saved = gluon_ws.PERSISTENT
     try:
-        for name, val in flags.items():
-            mod, attr = _FLAG_HOME[name]
-            setattr(mod, attr, val)
+        gluon_ws.PERSISTENT = persistent
         prog, ks = gv.derive(variant, b, h, s, d, "bfloat16", kv)
-        return make_launcher(prog, ks, "cuda", cfg), ks
+        return make_launcher(prog, ks, "cuda", cfg)
     finally:
-        for (mod, attr) in _FLAG_HOME.values():
-            setattr(mod, attr, saved[attr])
-
-
-_FLAG_HOME = {"persistent": (gluon_ws, "PERSISTENT")}
+        gluon_ws.PERSISTENT = saved
 
 
 def no_mask_fragment():
@@ -82,11 +76,11 @@ def shape_rows(b, h, s, d, kv):
                 orig, patched = no_mask_fragment()
                 gluon_ws.block_fragment = patched
                 try:
-                    la, _ = launcher(variant, b, h, s, d, kv, cfg, **flags)
+                    la = launcher(variant, b, h, s, d, kv, cfg, **flags)
                 finally:
                     gluon_ws.block_fragment = orig
             else:
-                la, _ = launcher(variant, b, h, s, d, kv, cfg, **flags)
+                la = launcher(variant, b, h, s, d, kv, cfg, **flags)
             t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
             ms = timed(lambda: la(t))
             row["ms"] = ms
