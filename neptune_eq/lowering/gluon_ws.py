@@ -304,19 +304,20 @@ def _interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: boo
             *[f"    e_{v} = gl.maximum({x}, {first})"
               for v, x in (("lo", "in_lo"), ("hi", "in_hi"), ("wh", "n_whole"))]]
     loops = [(f"{first}", "e_hi", body_in, "whole blocks: no mask")]
-    if bool(ps.bound_atoms) or data:
+    if ps.bound_atoms or data:
         loops = [(f"{first}", "e_lo", body_ew, "edge"),
                  ("e_lo", "e_hi", body_in, "interior: no mask"), ("e_hi", "e_wh", body_ew, "edge")]
-    loops.append(("e_wh", "n_blocks", body_edge, "the ragged last block"))
     head = ["        l0 = j_lo + jb * B_L", "        g = base + jb  # position in the ring",
             "        st = g % STAGES", "        ph = (g // STAGES) & 1", "        prev = (g - 1) % STAGES"]
     issued = ["        " + ln for ln in issue]
-    for lo, hi, body, note in loops:
-        loop = [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
-        if lo == "e_wh":  # (not compiled where every block is whole)
-            loop = ["    if not EVEN_L:", *["    " + ln for ln in loop]]
-        out += loop
-    return out
+
+    def loop(lo: str, hi: str, body: list[str], note: str) -> list[str]:
+        return [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
+    for args in loops:
+        out += loop(*args)
+    # the ragged last block (not compiled where every block is whole)
+    ragged = loop("e_wh", "n_blocks", body_edge, "the ragged last block")
+    return out + ["    if not EVEN_L:", *["    " + ln for ln in ragged]]
 
 
 def _key_range(plan: TilePlan, name: str, data: bool) -> list[str]:
