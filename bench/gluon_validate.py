@@ -60,11 +60,13 @@ DATA = ("doc-pad", "doc-unsorted", "jagged", "prefix-lm")
 
 def data_case(variant, b, s, seed=0):
     """(ne mods, torch mask_mod(q, kv) or per-batch list of them, captured tensors) of a
-    mask over captured tensors, with fresh random data of length ``s``."""
+    mask over captured tensors, with fresh random data of length ``s``: 7 documents, or
+    ``docN``: N documents, sorted, causal within each (bench/doc_mask_gpu.py's cases)."""
     g = torch.Generator().manual_seed(seed)
-    cuts = torch.sort(torch.randperm(s - 1, generator=g)[:6] + 1).values
+    n = int(variant[3:]) if variant[3:].isdigit() else 7
+    cuts = torch.sort(torch.randperm(s - 1, generator=g)[:n - 1] + 1).values
     offs = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([s])])
-    ids = torch.repeat_interleave(torch.arange(7), offs.diff())
+    ids = torch.repeat_interleave(torch.arange(n), offs.diff())
     if variant == "prefix-lm":
         pre = torch.randint(1, s, (b,), generator=g, dtype=torch.int32)
         prefix = ne.placeholder((b,), "int32", "prefix")
@@ -81,6 +83,8 @@ def data_case(variant, b, s, seed=0):
             "doc": ids.to(torch.int32).cuda(), "offsets": offs.to(torch.int32).cuda()}
     if variant == "doc-pad":  # the first 100 tokens are padding (id -1): rows that see nothing
         ids = torch.cat([torch.full((100,), -1), ids[100:]])
+    elif variant[3:].isdigit():
+        pass
     else:  # shuffled: not nondecreasing
         ids = ids[torch.randperm(s, generator=g)]
     mods = {"mask_mod": lambda b_, h, q, kv: (doc[q] == doc[kv]) & (doc[kv] >= 0) & (q >= kv)}
@@ -276,6 +280,51 @@ PERSISTENCE_CASES = {  # head dim -> (variant, B, H, S, kv heads)
          ("global", 4, 32, 4096, None), ("causal", 4, 32, 4096, None))}
 
 
+DATA_PERSISTENCE_CASES = (  # (variant, B, H, S): masks over captured tensors, D=128
+    ("doc4", 1, 16, 8192), ("doc13", 1, 16, 8192), ("doc64", 1, 16, 8192),
+    ("jagged", 1, 16, 8192), ("doc13", 1, 16, 32768), ("jagged", 1, 16, 32768),
+    ("doc64", 1, 16, 32768), ("prefix-lm", 2, 16, 8192))
+
+
+def data_persistence():
+    """The data masks' dynamic walk (programs taking tiles from a counter) against one
+    program per tile, both key blocks, one process, same inputs: ms per call (pre-pass
+    and ranges kernel included) and replayed from a CUDA graph, and whether the outputs
+    are bit-identical."""
+    from neptune_eq.lowering import gluon_ws
+    rows, was = [], gluon_ws.PERSISTENT
+    try:
+        for variant, b, h, s in DATA_PERSISTENCE_CASES:
+            row = {"case": "data-persistence", "variant": variant, "B": b, "H": h, "S": s,
+                   "D": 128}
+            mods, _, captured = data_case(variant, b, s)
+            q, k, v = (torch.randn(b, h, s, 128, device="cuda", dtype=torch.float16)
+                       for _ in range(3))
+            outs = {}
+            for on in (True, False):
+                gluon_ws.PERSISTENT = on
+                prog, ks = derive(variant, b, h, s, 128, "float16", None, mods)
+                for bl in (64, 128):
+                    la = gluon_launcher(prog, ks, bl, 2)
+                    t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q), **captured}
+                    la(t)
+                    la(t)  # the checked direct launch
+                    outs[on, bl] = t["o"].clone()
+                    tag = f"{'dynamic' if on else 'per_tile'}_keys{bl}"
+                    row[f"ms_{tag}"] = triton.testing.do_bench(lambda: la(t), warmup=25, rep=200)
+                    row[f"ms_graph_{tag}"] = triton.testing.do_bench_cudagraph(lambda: la(t),
+                                                                                rep=200)
+            for bl in (64, 128):
+                row[f"bit_identical_keys{bl}"] = bool(torch.equal(outs[True, bl], outs[False, bl]))
+                row[f"speedup_graph_keys{bl}"] = (row[f"ms_graph_per_tile_keys{bl}"]
+                                                  / row[f"ms_graph_dynamic_keys{bl}"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        gluon_ws.PERSISTENT = was
+    return rows
+
+
 def persistence(d: int = 128):
     """``gluon_ws.PERSISTENT`` on and off in one process: the Gluon form's time per call
     (``do_bench``, host included) and replayed from a CUDA graph (device only), and
@@ -391,9 +440,13 @@ def main():
                     help="check only these variants (MODS and DATA names)")
     ap.add_argument("--only-key-blocks", action="store_true",
                     help="only the Gluon form at each key block and ring depth")
+    ap.add_argument("--only-data-persistence", action="store_true",
+                    help="only the data masks' dynamic walk / one-program-per-tile A/B")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
+    if args.only_data_persistence:
+        return write(data_persistence(), args.out)
 
     run = row_runner(rows)
     if args.only_persistence or args.only_key_blocks:

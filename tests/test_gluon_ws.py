@@ -115,10 +115,11 @@ DATA_VARIANTS = {  # masks over captured tensors with a key-range form (block_ra
 
 
 def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
-    """A mask over captured tensors: the program's key range comes from the per-call
-    summaries before the warpgroups split (the producer streams only those blocks), the
-    blocks every row sees whole run a body without the mask's loads, the others load and
-    test it; the drop-in's document mask (named sizes) has the form too."""
+    """A mask over captured tensors: each tile's key range comes from the per-call
+    summaries, by the ranges kernel (the producer streams only those blocks); the
+    programs take tiles from a counter; the blocks every row sees whole run a body
+    without the mask's loads, the others load and test it; the drop-in's document mask
+    (named sizes) has the form too."""
     kerns = {name: _kernel(**kw) for name, kw in DATA_VARIANTS.items()}
     q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
     ids = torch.tensor([0] * 15 + [1] * 25, dtype=torch.int32)
@@ -131,10 +132,17 @@ def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
         ks = kern.kernel_source
         assert ks.gluon is not None, f"{name}: {ks.gluon_why}"
         src = ks.gluon.source
-        main = src.split(f"def {ks.gluon.name}(")[1]
-        assert "dm_lo = " in main and "n_blocks = " in main, name
-        n_sum = len(ks.summaries)  # the per-call summaries are the last pointers, as in tl
-        assert [sp.name + "_ptr" for sp in ks.summaries] == ks.gluon.params[len(ks.gluon.params) - n_sum:]
+        kname, ranges = ks.gluon.ranges
+        assert "dm_lo = " in ranges and "n_blocks = " in ranges, name
+        assert "tile_sched_ptr, 0, mask=" in ranges  # one program zeroes the counter
+        producer = src.split("def _producer(")[1].split("def _consumer(")[0]
+        consumer = src.split("def _consumer(")[1].split("@gluon.jit")[0]
+        assert "gl.atomic_add(tile_sched_ptr, 1)" in producer, name
+        assert "gl.atomic_add" not in consumer and "dm_lo = gl.load(tile_sched_ptr" in consumer
+        # the per-call summaries, then the scheduler's buffer, are the last pointers
+        n_sum = len(ks.summaries)
+        assert [sp.name + "_ptr" for sp in ks.summaries] + ["tile_sched_ptr"] == \
+            ks.gluon.params[len(ks.gluon.params) - n_sum - 1:]
         loops = src.split("for jb in range(")[2:]   # the consumer's: edge, interior, edge
         assert [lp.split("#")[1].split("\n")[0].strip() for lp in loops] == \
             ["edge", "interior: no mask", "edge", "the ragged last block"], name
@@ -154,7 +162,7 @@ def test_tiles_of_equal_work_run_persistent_programs():
     """Without a mask moving the key range -- or with one bounding it on both sides, a
     sliding window -- every (row block, head) tile has the same work: one program per SM
     walks them round robin, and the producer's next rows wait on the consumers' release;
-    a data mask keeps one program per tile (long rows first)."""
+    a data mask's programs take their tiles from a counter (their work is the data's)."""
     for name in ("global-fp16-d64", "alibi", "window"):
         form = _kernel(**VARIANTS[name]).kernel_source.gluon
         assert form.persistent, name
@@ -162,7 +170,7 @@ def test_tiles_of_equal_work_run_persistent_programs():
         producer = form.source.split("def _producer(")[1].split("def _consumer(")[0]
         assert producer.index("mbarrier.wait(q_empty") < producer.index("tma_load(a_desc")
     form = _kernel(**DATA_VARIANTS["documents-causal"]).kernel_source.gluon
-    assert not form.persistent and "num_tiles" not in form.source
+    assert form.persistent and not form.scheduled and "while t < num_tiles:" in form.source
 
 
 def test_causal_tiles_walk_the_launchers_balanced_order(tmp_path):

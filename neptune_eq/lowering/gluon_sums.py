@@ -48,8 +48,9 @@ from ..ir import Term
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Tile, grid_decode, init_fill
 from .fold_body import epilogue
+from .gluon_tiles import gl_main, key_range
 from .gluon_ws import (CTA_ROWS, ROWS, GluonEmitter, GluonForm, _gl, _interior_loops,
-                       _key_range, _row_base, block_fragment, check_scope, consumer_axes,
+                       _row_base, block_fragment, check_scope, consumer_axes,
                        source_header)
 from .lower import LoweringError, TilePlan
 
@@ -352,7 +353,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     epi = em.pop()
     prologue = em.pop()
 
-    rng = _key_range(plan, name, data)
+    rng = gl_main(key_range(plan, name, data))
     em.push("    ")
     bases = {t: _row_base(em, em.loads[t]) for t in resident + streams}
     base_lines = [*_gl(em.pop()),

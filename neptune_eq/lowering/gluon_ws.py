@@ -52,16 +52,17 @@ import re
 from dataclasses import dataclass
 
 from ..ir import Term
-from .block_ranges import data_range_form, data_ranges
+from .block_ranges import data_range_form
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Emitter, Tile, grid_decode, init_fill
 from .fold_body import epilogue, loop_body
+from .gluon_tiles import (CTA_ROWS, ROWS, gl_lines as _gl, gl_main, key_range, ranges_kernel,
+                          tile_lines, walk)
 from .lower import LoweringError, TilePlan
 
-ROWS = 64          # rows per consumer warpgroup (one wgmma M)
 PERSISTENT = True  # tiles walked by one program per SM (see generate)
 SCHEDULED = True   # ... tiles of unequal work too, in the launcher's balanced order
-CTA_ROWS = 2 * ROWS  # two consumer warpgroups per program
+DYNAMIC = True     # ... tiles of a data mask too, taken from a counter (gluon_tiles)
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
 KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
 SMEM_BYTES = 224 * 1024  # row tiles + ring: Hopper's 227 KiB per program, less barriers
@@ -80,6 +81,7 @@ class GluonForm:
     key_blocks: tuple[int, ...] = KEY_BLOCKS  # the key blocks worth timing (see generate)
     scheduled: bool = False          # persistent, in the order of the ``tile_order`` argument
     key_offsets: tuple = (None, None)  # the pass's affine key range [i + lo, i + hi)
+    ranges: tuple[str, str] | None = None  # dynamic walk: (kernel, tl module) of the ranges
 
     def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
         """(input, rows, width) of the TMA tile each descriptor loads: a warpgroup's rows of
@@ -239,10 +241,6 @@ def source_header(module: str, program, extra: str = "") -> list[str]:
             "tma_load = getattr(tma, 'async_load', None) or tma.async_copy_global_to_shared"]
 
 
-def _gl(lines: list[str]) -> list[str]:
-    return [re.sub(r"\btl\.", "gl.", ln) for ln in lines]
-
-
 def _row_base(em: GluonEmitter, load: Term) -> str:
     """Row of the flattened (…, rows, cols) view where this load's tile starts, less the
     tile's own row index: Σ_k idx_k·stride_k / row_stride over the program-constant
@@ -320,49 +318,6 @@ def _interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: boo
     return out + ["    if not EVEN_L:", *["    " + ln for ln in ragged]]
 
 
-def _key_range(plan: TilePlan, name: str, data: bool) -> list[str]:
-    """The program's Gluon lines fixing its key range ``[j_lo, j_lo + n_blocks·B_L)``
-    (what the producer streams) and, with a data mask (``data``), ``dm_lo``..``dm_hi``:
-    the keys every row of the program sees whole."""
-    ps = plan.passes[0]
-    rng = [f"row_first = row_block * {CTA_ROWS}", f"row_last = row_first + {CTA_ROWS - 1}",
-           "j_lo = 0", f"j_hi = {ps.extent}"]
-    if ps.lo_offset is not None:  # the affine bounds of the pass over the program's rows
-        rng.append(f"j_lo = (gl.maximum(row_first + ({ps.lo_offset}), 0) // B_L) * B_L")
-    if ps.hi_offset is not None:
-        rng.append(f"j_hi = gl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
-    if data:
-        # block_ranges' code over this program's 128 rows (the launcher builds the row
-        # summaries at B_<row axis> = 128): the may / must key ranges and the flag they need
-        em = Emitter(plan, name)
-        em.push("")
-        em.push("")
-        dr = data_ranges(em, ps, 0)
-        body = em.pop()
-        rng += ["pid_block = row_block", *em.pop(), *body,
-                f"j_ra = (gl.maximum(j_lo, {dr.may[0]}) // B_L) * B_L",
-                f"j_rb = gl.maximum(gl.minimum(j_hi, {dr.may[1]}), j_ra)",
-                f"dm_lo = gl.minimum(gl.maximum({dr.must[0]}, j_ra), j_rb)",
-                f"dm_hi = gl.maximum(gl.minimum({dr.must[1]}, j_rb), dm_lo)"]
-        if dr.mono is None:
-            rng += ["j_lo = j_ra", "j_hi = j_rb"]
-        else:  # unsorted data: every block of the affine range, each masked per element
-            rng += [f"j_lo = gl.where({dr.mono}, j_ra, j_lo)",
-                    f"j_hi = gl.where({dr.mono}, j_rb, j_hi)",
-                    f"dm_hi = gl.where({dr.mono}, dm_hi, dm_lo)"]
-        # a range with no visible key still runs block 0, masked to nothing: keep it a
-        # block of this head's keys, not the next head's
-        rng.append(f"j_lo = gl.minimum(j_lo, (({ps.extent} - 1) // B_L) * B_L)")
-    rng.append("n_blocks = gl.maximum(gl.cdiv(j_hi - j_lo, B_L), 1)")
-    return _gl_main(rng)
-
-
-def _gl_main(lines: list[str]) -> list[str]:
-    """``_gl`` for code that runs before the warpgroups split (4 warps): a bare
-    ``arange`` (the summary counts of ``block_skip``) gets the 1-D layout ``R1``."""
-    return [re.sub(r"gl\.arange\(0, (\w+)\)", r"gl.arange(0, \1, R1)", ln) for ln in _gl(lines)]
-
-
 def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope."""
     check_scope(plan)
@@ -386,14 +341,16 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # launcher computes from each tile's key blocks (``runtime.tile_order``: longest
     # first to the least loaded program, heads in L2-sized groups) -- against one
     # program per tile, same process: causal S=2048 339 -> 420, B=2 S=3000 383 -> 418,
-    # GQA 64/8 387 -> 449, softcap+causal 279 -> 349, S=8192 519 -> 513.  A data mask keeps
-    # one program per tile: its key range is computed before the warpgroups split (the
-    # producer's 24 registers do not hold its counts).
+    # GQA 64/8 387 -> 449, softcap+causal 279 -> 349, S=8192 519 -> 513.  A data mask's
+    # tiles have work known only on the device: with ``DYNAMIC`` its programs take tiles
+    # from a counter (``gluon_tiles``), else one program per tile.
     atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
     data = bool(atoms)
     equal_work = (ps.lo_offset is None) == (ps.hi_offset is None)
-    persistent = PERSISTENT and not data and (equal_work or SCHEDULED)
-    scheduled = persistent and not equal_work
+    mode = ("single" if not PERSISTENT else
+            ("dynamic" if DYNAMIC else "single") if data else
+            "round_robin" if equal_work else "scheduled" if SCHEDULED else "single")
+    persistent, scheduled = mode != "single", mode == "scheduled"
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
     for sp in summary_specs(plan):  # the data mask's per-call summaries, as the tl form's
@@ -402,6 +359,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     if scheduled:  # [first entry of each program (programs + 1)..., tile ids...]
         tensors.append("tile_order")
         strides.append("tile_order_s0")
+    if mode == "dynamic":  # the tile counter, each tile's key range, the mailboxes
+        tensors.append("tile_sched")
+        strides.append("tile_sched_s0")
     sizes = [f"n_{s}" for s in p.meta.get("size_params", ())]
     args = [f"{t}_ptr" for t in tensors] + strides + sizes
 
@@ -455,33 +415,20 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     epi = em.pop()
     prologue = em.pop()
 
-    rng = _key_range(plan, name, data)
-    dm = ["dm_lo", "dm_hi"] if data else []
+    rng = gl_main(key_range(plan, name, data))
+    dm = ["dm_lo", "dm_hi"] if data and not persistent else []  # (a walk reads them per tile)
     em.push("    ")
     a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))
     bases = [*_gl(em.pop()), f"    a_row = {a_row} + row_first", f"    b_row = {b_row}",
              f"    c_row = {c_row}"]
     grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
-    # a tile's place (the consumers' prologue decodes the grid axes itself)
-    tile = ["pid_grid = t // n_rb", "row_block = n_rb - 1 - t % n_rb  # long rows first", *rng]
-
-    def per_tile(lines: list[str], tile_lines: list[str]) -> list[str]:
-        """``lines`` (a partition's work on one tile) run once, or for each of this
-        program's tiles with the ring position ``base`` and row-tile phase ``it`` kept."""
-        if not persistent:
-            return ["    base = 0", "    it = 0", *lines]
-        walk = ["    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):"]
-        if scheduled:
-            walk = ["    first = gl.load(tile_order_ptr + gl.program_id(0))",
-                    "    for k in range(first, gl.load(tile_order_ptr + gl.program_id(0) + 1)):",
-                    "        t = gl.load(tile_order_ptr + gl.num_programs(0) + 1 + k)"]
-        return ["    base = 0", "    it = 0", *walk,
-                *["        " + ln for ln in tile_lines], *["    " + ln for ln in lines],
-                "        base += n_blocks", "        it += 1"]
+    # a tile's place and key range (the consumers' prologue decodes the grid axes itself)
+    tile = tile_lines(mode, rng)
 
     sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
     where = ["num_tiles", "n_rb"] if persistent else ["pid_grid", "row_block", "j_lo", "n_blocks"]
     bars = ["a_bar", "q_empty", "b_ready", "b_empty", "c_ready", "c_empty"]
+    bars += ["t_ready"] if mode == "dynamic" else []  # the mailbox's two slots
     shared = ", ".join(["a_smem", "b_bufs", "c_bufs", *bars, *where, *dm, *args])
     producer_args = ", ".join(["a_desc", "b_desc", "c_desc", "a_smem", "b_bufs", "c_bufs", *bars,
                                *(["num_tiles", "n_rb", *args] if persistent
@@ -537,7 +484,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         f"def _producer({producer_args}, B_L: gl.constexpr):",
         "    # one warp: each tile's rows, then its b and c key blocks through the ring",
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
-        *per_tile(producer, [*tile, *_gl(grid_decode(plan)), *[ln[4:] for ln in bases]]),
+        *walk(mode, "producer", producer, [*tile, *_gl(grid_decode(plan)),
+                                            *[ln[4:] for ln in bases]]),
         "", "",
         "@gluon.jit",
         f"def _consumer({shared}, WHICH: gl.constexpr, B_L: gl.constexpr, DTYPE: gl.constexpr, "
@@ -557,7 +505,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    cols = gl.arange(0, B_L, S_COLS)",
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
         "    q_tile = a_smem.index(WHICH)",
-        *per_tile(consumer, tile),
+        *walk(mode, "consumer", consumer, tile),
         "", "",
         "@gluon.jit",
         f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr):",
@@ -574,6 +522,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
           for b in ("b_ready", "b_empty", "c_ready", "c_empty")],
         "    mbarrier.init(a_bar, count=1)",
         "    mbarrier.init(q_empty, count=2)  # both consumers release the row tiles",
+        *(["    t_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+           "    mbarrier.init(t_ready.index(0), count=1)  # the producer posts each tile",
+           "    mbarrier.init(t_ready.index(1), count=1)"] if mode == "dynamic" else []),
         "    for i in gl.static_range(STAGES):",
         "        mbarrier.init(b_ready.index(i), count=1)",
         "        mbarrier.init(c_ready.index(i), count=1)",
@@ -594,4 +545,5 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     narrow = ps.lo_offset is not None or data
     return GluonForm(name, "\n".join(src) + "\n", streamed, widths, dts.pop(),
                      [f"{t}_ptr" for t in tensors], persistent,
-                     KEY_BLOCKS if narrow else (128,), scheduled, (ps.lo_offset, ps.hi_offset))
+                     KEY_BLOCKS if narrow else (128,), scheduled, (ps.lo_offset, ps.hi_offset),
+                     ranges_kernel(plan, name, args) if mode == "dynamic" else None)

@@ -17,6 +17,7 @@ import os
 from dataclasses import replace
 
 from ..ir import Program
+from ..lowering.gluon_tiles import sched_size
 from ..lowering.gluon_ws import CTA_ROWS, KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
@@ -102,6 +103,13 @@ class GluonLauncher:
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
             self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": CTA_ROWS,
                                                     "B_L": key_block}, pre_fn)
+        self._ranges, self._sched_n = None, 0
+        if form.ranges:  # a dynamic walk: each tile's key range, after the summaries
+            kname, source = form.ranges
+            fn = import_source(source, kname, [kname], interpret=False)[0]
+            self._ranges = FastLaunch(fn, tiles, {"B_L": key_block},
+                                      {"num_warps": 4, "num_stages": 1})
+            self._sched_n = sched_size(tiles[0] * tiles[1], self.grid[0])
         self._twin = None
         from triton.experimental.gluon import language as gl
         gdt = getattr(gl, form.dtype)
@@ -152,12 +160,32 @@ class GluonLauncher:
         return self._descriptors(tensors) + ptrs + ints, key
 
     def _summarised(self, tensors: dict) -> tuple[dict, tuple | None]:
-        """``tensors`` with fresh (unfilled) summaries, and the pre-pass launch that fills
-        them with its arguments; (tensors, None) without a data mask."""
+        """``tensors`` with fresh (unfilled) summaries -- and a dynamic walk's
+        ``tile_sched`` -- and the pre-pass launch that fills them with its arguments;
+        (tensors, None) without a data mask."""
         if self._pre is None:
             return tensors, None
         sums, launch, args, ints = self._pre.prepare(tensors)
+        if self._ranges is not None:  # filled by the ranges kernel (``_prepare``)
+            import torch
+            sums["tile_sched"] = torch.empty(self._sched_n, dtype=torch.int32,
+                                             device=args[0].device)
         return {**tensors, **sums}, (launch, args + ints, int_classes(ints))
+
+    def _fast(self, ck: tuple, pre, args: list, stream) -> None:
+        """The checked launches of a call: pre-pass, ranges kernel, the form."""
+        if pre:
+            pre[0].fast(ck[0], pre[1], stream)
+        if self._ranges is not None:
+            self._ranges.fast(ck[2], args[len(self.form.descs):], stream)
+        self._launch.fast(ck[1], args, stream)
+
+    def _slow(self, pre, args: list) -> tuple:
+        """Triton's own launches of a call, in order; what ``_fast`` replays."""
+        pre_ck = pre[0].slow(pre[1]) if pre else None
+        ranges_ck = (self._ranges.slow(args[len(self.form.descs):])
+                     if self._ranges is not None else None)
+        return pre_ck, self._launch.slow(args), ranges_ck
 
     def _tl_twin(self) -> Launcher:
         """The ``tl`` form of the same tiles, for calls the descriptors cannot take."""
@@ -176,12 +204,9 @@ class GluonLauncher:
         key = key + (pre[2] if pre else (),)  # the pre-pass's sizes count too
         ck = self._checked.get(key) if self.fast_ok else None
         if ck is not None:
-            stream = current_stream(key[0])
-            if pre:
-                pre[0].fast(ck[0], pre[1], stream)
-            self._launch.fast(ck[1], args, stream)
+            self._fast(ck, pre, args, current_stream(key[0]))
             return
-        ck = (pre[0].slow(pre[1]) if pre else None, self._launch.slow(args))
+        ck = self._slow(pre, args)
         if self.fast_ok:
             self._check_fast(tensors, key, ck)
 
@@ -198,10 +223,7 @@ class GluonLauncher:
             return  # fresh outputs align differently: check on a later call
         compared = list(self.program.outputs) + [s.name for s in self.ks.summaries]
         try:
-            stream = current_stream(key[0])
-            if pre:
-                pre[0].fast(ck[0], pre[1], stream)
-            self._launch.fast(ck[1], args, stream)
+            self._fast(ck, pre, args, current_stream(key[0]))
             same = same_outputs(self.ks, tensors, fresh, compared)
         except Exception as e:  # noqa: BLE001 - Triton internals differ: keep its launch
             self.fast_ok, self.fast_reason = False, f"off: direct launch failed ({e})"
@@ -215,8 +237,11 @@ class GluonLauncher:
         """Compile without launching (Triton's ``warmup``), as ``Launcher.compile``."""
         if not gluon_inputs_ok(self.ks, tensors):
             return self._tl_twin().compile(tensors)
-        self.fn.warmup(*self._args(self._summarised(tensors)[0])[0], grid=self.grid,
-                       **self.consts, num_warps=4)
+        args = self._args(self._summarised(tensors)[0])[0]
+        self.fn.warmup(*args, grid=self.grid, **self.consts, num_warps=4)
+        if self._ranges is not None:
+            self._ranges.fn.warmup(*args[len(self.form.descs):], grid=self._ranges.grid,
+                                   **self._ranges.consts, **self._ranges.options)
 
 
 class GluonBoundCall:
@@ -279,6 +304,8 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
         dtypes[f"{sp.name}_ptr"] = "*" + short["int32" if dt == "bool" else dt]
     if form.scheduled:
         dtypes["tile_order_ptr"] = "*i32"
+    if form.ranges:
+        dtypes["tile_sched_ptr"] = "*i32"
     return {"gluon": True, "num_warps": 4, "num_stages": 1, "dtypes": dtypes,
             "descs": {d: [rows, width, form.dtype]
                       for d, (_, rows, width) in zip(form.descs, form.tiles(key_block))},

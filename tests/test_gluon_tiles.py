@@ -1,0 +1,131 @@
+"""The dynamic tile walk of the Gluon form (lowering/gluon_tiles.py): the ranges kernel that
+gives every tile of a data mask its key range runs here in the interpreter (the Gluon
+kernel itself compiles for sm_90 in test_gluon_ws.py and runs on the GPU in
+bench/gluon_validate.py).  What must hold for any data: every visible (row, key) pair of a
+tile lies in the keys the producer streams, ``[j_lo, j_lo + n_blocks·B_L)``, and every key
+in ``[dm_lo, dm_hi)`` is visible to every real row of the tile wherever the mask's affine
+atoms hold (the blocks there run without the mask; the affine atoms are the consumers'
+own loop bounds)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import neptune_eq as ne
+from neptune_eq.lowering.gluon_tiles import CTA_ROWS, RANGE_FIELDS, sched_size
+from neptune_eq.runtime.block_summary import build_summaries
+from neptune_eq.runtime.launcher import import_source
+
+S = 300  # three row blocks of 128, the last one ragged
+H = 2
+DOC = ne.placeholder((S,), "int32", "doc")
+OFFSETS = ne.placeholder((9,), "int32", "offsets")
+PREFIX = ne.placeholder((1,), "int32", "prefix")
+MASKS = {  # (mask over the placeholders, over torch tensors, its affine atoms (loop bounds))
+    "documents": (lambda b, h, q, kv: (DOC[q] == DOC[kv]) & (q >= kv),
+                  lambda t, q, kv: (t["doc"][q] == t["doc"][kv]) & (q >= kv),
+                  lambda t, q, kv: q >= kv),
+    "jagged": (lambda b, h, q, kv: (kv >= OFFSETS[DOC[q]]) & (q >= kv),
+               lambda t, q, kv: (kv >= t["offsets"][t["doc"][q].long()]) & (q >= kv),
+               lambda t, q, kv: q >= kv),
+    "prefix-lm": (lambda b, h, q, kv: (kv < PREFIX[b]) | (q >= kv),
+                  lambda t, q, kv: (kv < t["prefix"][0]) | (q >= kv),
+                  lambda t, q, kv: q >= 0),  # an | leaves no affine bound
+}
+_KERNELS: dict = {}
+
+
+def _kernel(name):
+    if name not in _KERNELS:
+        _KERNELS[name] = ne.superoptimize(
+            ne.attention(1, H, S, S, 64, "float16", mask_mod=MASKS[name][0]),
+            target="interpreter", cache=False)
+    return _KERNELS[name]
+
+
+def _tile_ranges(kern, data: dict, key_block: int) -> torch.Tensor:
+    """Run the ranges kernel of ``kern`` (interpreter) on ``data``: [tiles, 4] ranges,
+    tile ``t`` being head ``t // n_rb``'s row block ``n_rb - 1 - t % n_rb``."""
+    ks, p = kern.kernel_source, kern.program
+    form = ks.gluon
+    kname, source = form.ranges
+    fn = import_source(source, kname, [kname], interpret=True)[0]
+    tensors = {ph.name: torch.zeros(p.shape_of(ph.name), dtype=getattr(torch, p.dtype_of(ph.name)))
+               for ph in p.inputs}
+    tensors.update({o: torch.zeros(p.shape_of(o), dtype=torch.float16) for o in p.outputs})
+    tensors.update(data)
+    tensors.update(build_summaries(ks.summaries, tensors,
+                                   {f"B_{ks.block_axis}": CTA_ROWS, "B_L": key_block}))
+    n_rb = -(-S // CTA_ROWS)
+    sched = torch.full((sched_size(n_rb * H, 1),), -7, dtype=torch.int32)
+    tensors["tile_sched"] = sched
+    ptrs = [tensors[n[:-len("_ptr")]] for n in form.params]
+    fn[(n_rb, H)](*ptrs, *[s for t in ptrs for s in t.stride()], B_L=key_block)
+    assert sched[0] == 0  # the tile counter starts every call at 0
+    return sched[1:1 + len(RANGE_FIELDS) * n_rb * H].view(-1, len(RANGE_FIELDS))
+
+
+def _check(name: str, data: dict, key_block: int) -> None:
+    ranges = _tile_ranges(_kernel(name), data, key_block)
+    q = torch.arange(S)[:, None]
+    kv = torch.arange(S)[None, :]
+    visible = MASKS[name][1](data, q, kv)
+    whole = visible | ~MASKS[name][2](data, q, kv)
+    n_rb = -(-S // CTA_ROWS)
+    for t, (j_lo, n_blocks, dm_lo, dm_hi) in enumerate(ranges.tolist()):
+        rb = n_rb - 1 - t % n_rb
+        rows = visible[rb * CTA_ROWS:(rb + 1) * CTA_ROWS]
+        seen = rows.any(0).nonzero().flatten()
+        assert j_lo % key_block == 0 and n_blocks >= 1, (name, t)
+        if len(seen):  # every visible pair is streamed
+            assert j_lo <= seen.min() and seen.max() < j_lo + n_blocks * key_block, (name, t)
+        assert j_lo <= dm_lo <= dm_hi, (name, t)
+        # blocks run without the mask: every row sees them where the affine atoms hold
+        assert bool(whole[rb * CTA_ROWS:(rb + 1) * CTA_ROWS, dm_lo:dm_hi].all()), (name, t)
+
+
+def _documents(draw_lengths: list[int]) -> torch.Tensor:
+    lens = torch.tensor(draw_lengths)
+    lens = lens * S // lens.sum()
+    lens[-1] += S - lens.sum()
+    return torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens)
+
+
+@pytest.mark.parametrize("key_block", [64, 128])
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8), shuffled=st.booleans())
+def test_document_ranges_never_skip_a_visible_pair(key_block, lengths, shuffled):
+    """Sorted document ids (each tile's range from the summaries) and shuffled ones (the
+    device flag says unsorted: the affine range, nothing seen whole)."""
+    doc = _documents(lengths)
+    if shuffled:
+        doc = doc[torch.randperm(S, generator=torch.Generator().manual_seed(len(lengths)))]
+    _check("documents", {"doc": doc}, key_block)
+
+
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=8, max_size=8))
+def test_jagged_ranges_never_skip_a_visible_pair(lengths):
+    doc = _documents(lengths)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32),
+                         torch.bincount(doc.long(), minlength=8).cumsum(0).to(torch.int32)])
+    _check("jagged", {"doc": doc, "offsets": offsets}, 64)
+
+
+@settings(max_examples=6, deadline=None)
+@given(prefix=st.integers(0, S))
+def test_prefix_lm_ranges_never_skip_a_visible_pair(prefix):
+    _check("prefix-lm", {"prefix": torch.tensor([prefix], dtype=torch.int32)}, 128)
+
+
+def test_a_document_tile_streams_only_its_documents():
+    """Not only safe but narrow: with sorted ids, a row block inside one long document
+    streams that document's keys up to its diagonal, not the whole causal range."""
+    doc = torch.tensor([0] * 200 + [1] * 100, dtype=torch.int32)
+    ranges = _tile_ranges(_kernel("documents"), {"doc": doc}, 64)
+    n_rb = -(-S // CTA_ROWS)
+    last = ranges[n_rb - 1 - 2]  # row block 2 (rows 256..299), all in document 1
+    # document 1 starts at 200: its key blocks from 192 to the diagonal (two of 64); the
+    # keys of document 1's first whole block on need no document test (the causal
+    # diagonal is the consumers' affine bound)
+    assert last.tolist() == [192, 2, 256, 300]
