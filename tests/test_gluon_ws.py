@@ -16,6 +16,7 @@ from sm90_compile import compile_for_sm90
 from neptune_eq.choosing.choose import prune_configs
 from neptune_eq.choosing.costmodel import DEFAULT_DEVICE, DEVICES
 from neptune_eq.dropin import flex
+from neptune_eq.lowering import gluon_ws
 from neptune_eq.runtime import gluon_launch, tile_configs
 from neptune_eq.runtime.gluon_launch import make_launcher, sm90_spec
 from neptune_eq.runtime.tile_configs import TileConfig, candidate_configs
@@ -114,12 +115,14 @@ DATA_VARIANTS = {  # masks over captured tensors with a key-range form (block_ra
 }
 
 
-def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
+def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path, monkeypatch):
     """A mask over captured tensors: each tile's key range comes from the per-call
     summaries, by the ranges kernel (the producer streams only those blocks); the
     programs take tiles from a counter; the blocks every row sees whole run a body
     without the mask's loads, the others load and test it; the drop-in's document mask
-    (named sizes) has the form too."""
+    (named sizes) has the form too.  (The dynamic walk is off by default -- see
+    gluon_ws.generate -- and checked here as the A/B bench runs it.)"""
+    monkeypatch.setattr(gluon_ws, "DYNAMIC", True)
     kerns = {name: _kernel(**kw) for name, kw in DATA_VARIANTS.items()}
     q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
     ids = torch.tensor([0] * 15 + [1] * 25, dtype=torch.int32)
@@ -162,7 +165,8 @@ def test_tiles_of_equal_work_run_persistent_programs():
     """Without a mask moving the key range -- or with one bounding it on both sides, a
     sliding window -- every (row block, head) tile has the same work: one program per SM
     walks them round robin, and the producer's next rows wait on the consumers' release;
-    a data mask's programs take their tiles from a counter (their work is the data's)."""
+    a data mask keeps one program per tile (long rows first; its dynamic walk is an
+    option measured off, test_data_masks_narrow_the_key_range_and_compile_for_sm90)."""
     for name in ("global-fp16-d64", "alibi", "window"):
         form = _kernel(**VARIANTS[name]).kernel_source.gluon
         assert form.persistent, name
@@ -170,7 +174,7 @@ def test_tiles_of_equal_work_run_persistent_programs():
         producer = form.source.split("def _producer(")[1].split("def _consumer(")[0]
         assert producer.index("mbarrier.wait(q_empty") < producer.index("tma_load(a_desc")
     form = _kernel(**DATA_VARIANTS["documents-causal"]).kernel_source.gluon
-    assert form.persistent and not form.scheduled and "while t < num_tiles:" in form.source
+    assert not form.persistent and "num_tiles" not in form.source and form.ranges is None
 
 
 def test_causal_tiles_walk_the_launchers_balanced_order(tmp_path):

@@ -124,14 +124,24 @@ def ranges_kernel(plan: TilePlan, name: str, args: list[str]) -> tuple[str, str]
     return kname, "\n".join(src) + "\n"
 
 
-def tile_lines(mode: str, rng: list[str]) -> list[str]:
+def tile_lines(mode: str, rng: list[str], role: str = "producer") -> list[str]:
     """A walking program's lines placing tile ``t`` (Gluon): its place, then its key range
-    -- ``rng`` (``gl_main(key_range(..))``) recomputed, or read from ``tile_sched``."""
+    -- ``rng`` (``gl_main(key_range(..))``) recomputed, or read from ``tile_sched`` (by a
+    dynamic walk's consumers one tile ahead, see ``walk``)."""
     if mode != "dynamic":
         return [*_tile_of("t")[:1], _tile_of("t")[1] + "  # long rows first", *rng]
-    at = f"tile_sched_ptr + 1 + t * {len(RANGE_FIELDS)}"
-    return [*_tile_of("t"), f"row_first = row_block * {CTA_ROWS}",
-            *[f"{f} = gl.load({at} + {k})" for k, f in enumerate(RANGE_FIELDS)]]
+    place = [*_tile_of("t"), f"row_first = row_block * {CTA_ROWS}"]
+    if role == "consumer":
+        return place + [f"{f} = next_{f}" for f in RANGE_FIELDS]
+    return place + _range_loads("t", "")
+
+
+def _range_loads(t: str, prefix: str) -> list[str]:
+    """Loads of tile ``t``'s key range from ``tile_sched`` into ``<prefix><field>``; a
+    ``t`` past the last tile (the walk's end) reads zeros, never past the ranges."""
+    at = f"tile_sched_ptr + 1 + {t} * {len(RANGE_FIELDS)}"
+    mask = f", mask={t} < num_tiles, other=0" if prefix else ""
+    return [f"{prefix}{f} = gl.load({at} + {k}{mask})" for k, f in enumerate(RANGE_FIELDS)]
 
 
 def walk(mode: str, role: str, lines: list[str], per_tile: list[str]) -> list[str]:
@@ -164,7 +174,17 @@ def walk(mode: str, role: str, lines: list[str], per_tile: list[str]) -> list[st
                 *["        " + ln for ln in post], *inner, "        " + take,
                 "    # past the last tile: tells the consumers to stop",
                 *["    " + ln for ln in post]]
+    # The consumers read the next tile's index and key range as soon as they release
+    # this tile's rows (after its last score product), so the reads' latency overlaps
+    # the tile's last P·c and epilogue instead of delaying the next tile's start.
+    cut = next(k for k, ln in enumerate(lines) if "mbarrier.arrive(q_empty" in ln) + 1
     read = ["mbarrier.wait(t_ready.index(it % 2), (it // 2) & 1)",
-            f"t = gl.load({slot}, volatile=True)"]
-    return [*head, *["    " + ln for ln in read], "    while t < num_tiles:", *inner,
-            *["        " + ln for ln in read]]
+            f"t = gl.load({slot}, volatile=True)", *_range_loads("t", "next_")]
+    ahead = ["mbarrier.wait(t_ready.index((it + 1) % 2), ((it + 1) // 2) & 1)",
+             f"t_next = gl.load({slot.replace('it % 2', '(it + 1) % 2')}, volatile=True)",
+             *_range_loads("t_next", "next_")]
+    return [*head, *["    " + ln for ln in read], "    while t < num_tiles:",
+            *["        " + ln for ln in per_tile], *["    " + ln for ln in lines[:cut]],
+            "        # the next tile, read ahead",
+            *["        " + ln for ln in ahead], *["    " + ln for ln in lines[cut:]],
+            "        base += n_blocks", "        it += 1", "        t = t_next"]

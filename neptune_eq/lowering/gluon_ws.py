@@ -62,7 +62,7 @@ from .lower import LoweringError, TilePlan
 
 PERSISTENT = True  # tiles walked by one program per SM (see generate)
 SCHEDULED = True   # ... tiles of unequal work too, in the launcher's balanced order
-DYNAMIC = True     # ... tiles of a data mask too, taken from a counter (gluon_tiles)
+DYNAMIC = False    # ... tiles of a data mask too, taken from a counter (see generate)
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
 KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
 SMEM_BYTES = 224 * 1024  # row tiles + ring: Hopper's 227 KiB per program, less barriers
@@ -343,7 +343,12 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # program per tile, same process: causal S=2048 339 -> 420, B=2 S=3000 383 -> 418,
     # GQA 64/8 387 -> 449, softcap+causal 279 -> 349, S=8192 519 -> 513.  A data mask's
     # tiles have work known only on the device: with ``DYNAMIC`` its programs take tiles
-    # from a counter (``gluon_tiles``), else one program per tile.
+    # from a counter (``gluon_tiles``), else one program per tile.  Off: against one
+    # program per tile, same process, H200 fp16 H=16 D=128, CUDA graphs
+    # (bench/gluon_validate.py --only-data-persistence, bench/results/dynamic_s28/): 64-key
+    # blocks +2-10% (documents 4/13/64 at S=8192 +5/+6/+2%, 64 documents at 32768 +10%),
+    # 128-key blocks 0 to -6% -- and 128 keys, or the tl form, is what the timer picks for
+    # these masks.  Their tiles' time is not in the per-tile start and epilogue.
     atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
     data = bool(atoms)
     equal_work = (ps.lo_offset is None) == (ps.hi_offset is None)
@@ -423,7 +428,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
              f"    c_row = {c_row}"]
     grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
     # a tile's place and key range (the consumers' prologue decodes the grid axes itself)
-    tile = tile_lines(mode, rng)
+    tile = tile_lines(mode, rng, "producer")
 
     sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
     where = ["num_tiles", "n_rb"] if persistent else ["pid_grid", "row_block", "j_lo", "n_blocks"]
@@ -505,7 +510,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    cols = gl.arange(0, B_L, S_COLS)",
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
         "    q_tile = a_smem.index(WHICH)",
-        *walk(mode, "consumer", consumer, tile),
+        *walk(mode, "consumer", consumer, tile_lines(mode, rng, "consumer")),
         "", "",
         "@gluon.jit",
         f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr):",

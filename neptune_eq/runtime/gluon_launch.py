@@ -163,13 +163,14 @@ class GluonLauncher:
         """``tensors`` with fresh (unfilled) summaries -- and a dynamic walk's
         ``tile_sched`` -- and the pre-pass launch that fills them with its arguments;
         (tensors, None) without a data mask."""
+        if self._ranges is not None:  # filled by the ranges kernel (``_fast``, ``_slow``)
+            import torch  # (a mask reading a tensor at the grid's indices has no summaries)
+            device = tensors[self.form.streamed[0]].device
+            tensors = {**tensors, "tile_sched": torch.empty(self._sched_n, dtype=torch.int32,
+                                                            device=device)}
         if self._pre is None:
             return tensors, None
         sums, launch, args, ints = self._pre.prepare(tensors)
-        if self._ranges is not None:  # filled by the ranges kernel (``_prepare``)
-            import torch
-            sums["tile_sched"] = torch.empty(self._sched_n, dtype=torch.int32,
-                                             device=args[0].device)
         return {**tensors, **sums}, (launch, args + ints, int_classes(ints))
 
     def _fast(self, ck: tuple, pre, args: list, stream) -> None:
@@ -255,12 +256,14 @@ class GluonBoundCall:
     for 401 us of kernels, ``bench/backward_gpu.py --host-profile``).  The descriptors
     are made per call (they hold the data pointers); a call whose key was not checked
     (a first call, a pointer off 16-byte alignment) takes the launcher's own path.  A
-    form with a per-call summary pre-pass keeps the general call."""
+    form with a per-call pre-pass (summaries, a dynamic walk's tile ranges) keeps the
+    general call."""
 
     def __init__(self, launcher: GluonLauncher, names: list[str], tensors: dict,
                  outputs: list[str]):
-        if launcher.ks.summaries:
-            raise ValueError("a Gluon form with a summary pre-pass is not replayed")
+        if launcher.ks.summaries or launcher.form.ranges:
+            raise ValueError("a Gluon form with a pre-pass (summaries, tile ranges) is not "
+                             "replayed")
         if not gluon_inputs_ok(launcher.ks, tensors):
             raise ValueError("inputs the descriptors cannot stream run the tl twin")
         self.launcher, self.names, self.outputs = launcher, list(names), list(outputs)
