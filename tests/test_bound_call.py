@@ -248,7 +248,7 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
     outputs of the signature's shapes; a launch key the launcher checked launches the
     compiled kernel directly with the launcher's arguments (atomically summed outputs
     zeroed first), any other key goes through the launcher's own call.  A form with a
-    per-call summary pre-pass is not replayed."""
+    per-call pre-pass (summaries, a dynamic walk's tile ranges) is not replayed."""
     from types import SimpleNamespace as NS
     from neptune_eq.runtime import gluon_launch
     from neptune_eq.runtime.gluon_launch import GluonBoundCall, GluonLauncher
@@ -256,7 +256,8 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
 
     class FakeGluon:  # GluonLauncher's key and argument code (the interpreter cannot run Gluon)
         gluon, fast_ok, _order, size_args = True, True, [], (7,)
-        ks = NS(summaries=(), scattered=("o",), gluon=NS(streamed=("q", "k", "v"), dtype="float32"))
+        ks = NS(summaries=(), scattered=("o",),
+                gluon=NS(streamed=("q", "k", "v"), dtype="float32", ranges=None))
         tensors = ["q", "k", "v", "o"]
         _checked = {}
         _pointers, integer_args, _args = (GluonLauncher._pointers, GluonLauncher.integer_args,
@@ -295,6 +296,9 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
     assert args == [f"desc:{q.data_ptr()}", q, k, v, out] + ints
     with pytest.raises(ValueError, match="pre-pass"):
         GluonBoundCall(NS(ks=NS(summaries=("doc",))), ["q", "k", "v"], calls[0], ["o"])
+    with pytest.raises(ValueError, match="pre-pass"):  # a dynamic walk's tile ranges
+        GluonBoundCall(NS(ks=NS(summaries=(), gluon=NS(ranges=("k", "src")))), ["q", "k", "v"],
+                       calls[0], ["o"])
 
 
 def test_host_timing_runs_a_long_call_three_times_and_a_short_one_by_do_bench(monkeypatch):

@@ -49,6 +49,35 @@ def launcher(variant, b, h, s, d, kv, cfg, persistent=True):
         gluon_ws.PERSISTENT = saved
 
 
+def coalesced_store(la, d):
+    """``la`` rebuilt from its Gluon source with the consumers' output store converted
+    to a row-major layout of 16-byte vectors first (the generated store writes from the
+    wgmma accumulator layout: 4-byte pieces, 8 rows per warp instruction)."""
+    import re
+    from dataclasses import replace
+    form = la.ks.gluon
+    tpw = [32 // (d // 8), d // 8]
+    lines = []
+    for ln in form.source.splitlines():
+        if ln.strip().startswith("P_LAYOUT: gl.constexpr"):
+            pad = ln[:len(ln) - len(ln.lstrip())]
+            lines += [ln, f"{pad}ST: gl.constexpr = gl.BlockedLayout([1, 8], {tpw}, [4, 1], [1, 0])",
+                      f"{pad}ST_ROWS: gl.constexpr = gl.SliceLayout(1, ST)",
+                      f"{pad}ST_COLS: gl.constexpr = gl.SliceLayout(0, ST)"]
+            continue
+        if ln.strip().startswith("gl.store(o_ptr"):
+            ln = (ln.replace("gl.convert_layout(offs_i, O_ROWS)", "gl.convert_layout(offs_i, ST_ROWS)")
+                  .replace("gl.convert_layout(mask_i, O_ROWS)", "gl.convert_layout(mask_i, ST_ROWS)")
+                  .replace("offs_e[None, :]", "gl.convert_layout(offs_e, ST_COLS)[None, :]")
+                  .replace("mask_e[None, :]", "gl.convert_layout(mask_e, ST_COLS)[None, :]"))
+            ln = re.sub(r", (\(t\d+\)\.to\(gl\.\w+\)), mask=", r", gl.convert_layout(\1, ST), mask=", ln)
+        lines.append(ln)
+    src = "\n".join(lines) + "\n"
+    assert src != form.source and "gl.convert_layout((t" in src, "no output store found"
+    ks = replace(la.ks, gluon=replace(form, source=src))
+    return make_launcher(la.program, ks, "cuda", la.config)
+
+
 def no_mask_fragment():
     """Patch ``gluon_ws.block_fragment``: every block's body without the affine atoms."""
     orig = gluon_ws.block_fragment
@@ -80,7 +109,10 @@ def shape_rows(b, h, s, d, kv):
                 finally:
                     gluon_ws.block_fragment = orig
             else:
+                coalesced = flags.pop("coalesced", False)
                 la = launcher(variant, b, h, s, d, kv, cfg, **flags)
+                if coalesced:
+                    la = coalesced_store(la, d)
             t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
             ms = timed(lambda: la(t))
             row["ms"] = ms
@@ -103,6 +135,8 @@ def shape_rows(b, h, s, d, kv):
         run("tl global", "global", cfg)
     g = TileConfig({"B_i": 128, "B_L": 128}, 4, 2, gluon_ws=True)
     run("gluon causal", "causal", g)
+    run("gluon causal coalesced store", "causal", g, coalesced=True)
+    run("gluon global coalesced store", "global", g, coalesced=True)
     run("gluon causal per-tile", "causal", g, persistent=False)
     run("gluon causal no mask (wrong)", "causal", g, nomask=True)
     run("gluon global", "global", g)

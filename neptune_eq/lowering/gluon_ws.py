@@ -32,7 +32,8 @@ consumer warpgroups each issuing its own wgmma -- is written in Gluon
   head) tiles -- round robin where every tile has the same work, else in the balanced
   order the launcher passes (``runtime.tile_order``) -- and the producer fills the ring
   with the next tile's blocks while the consumers finish the last (``generate`` has the
-  measurements).
+  measurements).  How programs walk tiles, and the dynamic walk a data mask can take
+  (measured, off), are in ``gluon_tiles``.
 * The key block ``B_L`` (64 or 128) is a launch constant, not tied to the widths: the
   score tile and the rolling state are two wgmma accumulator layouts (``S_LAYOUT`` with
   ``B_L`` columns, ``O_LAYOUT`` with ``c``'s), and a row vector meeting the state is

@@ -261,7 +261,7 @@ class GluonBoundCall:
 
     def __init__(self, launcher: GluonLauncher, names: list[str], tensors: dict,
                  outputs: list[str]):
-        if launcher.ks.summaries or launcher.form.ranges:
+        if launcher.ks.summaries or launcher.ks.gluon.ranges:
             raise ValueError("a Gluon form with a pre-pass (summaries, tile ranges) is not "
                              "replayed")
         if not gluon_inputs_ok(launcher.ks, tensors):
