@@ -27,7 +27,10 @@ from neptune_eq.runtime.gluon_launch import make_launcher  # noqa: E402
 from neptune_eq.runtime.tile_configs import TileConfig  # noqa: E402
 
 SHAPES = ((4, 16, 5000, 64, None), (4, 16, 3000, 64, 8), (2, 32, 3000, 128, None),
-          (1, 32, 8192, 128, None))
+          (1, 32, 8192, 128, None),
+          # session 28: the key length halved and doubled at the first shape's tiles, to
+          # split a program's time into per-key-block and per-tile parts
+          (4, 16, 2560, 64, None), (4, 16, 5120, 64, None), (4, 16, 10240, 64, None))
 ONLY: tuple = ()  # kernel-name prefixes to run (--only); cuDNN always runs
 TL = {64: ((64, 64, 4, 3), (64, 128, 4, 2)), 128: ((128, 64, 8, 3), (64, 64, 4, 3))}
 
