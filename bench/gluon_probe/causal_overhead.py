@@ -7,7 +7,8 @@ directly (no timer's choice):
 * ``tl`` configs, causal and global (a first run also put the diagonal loop before the
   interior loop, FlashAttention-3's order: no change, 340 vs 341 TFLOP/s, so not kept);
 * the Gluon form, causal scheduled-persistent (as generated), one program per tile, with
-  every block's mask dropped (wrong output: the mask's cost), and global;
+  every block's mask dropped (wrong output: the mask's cost), and global; both with the
+  output stored from a row-major layout (session 28: ``coalesced store``);
 * cuDNN causal and global.
 
     python bench/gluon_probe/causal_overhead.py --out DIR
@@ -32,6 +33,7 @@ SHAPES = ((4, 16, 5000, 64, None), (4, 16, 3000, 64, 8), (2, 32, 3000, 128, None
           # split a program's time into per-key-block and per-tile parts
           (4, 16, 2560, 64, None), (4, 16, 5120, 64, None), (4, 16, 10240, 64, None))
 ONLY: tuple = ()  # kernel-name prefixes to run (--only); cuDNN always runs
+SKIP: tuple = ()  # kernel-name prefixes not to run (--skip)
 TL = {64: ((64, 64, 4, 3), (64, 128, 4, 2)), 128: ((128, 64, 8, 3), (64, 64, 4, 3))}
 
 
@@ -100,7 +102,7 @@ def shape_rows(b, h, s, d, kv):
     rows = []
 
     def run(name, variant, cfg, **flags):
-        if ONLY and not name.startswith(ONLY):
+        if (ONLY and not name.startswith(ONLY)) or (SKIP and name.startswith(SKIP)):
             return
         row = {**base, "kernel": name, "config": str(cfg)}
         try:
@@ -152,9 +154,10 @@ def main():
     ap.add_argument("--name", default="causal_overhead.json")
     ap.add_argument("--shapes", type=int, nargs="*", help="indices into SHAPES")
     ap.add_argument("--only", nargs="*", default=[], help="kernel-name prefixes, e.g. gluon")
+    ap.add_argument("--skip", nargs="*", default=[], help="kernel-name prefixes not to run")
     a = ap.parse_args()
-    global ONLY
-    ONLY = tuple(a.only)
+    global ONLY, SKIP
+    ONLY, SKIP = tuple(a.only), tuple(a.skip)
     rows = []
     for i, sh in enumerate(SHAPES):
         if a.shapes and i not in a.shapes:
