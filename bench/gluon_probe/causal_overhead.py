@@ -83,6 +83,25 @@ def coalesced_store(la, d):
     return make_launcher(la.program, ks, "cuda", la.config)
 
 
+def single_where(la):
+    """``la`` rebuilt with each masked block's second select -- ``p = where(mask,
+    exp2(x - m), 0)`` after ``x = where(mask, s, -1e30)`` -- dropped: exp2 of a masked
+    score is already 0 wherever the row's running max is finite, which causal rows'
+    always is (each row sees its own key).  The select's cost, on a right output."""
+    import re
+    from dataclasses import replace
+    form = la.ks.gluon
+    lines, n = form.source.splitlines(), 0
+    for k in range(1, len(lines)):
+        m = re.match(r"(\s+)(t\d+) = gl\.where\((t\d+), (t\d+), 0\.0\)$", lines[k])
+        if m and re.match(rf"\s+{m.group(4)} = gl\.exp2\(", lines[k - 1]):
+            lines[k] = f"{m.group(1)}{m.group(2)} = {m.group(4)}"
+            n += 1
+    assert n, "no second select found"
+    ks = replace(la.ks, gluon=replace(form, source="\n".join(lines) + "\n"))
+    return make_launcher(la.program, ks, "cuda", la.config)
+
+
 def no_mask_fragment():
     """Patch ``gluon_ws.block_fragment``: every block's body without the affine atoms."""
     orig = gluon_ws.block_fragment
@@ -115,9 +134,12 @@ def shape_rows(b, h, s, d, kv):
                     gluon_ws.block_fragment = orig
             else:
                 coalesced = flags.pop("coalesced", False)
+                one_where = flags.pop("single_where", False)
                 la = launcher(variant, b, h, s, d, kv, cfg, **flags)
                 if coalesced:
                     la = coalesced_store(la, d)
+                if one_where:
+                    la = single_where(la)
             t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
             ms = timed(lambda: la(t))
             row["ms"] = ms
@@ -140,6 +162,7 @@ def shape_rows(b, h, s, d, kv):
         run("tl global", "global", cfg)
     g = TileConfig({"B_i": 128, "B_L": 128}, 4, 2, gluon_ws=True)
     run("gluon causal", "causal", g)
+    run("gluon causal single where", "causal", g, single_where=True)
     run("gluon causal coalesced store", "causal", g, coalesced=True)
     run("gluon global coalesced store", "global", g, coalesced=True)
     run("gluon causal per-tile", "causal", g, persistent=False)
