@@ -1,5 +1,7 @@
 """The rule system: each chain is derived into its fused form (and the fused program
 equals the plain one in the reference interpreter); checks, user rules, explanations."""
+import re
+
 import pytest
 import torch
 
@@ -119,3 +121,17 @@ def test_a_user_rule_file_changes_the_chosen_program(tmp_path):
         assert "tl.rsqrt" in ne.superoptimize(_chain("rms-matmul"), target="interpreter").source
     finally:
         ne.rules.unload_all()
+
+
+def test_a_masked_score_reaches_exp2_as_one_fused_multiply_add():
+    """Causal attention: ``scale-out-of-where`` moves the softmax scale out of the mask's
+    select, so exp2's argument is ``w·(c·log2 e) − m·log2 e`` -- one fused multiply-add per
+    score, as for an unmasked one -- and the mask still becomes the loop's upper bound."""
+    kern = ne.superoptimize(ne.attention(1, 1, 9, 9, 8, "float32",
+                                         mask_mod=lambda b, h, q, kv: q >= kv),
+                            target="interpreter", cache=False)
+    den = next(ln for ln in str(kern.program).splitlines() if ln.startswith("den["))
+    assert re.search(r"exp2\(\(\(where\(\(i >= \w+\), sum\[\w+\]\(.*\), -[\d.e+]+\) \* [\d.e-]+\) "
+                     r"- \(run:mx\[[^\]]*\] \* 1\.44", den), den
+    assert "scale-out-of-where" in {r.name for s in kern.derivation for r in s.rules}
+    assert plan(kern.program).passes[0].hi_offset == 1  # the mask is still a loop bound

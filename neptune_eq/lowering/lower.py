@@ -426,6 +426,10 @@ def _gates(t: Term, ident: float) -> set[Term]:
         return _atoms(t.args[0]) | _gates(t.args[1], ident)
     if t.op == "mul" and ident == 0.0:
         return _gates(t.args[0], ident) | _gates(t.args[1], ident)
+    if t.op == "mul":  # x·k equals the identity where x equals identity/k (rule
+        for x, k in (t.args, t.args[::-1]):  # scale-out-of-where moves k out of the select)
+            if k.op in ("flt", "int") and float(k.val) != 0.0:
+                return _gates(x, ident / float(k.val))
     return set()
 
 
