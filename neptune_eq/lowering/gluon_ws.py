@@ -49,7 +49,6 @@ builds the TMA descriptors.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..ir import Term
@@ -353,9 +352,12 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
     data = bool(atoms)
     equal_work = (ps.lo_offset is None) == (ps.hi_offset is None)
-    mode = ("single" if not PERSISTENT else
-            ("dynamic" if DYNAMIC else "single") if data else
-            "round_robin" if equal_work else "scheduled" if SCHEDULED else "single")
+    if not PERSISTENT:
+        mode = "single"
+    elif data:
+        mode = "dynamic" if DYNAMIC else "single"
+    else:
+        mode = "round_robin" if equal_work else "scheduled" if SCHEDULED else "single"
     persistent, scheduled = mode != "single", mode == "scheduled"
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
