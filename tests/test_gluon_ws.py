@@ -3,6 +3,7 @@ the tl kernels, compiled here for sm_90 without a GPU (the interpreter cannot ru
 offered to the timer only where a Hopper GPU runs it.  Its numbers are checked on the GPU
 by bench/gluon_validate.py (against an fp32 torch reference on odd lengths, fully masked
 rows and large-magnitude scores)."""
+import functools
 import re
 from dataclasses import replace
 
@@ -115,14 +116,9 @@ DATA_VARIANTS = {  # masks over captured tensors with a key-range form (block_ra
 }
 
 
-def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path, monkeypatch):
-    """A mask over captured tensors: each tile's key range comes from the per-call
-    summaries, by the ranges kernel (the producer streams only those blocks); the
-    programs take tiles from a counter; the blocks every row sees whole run a body
-    without the mask's loads, the others load and test it; the drop-in's document mask
-    (named sizes) has the form too.  (The dynamic walk is off by default -- see
-    gluon_ws.generate -- and checked here as the A/B bench runs it.)"""
-    monkeypatch.setattr(gluon_ws, "DYNAMIC", True)
+@functools.cache  # (the drop-in registers its structure once per process)
+def _data_mask_kernels():
+    """The data-mask variants' kernels, and the drop-in's document mask (named sizes)."""
     kerns = {name: _kernel(**kw) for name, kw in DATA_VARIANTS.items()}
     q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
     ids = torch.tensor([0] * 15 + [1] * 25, dtype=torch.int32)
@@ -131,9 +127,58 @@ def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path, monkeypa
     (st,) = [s for key, s in flex.STRUCTURES.items() if key not in before
              and s.kernel is not None and s.kernel.kernel_source.summaries]
     kerns["flex-dropin-documents"] = st.kernel
-    for name, kern in kerns.items():
+    return kerns
+
+
+def _check_data_mask_body(name: str, src: str) -> None:
+    """The consumer's loops: the blocks every row sees whole run a body without the
+    mask's loads, the others load and test it."""
+    loops = src.split("for jb in range(")[2:]   # the consumer's: edge, interior, edge
+    assert [lp.split("#")[1].split("\n")[0].strip() for lp in loops] == \
+        ["edge", "interior: no mask", "edge", "the ragged last block"], name
+    # the mask's per-key work (documents: a read of doc at the keys) in edge loops only
+    assert len(loops[1].splitlines()) < len(loops[0].splitlines()), name
+    if name.startswith(("documents", "flex")):
+        assert re.search(r"\w+_ptr \+ offs_L", loops[0]), name
+        assert not re.search(r"\w+_ptr \+ offs_L", loops[1]), name
+
+
+def _compiles(tmp_path, name: str, program, ks) -> None:
+    path = tmp_path / f"{name}.py"
+    path.write_text(ks.gluon.source)
+    res = compile_for_sm90(path, ks.gluon.name, sm90_spec(program, ks))
+    assert res["ok"], f"{name}: {res['error']}"
+    assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
+
+
+def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
+    """A mask over captured tensors: the program's key range comes from the per-call
+    summaries before the warpgroups split (the producer streams only those blocks), the
+    blocks every row sees whole run a body without the mask's loads, the others load and
+    test it; the drop-in's document mask (named sizes) has the form too."""
+    for name, kern in _data_mask_kernels().items():
         ks = kern.kernel_source
         assert ks.gluon is not None, f"{name}: {ks.gluon_why}"
+        src = ks.gluon.source
+        main = src.split(f"def {ks.gluon.name}(")[1]
+        assert "dm_lo = " in main and "n_blocks = " in main, name
+        assert ks.gluon.ranges is None and "tile_sched" not in src, name
+        n_sum = len(ks.summaries)  # the per-call summaries are the last pointers, as in tl
+        assert [sp.name + "_ptr" for sp in ks.summaries] == ks.gluon.params[len(ks.gluon.params) - n_sum:]
+        _check_data_mask_body(name, src)
+        _compiles(tmp_path, name, kern.program, ks)
+
+
+def test_the_dynamic_walk_takes_tiles_from_a_counter_and_compiles_for_sm90(tmp_path, monkeypatch):
+    """With ``gluon_ws.DYNAMIC`` (off by default, see gluon_ws.generate; the A/B bench
+    turns it on): each tile's key range comes from the ranges kernel, the producer takes
+    tiles with an atomic add and posts them to the consumers, who read each tile's range
+    from ``tile_sched``; the blocks' bodies are those of the one-tile form."""
+    kerns = _data_mask_kernels()  # (built as shipped: the flag is no part of a cache key)
+    monkeypatch.setattr(gluon_ws, "DYNAMIC", True)
+    for name, kern in kerns.items():
+        ks = replace(kern.kernel_source,
+                     gluon=gluon_ws.generate(kern.plan, kern.kernel_source.gluon.name))
         src = ks.gluon.source
         kname, ranges = ks.gluon.ranges
         assert "dm_lo = " in ranges and "n_blocks = " in ranges, name
@@ -141,24 +186,14 @@ def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path, monkeypa
         producer = src.split("def _producer(")[1].split("def _consumer(")[0]
         consumer = src.split("def _consumer(")[1].split("@gluon.jit")[0]
         assert "gl.atomic_add(tile_sched_ptr, 1)" in producer, name
-        assert "gl.atomic_add" not in consumer and "dm_lo = gl.load(tile_sched_ptr" in consumer
+        assert "gl.atomic_add" not in consumer and "next_dm_lo = gl.load(tile_sched_ptr" in consumer
         # the per-call summaries, then the scheduler's buffer, are the last pointers
         n_sum = len(ks.summaries)
         assert [sp.name + "_ptr" for sp in ks.summaries] + ["tile_sched_ptr"] == \
             ks.gluon.params[len(ks.gluon.params) - n_sum - 1:]
-        loops = src.split("for jb in range(")[2:]   # the consumer's: edge, interior, edge
-        assert [lp.split("#")[1].split("\n")[0].strip() for lp in loops] == \
-            ["edge", "interior: no mask", "edge", "the ragged last block"], name
-        # the mask's per-key work (documents: a read of doc at the keys) in edge loops only
-        assert len(loops[1].splitlines()) < len(loops[0].splitlines()), name
-        if name.startswith(("documents", "flex")):
-            assert re.search(r"\w+_ptr \+ offs_L", loops[0]), name
-            assert not re.search(r"\w+_ptr \+ offs_L", loops[1]), name
-        path = tmp_path / f"{name}.py"
-        path.write_text(src)
-        res = compile_for_sm90(path, ks.gluon.name, sm90_spec(kern.program, ks))
-        assert res["ok"], f"{name}: {res['error']}"
-        assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
+        _check_data_mask_body(name, src)
+        if name in ("documents-causal", "flex-dropin-documents"):
+            _compiles(tmp_path, name, kern.program, ks)
 
 
 def test_tiles_of_equal_work_run_persistent_programs():
