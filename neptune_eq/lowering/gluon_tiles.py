@@ -128,19 +128,21 @@ def tile_lines(mode: str, rng: list[str], role: str = "producer") -> list[str]:
     """A walking program's lines placing tile ``t`` (Gluon): its place, then its key range
     -- ``rng`` (``gl_main(key_range(..))``) recomputed, or read from ``tile_sched`` (by a
     dynamic walk's consumers one tile ahead, see ``walk``)."""
+    grid, row = _tile_of("t")
     if mode != "dynamic":
-        return [*_tile_of("t")[:1], _tile_of("t")[1] + "  # long rows first", *rng]
-    place = [*_tile_of("t"), f"row_first = row_block * {CTA_ROWS}"]
+        return [grid, row + "  # long rows first", *rng]
+    place = [grid, row, f"row_first = row_block * {CTA_ROWS}"]
     if role == "consumer":
         return place + [f"{f} = next_{f}" for f in RANGE_FIELDS]
-    return place + _range_loads("t", "")
+    return place + _range_loads("t", "", maybe_past_end=False)
 
 
-def _range_loads(t: str, prefix: str) -> list[str]:
-    """Loads of tile ``t``'s key range from ``tile_sched`` into ``<prefix><field>``; a
-    ``t`` past the last tile (the walk's end) reads zeros, never past the ranges."""
+def _range_loads(t: str, prefix: str, maybe_past_end: bool = True) -> list[str]:
+    """Loads of tile ``t``'s key range from ``tile_sched`` into ``<prefix><field>``; where
+    ``t`` may be past the last tile (a read ahead at the walk's end) it reads zeros, never
+    past the ranges."""
     at = f"tile_sched_ptr + 1 + {t} * {len(RANGE_FIELDS)}"
-    mask = f", mask={t} < num_tiles, other=0" if prefix else ""
+    mask = f", mask={t} < num_tiles, other=0" if maybe_past_end else ""
     return [f"{prefix}{f} = gl.load({at} + {k}{mask})" for k, f in enumerate(RANGE_FIELDS)]
 
 
