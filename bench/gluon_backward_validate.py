@@ -20,12 +20,14 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
 import neptune_eq as ne  # before triton: on a CPU machine it selects the interpreter
 import triton
 from neptune_eq.dropin import flex, flex_backward
+from neptune_eq.lowering import gluon_sums
 from neptune_eq.runtime.gluon_launch import make_launcher
 from neptune_eq.runtime.tile_configs import TileConfig
 from neptune_eq.sizes import Guards, bind, specialise
@@ -119,9 +121,23 @@ def reference(variant, q, k, v, d_o):
     return lse, (d_o * o).sum(-1).detach(), k.grad, v.grad, q.grad
 
 
-def launchers(kern, values, gluon=True):
-    """(program, Gluon launcher, tl launcher) of the kernel at concrete sizes."""
+def one_program_per_tile(kern):
+    """The kernel's source with its Gluon form generated as one program per tile
+    (``gluon_sums.PERSISTENT`` off), or None where the form is not persistent."""
     ks = kern.kernel_source
+    if ks.gluon is None or not ks.gluon.persistent:
+        return None
+    was, gluon_sums.PERSISTENT = gluon_sums.PERSISTENT, False
+    try:
+        return replace(ks, gluon=gluon_sums.generate(kern.plan, ks.gluon.name))
+    finally:
+        gluon_sums.PERSISTENT = was
+
+
+def launchers(kern, values, gluon=True, ks=None):
+    """(program, Gluon launcher, tl launcher) of the kernel at concrete sizes (``ks``:
+    another source of the same kernel, e.g. ``one_program_per_tile``)."""
+    ks = ks or kern.kernel_source
     if ks.gluon is None and DEV == "cuda" and gluon:
         raise RuntimeError(f"no Gluon form: {ks.gluon_why}")
     prog = bind(specialise(kern.program, values, Guards()), values)
@@ -188,6 +204,7 @@ def check(variant, b, h, s, d, dtype, big=False, group="kv"):
         row[f"{form}_nan"] = any(bool(torch.isnan(out[n]).any()) for n in names)
     row["scale"] = scale
     row["gluon_ran"] = g is not None and g._twin is None  # not the tl twin's fallback
+    row["gluon_walk"] = ("persistent" if g is not None and g.form.persistent else "per tile")
     row["ok"] = (not row["gluon_nan"] and err(out_g) < tol * scale
                  and err(out_g) <= 2 * err(out_t) + 1e-6)
     return row
@@ -215,7 +232,9 @@ def timing(variant, b, h, s, d, dtype):
                 ins[ph.name] = torch.randn(tuple(ph.shape), device=DEV,
                                            dtype=getattr(torch, ph.dtype))
         outs = fresh_outputs(prog, 0.0)
-        for form, la in (("tl", t), ("gluon", g)):
+        single = one_program_per_tile(kern) if g is not None else None
+        gs = launchers(kern, {"B": b, "L": s, "S": s}, ks=single)[1] if single else None
+        for form, la in (("tl", t), ("gluon", g), ("gluon_single", gs)):
             if la is None:
                 continue
             la({**ins, **outs})
@@ -246,6 +265,10 @@ def main():
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     ap.add_argument("--timing-variants", nargs="*", default=["plain", "causal", "softcap"])
+    ap.add_argument("--many-tiles", action="store_true",
+                    help="check only at B=2 H=16 S=2100 bf16 (544 tiles: persistent programs "
+                         "walk several each) instead of the three small shapes")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 2048])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -255,11 +278,14 @@ def main():
 
     for variant in args.variants:
         for group in args.groups:
+            if args.many_tiles:  # more tiles than SMs: persistent programs walk several
+                run(check, variant, 2, 16, 2100, 128, "bfloat16", group=group)
+                continue
             run(check, variant, 1, 2, 1000, 128, "float16", group=group)
             run(check, variant, 2, 2, 777, 128, "bfloat16", big=True, group=group)
             run(check, variant, 1, 2, 300, 64, "float16", group=group)
     for variant in [] if args.skip_timing else args.timing_variants:
-        for s in (8192, 2048):
+        for s in args.lengths:
             run(timing, variant, 2, 16, s, 128, "bfloat16")
 
 

@@ -4,6 +4,7 @@ backward program, emitted as producer / consumer warpgroups and compiled here fo
 without a GPU.  Its numbers are checked on the GPU by bench/gluon_backward_validate.py
 (against fp64 autograd, odd lengths, fully masked rows, scores x8)."""
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -59,13 +60,48 @@ def test_the_dkdv_pass_compiles_for_sm90_as_producer_and_consumers(tmp_path, mon
     for lp in loops:
         for vec in ("mx_ptr", "g_den_1_ptr"):
             assert lp.index(f"gl.load({vec}") < lp.index("mbarrier.wait(ready0") < lp.index("gl.exp2(")
-    assert "gl.program_id(0)  # long rows first" in src  # causal: the first keys see most rows
-    path = tmp_path / "dkdv.py"
-    path.write_text(src)
-    res = compile_for_sm90(path, form.name, sm90_spec(kern.program, kern.kernel_source,
-                                                       key_block=64))
+    # causal: tiles of unequal work, walked by persistent programs in the launcher's
+    # balanced order; the producer loads a tile's rows once both consumers released the
+    # last tile's, and the ring runs on across tiles
+    assert form.persistent and form.scheduled and "tile_order_ptr" in form.params
+    producer = src.split("def _producer(")[1].split("def _consumer(")[0]
+    assert producer.index("mbarrier.wait(rows_empty, (it & 1) ^ 1)") < producer.index("tma_load(r0_desc")
+    assert "s = (base + jb) % STAGES" in producer and "base += n_blocks" in producer
+    consumer = src.split("def _consumer(")[1].split("@gluon.jit")[0]
+    assert "mbarrier.wait(rows_bar, it & 1)" in consumer
+    assert consumer.index("mbarrier.arrive(rows_empty") < consumer.index("gl.store(d_k_ptr")
+    _compiles(tmp_path, "dkdv", kern, kern.kernel_source)
+    # one program per tile (the walk off): the first keys, which see the most rows, first
+    monkeypatch.setattr(gluon_sums, "PERSISTENT", False)
+    single = gluon_sums.generate(kern.plan, form.name)
+    assert not single.persistent and "gl.program_id(0)  # long rows first" in single.source
+    assert "rows_empty" not in single.source and "tile_order" not in single.source
+    _compiles(tmp_path, "dkdv_single", kern, replace(kern.kernel_source, gluon=single))
+
+
+def _compiles(tmp_path, name, kern, ks):
+    path = tmp_path / f"{name}.py"
+    path.write_text(ks.gluon.source)
+    res = compile_for_sm90(path, ks.gluon.name, sm90_spec(kern.program, ks, key_block=64))
     assert res["ok"], res["error"]
     assert res["tma"] and res["wgmma"] and res["setmaxnreg"], res
+
+
+@pytest.mark.parametrize("group,mask,mode", [(("q",), CAUSAL, "scheduled"),
+                                             (("k", "v"), None, "round_robin")])
+def test_dq_and_unmasked_passes_walk_their_tiles_persistently(tmp_path, monkeypatch, group,
+                                                              mask, mode):
+    """dQ's kernel under a causal mask (query block i sees key blocks up to i: unequal
+    work, the launcher's order) and an unmasked dK/dV pass (equal work: round robin) are
+    persistent programs too, and compile."""
+    kern = _backward_kernel(monkeypatch, group, mask=mask)
+    form = kern.kernel_source.gluon
+    assert isinstance(form, gluon_sums.GluonSumsForm), kern.kernel_source.gluon_why
+    assert form.persistent and form.scheduled == (mode == "scheduled")
+    walk = ("first = gl.load(tile_order_ptr" if mode == "scheduled" else
+            "for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):")
+    assert form.source.count(walk) == 2  # the producer's and the consumers' walk
+    _compiles(tmp_path, mode, kern, kern.kernel_source)
 
 
 def test_the_fused_pass_adds_dq_through_a_transposed_tile_and_is_not_offered(tmp_path,
@@ -78,7 +114,7 @@ def test_the_fused_pass_adds_dq_through_a_transposed_tile_and_is_not_offered(tmp
     kern = _backward_kernel(monkeypatch, ("k", "v", "q"))
     form = kern.kernel_source.gluon
     assert isinstance(form, gluon_sums.GluonSumsForm), kern.kernel_source.gluon_why
-    assert form.transposed == 1 and form.key_blocks == ()
+    assert form.transposed == 1 and form.key_blocks == () and not form.persistent
     src = form.source
     # both warpgroups' dSᵀ halves against this warpgroup's half of K's columns
     for h in (0, 1):
@@ -127,6 +163,7 @@ def test_a_document_mask_bounds_both_gradient_loops_by_the_summaries(tmp_path, m
     form = ks.gluon
     assert isinstance(form, gluon_sums.GluonSumsForm), ks.gluon_why
     assert ks.summaries and all(f"{sp.name}_ptr" in form.params for sp in ks.summaries)
+    assert not form.persistent  # (work known only on the device: one program per tile)
     src = form.source
     main = src[src.index(f"def {form.name}("):]
     assert "dm_lo =" in main and "n_blocks = gl.maximum(gl.cdiv(j_hi - j_lo, B_L), 1)" in main

@@ -48,11 +48,28 @@ from ..ir import Term
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Tile, grid_decode, init_fill
 from .fold_body import epilogue
-from .gluon_tiles import gl_main, key_range
+from .gluon_tiles import gl_main, key_range, tile_lines, walk
 from .gluon_ws import (CTA_ROWS, ROWS, GluonEmitter, GluonForm, _gl, _interior_loops,
                        _row_base, block_fragment, check_scope, consumer_axes,
                        source_header)
 from .lower import LoweringError, TilePlan
+
+
+PERSISTENT = True  # tiles walked by one program per SM where their work is known (walk_mode)
+
+
+def walk_mode(ps, data: bool, scattered: bool) -> str:
+    """How the pass's programs walk their 128-row tiles (``gluon_tiles.walk``), as in
+    ``gluon_ws``: persistent -- one program per SM, the producer loading the next tile's
+    resident rows and first blocks while the consumers store the last tile's sums -- in
+    round robin where every tile has the same work, in the launcher's balanced order
+    (``runtime.tile_order``) where an affine mask makes it unequal (causal: key block j
+    of dK/dV sees the query blocks from j on).  One program per tile for a data mask
+    (its work is known only on the device) and for the fused form's sums over the rows
+    (not offered to the timer)."""
+    if not PERSISTENT or data or scattered:
+        return "single"
+    return "round_robin" if (ps.lo_offset is None) == (ps.hi_offset is None) else "scheduled"
 
 
 @dataclass
@@ -359,20 +376,31 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     base_lines = [*_gl(em.pop()),
                   *[f"    rbase{k} = {bases[r]} + row_first" for k, r in enumerate(resident)],
                   *[f"    sbase{k} = {bases[s]}" for k, s in enumerate(streams)]]
-    # the rows that see the most blocks go first: the last row blocks under a range
-    # bounded above (j < i + hi), the first under one bounded below (j >= i + lo)
-    first_heavy = ps.lo_offset is not None and ps.hi_offset is None
-    place = [("    row_block = gl.program_id(0)" if first_heavy else
-              "    row_block = gl.num_programs(0) - 1 - gl.program_id(0)") + "  # long rows first",
-             "    pid_grid = gl.program_id(1)",
-             *["    " + ln for ln in _gl(grid_decode(plan))],
-             *["    " + ln for ln in rng], *base_lines]
+    mode = walk_mode(ps, data, bool(em.scattered))
+    persistent, scheduled = mode != "single", mode == "scheduled"
+    grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
+    if persistent:
+        place = ["    n_rb = gl.cdiv(" + str(plan.row_extent) + f", {CTA_ROWS})",
+                 f"    num_tiles = n_rb * {grid_n}"]
+    else:
+        # the rows that see the most blocks go first: the last row blocks under a range
+        # bounded above (j < i + hi), the first under one bounded below (j >= i + lo)
+        first_heavy = ps.lo_offset is not None and ps.hi_offset is None
+        place = [("    row_block = gl.program_id(0)" if first_heavy else
+                  "    row_block = gl.num_programs(0) - 1 - gl.program_id(0)")
+                 + "  # long rows first",
+                 "    pid_grid = gl.program_id(1)",
+                 *["    " + ln for ln in _gl(grid_decode(plan))],
+                 *["    " + ln for ln in rng], *base_lines]
 
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
     for sp in summary_specs(plan):  # the data mask's per-call summaries, as the tl form's
         tensors.append(sp.name)
         strides += [f"{sp.name}_s{k}" for k in range(sp.rank(p))]
+    if scheduled:  # [first entry of each program (programs + 1)..., tile ids...]
+        tensors.append("tile_order")
+        strides.append("tile_order_s0")
     sizes = [f"n_{s}" for s in p.meta.get("size_params", ())]
     args = [f"{t}_ptr" for t in tensors] + strides + sizes
     nr, ns = len(resident), len(streams)
@@ -381,24 +409,28 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     rows = [f"rows{k}" for k in range(nr)]
     rings = [f"ring{k}" for k in range(ns)]
     bars = ["rows_bar"] + [f"{b}{k}" for k in range(ns) for b in ("ready", "empty")]
+    bars += ["rows_empty"] if persistent else []  # the consumers release a tile's rows
     tbufs = [f"tbuf{k}" for k in range(len(em.scattered))]  # Xᵀ of each sum over the rows
     tbars = [f"{b}{k}" for k in range(len(tbufs)) for b in ("tfull", "tfree")] if em.split else []
     hw = plan.whole_axes[col] // (2 if em.split else 1)
     dm = ["dm_lo", "dm_hi"] if data else []  # the keys every row sees whole (data mask)
-    shared = ", ".join([*rows, *rings, *tbufs, *tbars, *bars, "j_lo", "n_blocks", *dm, *args])
-    producer_args = ", ".join([*rdescs, *sdescs, *rows, *rings, *bars,
-                               *[f"rbase{k}" for k in range(nr)],
-                               *[f"sbase{k}" for k in range(ns)], "j_lo", "n_blocks"])
+    where = ["num_tiles", "n_rb"] if persistent else ["j_lo", "n_blocks"]
+    shared = ", ".join([*rows, *rings, *tbufs, *tbars, *bars, *where, *dm, *args])
+    producer_args = ", ".join([*rdescs, *sdescs, *rows, *rings, *bars, *(
+        ["num_tiles", "n_rb", *args] if persistent else
+        [*[f"rbase{k}" for k in range(nr)], *[f"sbase{k}" for k in range(ns)], "j_lo",
+         "n_blocks"])])
     row_bytes = " + ".join(f"{d}.block_type.nbytes" for d in rdescs)
-    producer = ["    # one warp: the resident rows once, then each streamed block through its ring",
-                "    STAGES: gl.constexpr = ring0.type.shape[0]",
-                f"    mbarrier.expect(rows_bar, 2 * ({row_bytes}))"]
+    # (a persistent walk loads a tile's rows once the consumers are done with the last
+    # tile's; its ring positions run on across tiles from ``base``)
+    producer = (["    mbarrier.wait(rows_empty, (it & 1) ^ 1)"] if persistent else []) + [
+        f"    mbarrier.expect(rows_bar, 2 * ({row_bytes}))"]
     for k in range(nr):
         producer += [f"    tma_load(r{k}_desc, [rbase{k}, 0], rows_bar, rows{k}.index(0))",
                      f"    tma_load(r{k}_desc, [rbase{k} + {ROWS}, 0], rows_bar, rows{k}.index(1))"]
     producer += ["    for jb in range(n_blocks):",
-                 "        s = jb % STAGES",
-                 "        ph = (jb // STAGES) & 1"]
+                 "        s = (base + jb) % STAGES",
+                 "        ph = ((base + jb) // STAGES) & 1"]
     for k in range(ns):
         producer += [f"        mbarrier.wait(empty{k}.index(s), ph ^ 1)",
                      f"        mbarrier.expect(ready{k}.index(s), s{k}_desc.block_type.nbytes)",
@@ -424,24 +456,32 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         f"warps_per_cta=[4, 1], instr_shape=[16, {hw}, 16])",
         "    H_ROWS: gl.constexpr = gl.SliceLayout(1, H_LAYOUT)",
         "    H_COLS: gl.constexpr = gl.SliceLayout(0, H_LAYOUT)",
-        f"    zero_h = gl.zeros([{ROWS}, {hw}], gl.float32, H_LAYOUT)",
+        f"    zero_h = gl.zeros([{ROWS}, {hw}], gl.float32, H_LAYOUT)"]
+    per_tile = [
         f"    my_first = row_block * {CTA_ROWS} + WHICH * {ROWS}",
         *_gl(prologue), *_gl(prologue_tail),
-        "    mbarrier.wait(rows_bar, 0)",
-        "    base = 0",
+        "    mbarrier.wait(rows_bar, it & 1)",
         *_gl(loops),
+        *(["    mbarrier.arrive(rows_empty, count=1)  # the rows are read: the next tile's "
+           "may load"] if persistent else []),
         *_gl(epi)]
+    tile = tile_lines(mode, rng)
+    tile_args = "" if persistent else "row_block, pid_grid, "
     src = [
         *source_header("lowering/gluon_sums.py", p, ", fence_async_shared"),
         "", "",
         "@gluon.jit",
         f"def _producer({producer_args}, B_L: gl.constexpr):",
-        *producer,
+        "    # one warp: each tile's resident rows, then each streamed block through its ring",
+        "    STAGES: gl.constexpr = ring0.type.shape[0]",
+        *walk(mode, "producer", producer, [*tile, *_gl(grid_decode(plan)),
+                                            *[ln[4:] for ln in base_lines]]),
         "", "",
         "@gluon.jit",
-        f"def _consumer({shared}, row_block, pid_grid, WHICH: gl.constexpr, B_L: gl.constexpr, "
-        "DTYPE: gl.constexpr, EVEN_L: gl.constexpr):",
+        f"def _consumer({shared}, " + ("" if persistent else "row_block, pid_grid, ")
+        + "WHICH: gl.constexpr, B_L: gl.constexpr, DTYPE: gl.constexpr, EVEN_L: gl.constexpr):",
         *consumer,
+        *walk(mode, "consumer", per_tile, tile),
         "", "",
         "@gluon.jit",
         f"def {name}({', '.join(rdescs + sdescs + args)}, B_L: gl.constexpr, "
@@ -460,6 +500,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
         *[ln for b in tbars for ln in (
             f"    {b} = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())",
             f"    mbarrier.init({b}, count=2)  # both consumer warpgroups")],
+        *(["    rows_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())",
+           "    mbarrier.init(rows_empty, count=2)  # both consumers release the rows"]
+          if persistent else []),
         *[f"    {b}{k} = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
           for k in range(ns) for b in ("ready", "empty")],
         "    for i in gl.static_range(STAGES):",
@@ -467,8 +510,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
             f"        mbarrier.init(ready{k}.index(i), count=1)",
             f"        mbarrier.init(empty{k}.index(i), count=2)  # both consumers read every block")],
         "    gl.warp_specialize([",
-        f"        (_consumer, ({shared}, row_block, pid_grid, 0, B_L, DTYPE, EVEN_L)),",
-        f"        (_consumer, ({shared}, row_block, pid_grid, 1, B_L, DTYPE, EVEN_L)),",
+        *[f"        (_consumer, ({shared}, {tile_args}{w}, B_L, DTYPE, EVEN_L)),"
+          for w in (0, 1)],
         f"        (_producer, ({producer_args}, B_L)),",
         # 240 registers per consumer thread (was 232): fewer spills of the two 64×128 sums
         # and two 64×B_L tiles (ptxas); 2·4·240 + 24 warps' worth still fits 64K
@@ -492,6 +535,6 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     key_blocks = () if tbufs else (64, 128) if max(widths.values()) <= 64 else (64,)
     return GluonSumsForm(name, "\n".join(src) + "\n", resident + streams,
                          (widths[resident[0]], plan.whole_axes[col]), dts.pop(),
-                         [f"{t}_ptr" for t in tensors], False, key_blocks, False,
+                         [f"{t}_ptr" for t in tensors], persistent, key_blocks, scheduled,
                          (ps.lo_offset, ps.hi_offset), resident=resident, streams=streams,
                          in_widths=widths, transposed=len(tbufs))
