@@ -232,15 +232,25 @@ def timing(variant, b, h, s, d, dtype):
                 ins[ph.name] = torch.randn(tuple(ph.shape), device=DEV,
                                            dtype=getattr(torch, ph.dtype))
         outs = fresh_outputs(prog, 0.0)
+        # the walk: persistent programs (the form as built), the same kernel launched one
+        # program per tile (``TileConfig.per_tile``), and a form generated per tile
         single = one_program_per_tile(kern) if g is not None else None
         gs = launchers(kern, {"B": b, "L": s, "S": s}, ks=single)[1] if single else None
-        for form, la in (("tl", t), ("gluon", g), ("gluon_single", gs)):
+        gp = (make_launcher(prog, g.ks, "cuda", replace(g.config, per_tile=True), g.size_args)
+              if single else None)
+        got = {}
+        for form, la in (("tl", t), ("gluon", g), ("gluon_per_tile", gp), ("gluon_single", gs)):
             if la is None:
                 continue
             la({**ins, **outs})
+            got[form] = {n: o.clone() for n, o in outs.items()}
             ms = triton.testing.do_bench(lambda: la({**ins, **outs}), warmup=25, rep=200)
             row[f"{group}_{form}_ms"] = ms
             row[f"{group}_{form}_tflops"] = products * pair / ms / 1e9
+        for form in ("gluon_per_tile", "gluon_single"):  # the walk moves no number
+            if form in got and group != "kvq":
+                row[f"{group}_{form}_bit_identical"] = all(
+                    torch.equal(got[form][n], got["gluon"][n]) for n in got["gluon"])
         if g is not None:  # (dQ's kernel reads the row dots a row kernel computes first)
             row[f"{group}_gluon_ran"] = g._twin is None
     best = {grp: min(row.get(f"{grp}_{f}_ms", math.inf) for f in ("tl", "gluon"))

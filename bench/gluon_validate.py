@@ -125,10 +125,12 @@ def reference(variant, q, k, v, mask_mod=None):
     return out
 
 
-def gluon_launcher(prog, ks, key_block=128, ring=2):
-    """The Gluon form of ``ks`` at one key block and ring depth (128-row programs)."""
+def gluon_launcher(prog, ks, key_block=128, ring=2, per_tile=False):
+    """The Gluon form of ``ks`` at one key block and ring depth (128-row programs);
+    ``per_tile``: a persistent form launched one program per tile."""
     return make_launcher(prog, ks, "cuda", TileConfig(
-        {f"B_{ks.block_axis}": 128, "B_L": key_block}, 4, ring, gluon_ws=True))
+        {f"B_{ks.block_axis}": 128, "B_L": key_block}, 4, ring, gluon_ws=True,
+        per_tile=per_tile))
 
 
 def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2, key_block=None):
@@ -339,15 +341,17 @@ def persistence(d: int = 128):
             k, v = (torch.randn(b, kv or h, s, d, device="cuda", dtype=torch.float16)
                     for _ in range(2))
             outs = {}
-            for on in (True, False):
-                gluon_ws.PERSISTENT = on
+            # the persistent form, the same kernel launched one program per tile
+            # (``TileConfig.per_tile``: the walk as a launch choice), a form made per tile
+            for on in (True, "launched per tile", False):
+                gluon_ws.PERSISTENT = bool(on)
                 prog, ks = derive(variant, b, h, s, d, "float16", kv)
-                la = gluon_launcher(prog, ks)
+                la = gluon_launcher(prog, ks, per_tile=on == "launched per tile")
                 t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
                 la(t)
                 la(t)  # the checked direct launch
                 outs[on] = t["o"].clone()
-                tag = "persistent" if on else "per_tile"
+                tag = {True: "persistent", False: "per_tile"}.get(on, "persistent_per_tile")
                 row[f"{tag}_is"] = ks.gluon.persistent
                 ms = triton.testing.do_bench(lambda: la(t), warmup=25, rep=200)
                 row[f"tflops_{tag}_called"] = flops(variant, b, h, s, d) / ms / 1e9
@@ -361,6 +365,8 @@ def persistence(d: int = 128):
                                              warmup=25, rep=200)
                 row["cudnn_tflops_called"] = flops(variant, b, h, s, d) / ms / 1e9
             row["bit_identical"] = bool(torch.equal(outs[True], outs[False]))
+            row["launched_per_tile_bit_identical"] = bool(torch.equal(
+                outs[True], outs["launched per tile"]))
             row["max_diff_between_forms"] = (outs[True].float() - outs[False].float()).abs().max().item()
             if s <= 3000:  # each form against the fp32 reference, many tiles per program
                 ref = reference(variant, q, k, v)

@@ -21,7 +21,7 @@ from neptune_eq.lowering import gluon_ws
 from neptune_eq.runtime import gluon_launch, tile_configs
 from neptune_eq.runtime.gluon_launch import make_launcher, sm90_spec
 from neptune_eq.runtime.tile_configs import TileConfig, candidate_configs
-from neptune_eq.runtime.tile_order import tile_order, tile_work
+from neptune_eq.runtime.tile_order import one_tile_per_program, tile_order, tile_work
 
 
 def _kernel(d=64, dtype="float16", s=77, **mods):
@@ -248,6 +248,24 @@ def test_the_tile_order_is_a_permutation_and_balanced(n_rb, heads, programs, hi,
     assert max(load) <= sum(load) / programs + max(work)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n_rb=st.integers(1, 40), heads=st.integers(1, 70),
+       hi=st.sampled_from([None, 1, 300]), lo=st.sampled_from([None, -255, 0]))
+def test_one_tile_per_program_runs_heads_in_turn_longest_first(n_rb, heads, hi, lo):
+    """A persistent form launched one program per tile: program p walks exactly the
+    p-th tile; every tile once; heads in turn, each head's row blocks longest first (the
+    order the hardware's block scheduler balances)."""
+    work = tile_work(n_rb, 128, n_rb * 128, 128, lo, hi)
+    order = one_tile_per_program(work, heads)
+    n = n_rb * heads
+    starts, ids = order[:n + 1], order[n + 1:]
+    assert starts == list(range(n + 1)) and sorted(ids) == list(range(n))
+    assert [t // n_rb for t in ids] == sorted(t // n_rb for t in ids)
+    for h in range(heads):
+        w = [work[n_rb - 1 - t % n_rb] for t in ids[h * n_rb:(h + 1) * n_rb]]
+        assert w == sorted(w, reverse=True)
+
+
 def test_tile_work_follows_the_key_range():
     """Causal at 128-row tiles and keys: row block r visits r + 1 blocks (+1 for its
     start and store); a window of 256 at most 3; global every block."""
@@ -282,11 +300,16 @@ def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch
     cfgs = candidate_configs(ks, "cuda")
     gl = [c for c in cfgs if c.gluon_ws]
     # 128-key blocks (head dim 64 too) at each ring that fits in shared memory; 64-key
-    # blocks (a 2-deep ring) also where the key range is narrow (a window)
-    assert [(c.blocks["B_L"], c.num_stages) for c in gl] == [(128, 2), (128, 3)]
+    # blocks (a 2-deep ring) also where the key range is narrow (a window); each walked
+    # by persistent programs and launched one program per tile (the same kernel)
+    assert [(c.blocks["B_L"], c.num_stages, c.per_tile) for c in gl] == \
+        [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True)]
     window = candidate_configs(_kernel(d=128, **VARIANTS["window"]).kernel_source, "cuda")
     assert [(c.blocks["B_L"], c.num_stages) for c in window if c.gluon_ws] == \
-        [(64, 2), (128, 2), (128, 3)]
+        [(64, 2), (64, 2), (128, 2), (128, 2), (128, 3), (128, 3)]
+    docs = candidate_configs(_data_mask_kernels()["documents-causal"].kernel_source, "cuda")
+    assert not any(c.per_tile for c in docs)  # (one program per tile already)
+    assert "one-program-per-tile" in str(gl[1]) and gl[1].as_dict()["per_tile"]
     assert _kernel(d=128).kernel_source.gluon.ring_bytes(128, 3) == 224 * 1024
     kept = prune_configs(_kernel().candidates[0].plan, cfgs, DEVICES[DEFAULT_DEVICE])
     assert [c for c in kept if c.gluon_ws] == gl  # a separate form: each ring depth timed

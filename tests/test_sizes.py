@@ -230,6 +230,9 @@ def test_an_untimed_bucket_takes_the_config_the_nearest_timed_bucket_chose(monke
     assert all(c.program is first.program for c in known)  # (the same candidate at each)
     got = dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev, known=known)
     assert got.config == near and got.row.measured_ms is None  # 8192 is nearer than 32768
+    # a Gluon form's walk is not carried: the shorter bucket takes the persistent one
+    walked = [known[0], replace(known[1], config=replace(near, per_tile=True))]
+    assert dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev, known=walked).config == near
     assert dispatch.choose_bucket(pool, {"S": 140000}, "cuda", dev,  # > 4x 32768: too far
                                   known=known).config == configs[0]
     known[1].config = replace(near, blocks={"B_i": 48, "B_L": 48})  # not offered here

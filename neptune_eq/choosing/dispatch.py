@@ -122,8 +122,11 @@ def config_like(program: Program, configs: list[TileConfig], values: dict[str, i
             (c.program is program or str(c.program) == str(program)) and
             max(ratios(c), default=0.0) <= math.log(CARRY_RATIO) + 1e-9]
     for c in sorted(near, key=lambda c: sum(ratios(c))):
-        # the same form and tiles; a split-k factor is a choice of its size, not carried
-        alike = [k for k in configs if replace(k, splits=0) == replace(c.config, splits=0)]
+        # the same form and tiles; a split-k factor is a choice of its size, not carried,
+        # nor is a Gluon form's walk: a shorter bucket has fewer tiles per SM, where the
+        # persistent walk wins most (backward causal S=2048 +14-16%, H200, session 29)
+        alike = [k for k in configs if not k.per_tile and replace(k, splits=0) ==
+                 replace(c.config, splits=0, per_tile=False)]
         if alike:
             return next((k for k in alike if k.splits == c.config.splits), alike[0])
     return None

@@ -35,9 +35,14 @@ A mask over captured tensors (document ids) bounds each program's block range fr
 per-call summaries, as in ``gluon_ws``: the producer streams only the blocks some row may
 see, and the blocks every row sees whole run the body without the mask.
 
-Scope: one unsplit, unpacked pass of sums only; one column axis; widths 64 or 128.  One
-program per tile of 128 rows (not persistent).  Plans outside it raise
-``LoweringError`` and keep the ``tl`` forms.
+Programs walk the 128-row tiles as the forward's do (``walk_mode``, ``gluon_tiles.walk``):
+persistent, one per SM, where each tile's work is known on the host -- the producer loads
+the next tile's resident rows once both consumers have read the last tile's, so a tile's
+epilogue overlaps the next one's first blocks -- and the launcher may still run the same
+kernel one program per tile (``TileConfig.per_tile``, timed beside it).
+
+Scope: one unsplit, unpacked pass of sums only; one column axis; widths 64 or 128.  Plans
+outside it raise ``LoweringError`` and keep the ``tl`` forms.
 """
 from __future__ import annotations
 

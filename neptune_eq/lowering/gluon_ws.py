@@ -348,7 +348,10 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # (bench/gluon_validate.py --only-data-persistence, bench/results/dynamic_s28/): 64-key
     # blocks +2-10% (documents 4/13/64 at S=8192 +5/+6/+2%, 64 documents at 32768 +10%),
     # 128-key blocks 0 to -6% -- and 128 keys, or the tl form, is what the timer picks for
-    # these masks.  Their tiles' time is not in the per-tile start and epilogue.
+    # these masks.  Their tiles' time is not in the per-tile start and epilogue.  Neither
+    # walk wins everywhere (causal D=128 S=8192: one program per tile 523 vs 497 TFLOP/s,
+    # H200, session 29), so a persistent form is also timed launched one program per tile
+    # (``TileConfig.per_tile``: the same kernel, ``runtime.tile_order.one_tile_per_program``).
     atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
     data = bool(atoms)
     equal_work = (ps.lo_offset is None) == (ps.hi_offset is None)

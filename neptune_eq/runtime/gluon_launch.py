@@ -22,7 +22,7 @@ from ..lowering.gluon_ws import CTA_ROWS, KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
-from .tile_order import tile_order, tile_work
+from .tile_order import one_tile_per_program, tile_order, tile_work
 from .launch import FastLaunch, current_stream, int_classes
 from .launcher import Launcher, import_source, same_outputs
 from .tile_configs import TileConfig
@@ -87,12 +87,18 @@ class GluonLauncher:
         if form.persistent:  # one program per SM (at most one per tile) walks the tiles
             import torch
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-            self.grid = (min(sms, tiles[0] * tiles[1]), 1)
+            n_tiles = tiles[0] * tiles[1]
+            # (``per_tile``: the same kernel, a program per tile -- each walks one)
+            self.grid = (n_tiles if config.per_tile else min(sms, n_tiles), 1)
             if form.scheduled:  # tiles of unequal work: the balanced order, once
                 keys = [n for n in _key_extents(ks) if isinstance(n, int)]
                 work = tile_work(tiles[0], CTA_ROWS, max(keys, default=ks.row_extent), key_block,
                                  *form.key_offsets)
-                self._order = tile_order(work, tiles[1], self.grid[0])
+                self._order = (one_tile_per_program(work, tiles[1]) if config.per_tile
+                               else tile_order(work, tiles[1], self.grid[0]))
+        elif config.per_tile:
+            raise ValueError(f"Config {config}: one program per tile is a launch choice of a "
+                             "persistent Gluon form; this form already runs one per tile.")
         else:
             self.grid = tiles
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last

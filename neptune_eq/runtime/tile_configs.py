@@ -32,6 +32,8 @@ class TileConfig:
     gluon_ws: bool = False   # the warp-specialised Gluon form (lowering/gluon_ws.py);
     #                          num_stages is then the depth of its TMA ring
     vector_dot: bool = False  # contractions on the CUDA cores, not tl.dot (codegen.VDOT)
+    per_tile: bool = False   # a persistent Gluon form launched one program per tile
+    #                          (``gluon_launch.GluonLauncher``: the walk is a launch choice)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
@@ -42,6 +44,7 @@ class TileConfig:
         sp += f" loop-stages={self.loop_stages}" if self.loop_stages else ""
         sp += " gluon-ws" if self.gluon_ws else ""
         sp += " cuda-cores" if self.vector_dot else ""
+        sp += " one-program-per-tile" if self.per_tile else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
 
     def at(self, values: dict) -> "TileConfig":
@@ -55,7 +58,7 @@ class TileConfig:
                 "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused,
                 "tma": self.tma, "warp_specialize": self.warp_specialize,
                 "loop_stages": self.loop_stages, "gluon_ws": self.gluon_ws,
-                "vector_dot": self.vector_dot}
+                "vector_dot": self.vector_dot, "per_tile": self.per_tile}
 
     @property
     def pointer_form(self) -> "TileConfig":
@@ -163,13 +166,22 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
     (``GluonForm.key_blocks``: 128 fills the tensor cores better, 64 wastes less on a
     narrow key range) and a TMA ring 2 or 3 deep where it fits in shared memory (3 × 128
     keys fills 224 KiB at width 128); timing decides.  Not for a decode (at most 16
-    rows): a 128-row program would compute mostly padding."""
+    rows): a 128-row program would compute mostly padding.
+
+    A persistent form is also offered launched one program per tile (``per_tile``: the
+    same compiled kernel, so no second compile).  Neither walk wins everywhere (H200,
+    bf16 causal): persistent programs in a balanced order won the backward's dK/dV and
+    dQ passes at S=2048 by 14-16% and lost 1-2% at 8192; the forward's at D=64 won at
+    S=2560 by 8% and lost 1-4% at 5120 and 10240 (bench/results/README.md, sessions 28
+    and 29)."""
     form = getattr(ks, "gluon", None)
     if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
         return []
-    return [TileConfig({f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True)
+    walks = (False, True) if form.persistent else (False,)
+    return [TileConfig({f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True,
+                       per_tile=per_tile)
             for bl in form.key_blocks for ring in form.rings(bl)
-            if form.ring_bytes(bl, ring) <= SMEM_BYTES]
+            if form.ring_bytes(bl, ring) <= SMEM_BYTES for per_tile in walks]
 
 
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:

@@ -54,3 +54,18 @@ def tile_order(work: list[int], heads: int, programs: int) -> list[int]:
     for ts in lists:
         starts.append(starts[-1] + len(ts))
     return starts + [t for ts in lists for t in ts]
+
+
+def one_tile_per_program(work: list[int], heads: int) -> list[int]:
+    """``tile_order``'s layout for one program per tile (a persistent form launched with a
+    program per tile: ``TileConfig.per_tile``): program ``p`` runs the ``p``-th tile of
+    the order a grid of one program per tile runs in -- heads in turn, each head's row
+    blocks longest first -- so the hardware's block scheduler balances them, and the
+    tiles in flight share few heads' keys in L2."""
+    if heads < 1 or not work:
+        raise ValueError(f"one_tile_per_program: expected at least one head and row block, "
+                         f"got heads={heads}, row blocks={len(work)}.")
+    n_rb = len(work)
+    by_work = sorted(range(n_rb), key=lambda rb: (-work[rb], -rb))
+    ids = [h * n_rb + n_rb - 1 - rb for h in range(heads) for rb in by_work]
+    return list(range(len(ids) + 1)) + ids
