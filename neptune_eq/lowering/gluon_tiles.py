@@ -146,11 +146,14 @@ def _range_loads(t: str, prefix: str, maybe_past_end: bool = True) -> list[str]:
     return [f"{prefix}{f} = gl.load({at} + {k}{mask})" for k, f in enumerate(RANGE_FIELDS)]
 
 
-def walk(mode: str, role: str, lines: list[str], per_tile: list[str]) -> list[str]:
+def walk(mode: str, role: str, lines: list[str], per_tile: list[str],
+         released: int | None = None) -> list[str]:
     """Gluon lines running ``lines`` (a partition's work on one tile, 4-space indented)
     for each tile of the program, with the ring position ``base`` and the row tiles' phase
     ``it`` carried across tiles; ``per_tile`` places tile ``t`` (``tile_lines``).  ``role``:
-    "producer" (the warp that takes the next tile in a dynamic walk) or "consumer"."""
+    "producer" (the warp that takes the next tile in a dynamic walk) or "consumer".
+    ``released``: a consumer's count of ``lines`` up to its release of the tile's rows,
+    where a dynamic walk reads the next tile ahead."""
     head = ["    base = 0", "    it = 0"]
     if mode == "single":
         return [*head, *lines]
@@ -179,7 +182,10 @@ def walk(mode: str, role: str, lines: list[str], per_tile: list[str]) -> list[st
     # The consumers read the next tile's index and key range as soon as they release
     # this tile's rows (after its last score product), so the reads' latency overlaps
     # the tile's last P·c and epilogue instead of delaying the next tile's start.
-    cut = next(k for k, ln in enumerate(lines) if "mbarrier.arrive(q_empty" in ln) + 1
+    if released is None:
+        raise ValueError("walk: a dynamic walk's consumers need the point they release the "
+                         "tile's rows at (released=)")
+    cut = released
     read = ["mbarrier.wait(t_ready.index(it % 2), (it // 2) & 1)",
             f"t = gl.load({slot}, volatile=True)", *_range_loads("t", "next_")]
     ahead = ["mbarrier.wait(t_ready.index((it + 1) % 2), ((it + 1) // 2) & 1)",

@@ -61,6 +61,8 @@ from .gluon_tiles import (CTA_ROWS, ROWS, gl_lines as _gl, gl_main, key_range, r
 from .lower import LoweringError, TilePlan
 
 PERSISTENT = True  # tiles walked by one program per SM (see generate)
+# a consumer's release of the tile's rows: after it, a dynamic walk reads the next tile
+RELEASE = "    mbarrier.arrive(q_empty, count=1)  # the rows are read: the next tile's may load"
 SCHEDULED = True   # ... tiles of unequal work too, in the launcher's balanced order
 DYNAMIC = False    # ... tiles of a data mask too, taken from a counter (see generate)
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
@@ -472,7 +474,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    mbarrier.arrive(b_empty.index(st), count=1)",
         *[ln[4:] for ln in _gl(body_edge)],
         *_gl(_interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data)),
-        "    mbarrier.arrive(q_empty, count=1)  # the rows are read: the next tile's may load",
+        RELEASE,
         "    last = (base + n_blocks - 1) % STAGES",
         "    mbarrier.wait(c_ready.index(last), ((base + n_blocks - 1) // STAGES) & 1)",
         f"    {pv_fold} = warpgroup_mma(p_op, c_bufs.index(last), {pv_fold}, is_async=True)",
@@ -516,7 +518,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    cols = gl.arange(0, B_L, S_COLS)",
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
         "    q_tile = a_smem.index(WHICH)",
-        *walk(mode, "consumer", consumer, tile_lines(mode, rng, "consumer")),
+        *walk(mode, "consumer", consumer, tile_lines(mode, rng, "consumer"),
+              released=consumer.index(RELEASE) + 1),
         "", "",
         "@gluon.jit",
         f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr):",
