@@ -4,6 +4,8 @@ symbolic sizes, the summary pre-pass, split-k in two launches and in one, the po
 twin of a TMA config), and a replay on new data, a new stride or a new size is right."""
 from dataclasses import replace
 
+import threading
+
 import pytest
 import torch
 
@@ -100,10 +102,11 @@ def test_split_k_replays_same_arguments_and_key(keyed, fused):
     ref = evaluate(prog, ins)["o"]
     assert (got.double() - ref).abs().max().item() <= 2e-3 * max(1, ref.abs().max().item())
     # the fold states' scratch is kept per stream: the next call on new data reuses it
-    kept = [t.data_ptr() for t in bc._scratch[None]]
+    key = (None, threading.get_ident())  # (the interpreter's stream, this thread)
+    kept = [t.data_ptr() for t in bc._scratch[key]]
     ins2 = {n: (t * 3 if t.is_floating_point() else t) for n, t in ins.items()}
     got2 = bc([ins2[n] for n in names])[0]
-    assert [t.data_ptr() for t in bc._scratch[None]] == kept
+    assert [t.data_ptr() for t in bc._scratch[key]] == kept
     ref2 = evaluate(prog, ins2)["o"]
     assert (got2.double() - ref2).abs().max().item() <= 2e-3 * max(1, ref2.abs().max().item())
 
@@ -156,6 +159,38 @@ def test_document_mask_replays_pre_pass_and_main_kernel(keyed):
         assert (got - want).abs().max().item() < 1e-4, step
         if step == 1:
             doc = torch.repeat_interleave(torch.arange(7, dtype=torch.int32), 7)
+
+
+def test_summaries_are_kept_per_stream_and_thread_on_the_gpu(monkeypatch):
+    """On the GPU a replay's pre-pass writes into summaries kept per (stream, thread):
+    the next call on that stream rewrites them before its kernel reads them (stream
+    order); another thread or stream gets its own, and a call captured in a CUDA graph
+    fresh ones (the graph keeps them).  The interpreter always allocates."""
+    from neptune_eq.runtime import bound_call
+    doc = torch.repeat_interleave(torch.arange(4, dtype=torch.int32), 6)
+    q = torch.randn(1, 2, doc.numel(), 16)
+    ne.flex_attention(q, q, q, mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j))
+    bc = next(b for st in flex.STRUCTURES.values() if st.kernel is not None
+              for b in st.kernel._bound.values() if b is not None and b.pre)
+    assert bc._summary_buffers() is not bc._summary_buffers() and not bc._summaries
+    stream, capturing = ["s0"], [False]
+    monkeypatch.setattr(bc, "interpret", False)
+    monkeypatch.setattr(bound_call, "current_stream", lambda device: stream[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    first = bc._summary_buffers()
+    assert [(tuple(t.shape), t.dtype) for t in first] == [(tuple(sh), dt) for _, sh, dt in bc.pre[1]]
+    assert bc._summary_buffers() is first
+    stream[0] = "s1"
+    assert bc._summary_buffers() is not first
+    other = []
+    th = threading.Thread(target=lambda: other.append(bc._summary_buffers()))
+    th.start()
+    th.join()
+    assert other[0] is not bc._summary_buffers()
+    capturing[0] = True
+    n = len(bc._summaries)
+    assert bc._summary_buffers() is not bc._summary_buffers() and len(bc._summaries) == n
 
 
 def test_replay_reads_new_data_and_each_stride_gets_its_own(monkeypatch):

@@ -19,6 +19,7 @@ replay's argument assembly, tested equal to ``Launcher._arg_lists`` on every ker
 from __future__ import annotations
 
 import itertools
+import threading
 
 from .descriptors import ensure_allocator, tma_ok
 from .launch import current_stream
@@ -76,11 +77,16 @@ class BoundCall:
         self.steps = ([self.pre[2]] if self.pre else []) + la._launches
         self.desc_slots = ([slot[n] for n in ks.descriptors] if la.tma else [])
         self._fp32 = torch.float32
-        # stream -> the split-k fold states' scratch, kept between calls: calls on one
-        # stream run in order, so the next call's partials are written after this one's
-        # combine has read them.  Allocating and cutting it per call took 13-24 us of a
-        # warm decode call's 46-89 us of host time (H200 host, bench/decode_host_ab.py).
+        # (stream, thread) -> the split-k fold states' scratch, kept between calls: calls
+        # on one stream run in order, so the next call's partials are written after this
+        # one's combine has read them.  Allocating and cutting it per call took 13-24 us
+        # of a warm decode call's 46-89 us of host time (H200 host,
+        # bench/decode_host_ab.py).  Per thread too: two threads sharing a stream could
+        # interleave their launches, one call's partials written between another's.
         self._scratch: dict = {}
+        # ... and the pre-pass's summaries, the same way: each call's pre-pass rewrites
+        # them before its kernel reads them, in stream order
+        self._summaries: dict = {}
 
     def arg_lists(self, vals: list, stream) -> list[list]:
         """The arguments of every launch, in order, for the call whose tensors are
@@ -98,18 +104,35 @@ class BoundCall:
         # A call captured in a CUDA graph takes a fresh buffer from the graph's own pool,
         # which the graph keeps alive for its replays; a kept one could be freed first.
         capturing = stream is not None and torch.cuda.is_current_stream_capturing()
-        ws = None if capturing else self._scratch.get(stream)
+        key = (stream, threading.get_ident())
+        ws = None if capturing else self._scratch.get(key)
         if ws is None:
             buf = torch.empty(total, dtype=self._fp32, device=self.device)
             ws = [buf[at:at + n] for n, at in cuts]
             if not capturing:
-                self._scratch[stream] = ws
+                self._scratch[key] = ws
         if self.launcher.config.fused:
             sem = self.launcher._semaphores(self.device, stream)
             lists.append(args + ws + [sem] + self.strides + [chunk, nsplit])
         else:
             lists += [args + ws + self.strides + [chunk], args + ws + self.strides + [nsplit]]
         return lists
+
+    def _summary_buffers(self) -> list:
+        """The pre-pass's outputs for this call: kept per (stream, thread) on the GPU;
+        fresh in the interpreter and while a CUDA graph is captured (the graph's pool
+        keeps those alive for its replays)."""
+        import torch
+        fresh = self.interpret or torch.cuda.is_current_stream_capturing()
+        key = None if fresh else (current_stream(torch.cuda.current_device()),
+                                  threading.get_ident())
+        sums = None if fresh else self._summaries.get(key)
+        if sums is None:
+            sums = [torch.empty(shape, dtype=dt, device=self.device)
+                    for _, shape, dt in self.pre[1]]
+            if not fresh:
+                self._summaries[key] = sums
+        return sums
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
@@ -120,7 +143,7 @@ class BoundCall:
             outs[k].zero_()
         vals = inputs + outs
         if self.pre:
-            vals += [torch.empty(shape, dtype=dt, device=dev) for _, shape, dt in self.pre[1]]
+            vals += self._summary_buffers()
         la = self.launcher
         if self.interpret:
             for fl, a in zip(self.steps, self.arg_lists(vals, None)):
