@@ -170,10 +170,11 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
 
     A persistent form is also offered launched one program per tile (``per_tile``: the
     same compiled kernel, so no second compile).  Neither walk wins everywhere (H200,
-    bf16 causal): persistent programs in a balanced order won the backward's dK/dV and
-    dQ passes at S=2048 by 14-16% and lost 1-2% at 8192; the forward's at D=64 won at
-    S=2560 by 8% and lost 1-4% at 5120 and 10240 (bench/results/README.md, sessions 28
-    and 29)."""
+    causal): persistent programs in a balanced order won the backward's dK/dV and dQ
+    passes at S=2048 by 12-16% and were -1 to +6% at 8192 in two runs; the forward's
+    lost 5% at D=128 S=8192 (497 vs 523 TFLOP/s), and at D=64 won at S=2560 by 8% and
+    lost 1-4% at 5120 and 10240 in one run, none in another (bench/results/README.md,
+    sessions 28 and 29)."""
     form = getattr(ks, "gluon", None)
     if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
         return []
