@@ -270,3 +270,22 @@ def test_a_config_that_fails_to_compile_is_recorded_and_skipped(monkeypatch):
     assert len(calls) == 2
     res = tuning.time_configs(prog, ks, "cuda", ins, [ws])
     assert res == [(ws, None, "failed: unsupported load type for producer commit")]
+
+
+def test_a_walk_twin_is_compiled_once(monkeypatch):
+    """A persistent Gluon form launched one program per tile is the same kernel as its
+    persistent twin: the cold build's thread pool compiles it once (two threads compiling
+    one kernel at once both compiled it), and times both."""
+    from neptune_eq.runtime import launcher as lr, tuning
+    kern = ne.superoptimize(examples.attention(1, 1, 16, 32, 16, "float16"), target="interpreter",
+                            cache=False)
+    ks, prog = kern.kernel_source, kern.program
+    other = replace(kern.config, num_stages=kern.config.num_stages + 1)
+    calls = []
+    monkeypatch.setattr(lr.Launcher, "compile", lambda self, tensors: calls.append(self.config))
+    monkeypatch.setattr(tuning, "compile_threads", lambda: 2)
+    ins = {n: torch.randn(prog.shape_of(n)).half() for n in ("q", "k", "v", "o")}
+    jobs = [(prog, ks, kern.config), (prog, ks, replace(kern.config, per_tile=True)),
+            (prog, ks, replace(other, per_tile=True))]   # (the last has no twin here)
+    tuning.compile_in_parallel(jobs, "cuda", ins)
+    assert sorted(map(str, calls)) == sorted([str(kern.config), str(replace(other, per_tile=True))])
