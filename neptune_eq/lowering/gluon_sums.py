@@ -53,7 +53,8 @@ from ..ir import Term
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Tile, grid_decode, init_fill
 from .fold_body import epilogue
-from .gluon_tiles import gl_main, key_range, tile_lines, walk
+from .gluon_tiles import (affine_walk, gl_main, key_range, persistent_place,
+                          tile_lines, walk)
 from .gluon_ws import (CTA_ROWS, ROWS, GluonEmitter, GluonForm, _gl, _interior_loops,
                        _row_base, block_fragment, check_scope, consumer_axes,
                        source_header)
@@ -72,9 +73,7 @@ def walk_mode(ps, data: bool, scattered: bool) -> str:
     of dK/dV sees the query blocks from j on).  One program per tile for a data mask
     (its work is known only on the device) and for the fused form's sums over the rows
     (not offered to the timer)."""
-    if not PERSISTENT or data or scattered:
-        return "single"
-    return "round_robin" if (ps.lo_offset is None) == (ps.hi_offset is None) else "scheduled"
+    return "single" if not PERSISTENT or data or scattered else affine_walk(ps)
 
 
 @dataclass
@@ -383,10 +382,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
                   *[f"    sbase{k} = {bases[s]}" for k, s in enumerate(streams)]]
     mode = walk_mode(ps, data, bool(em.scattered))
     persistent, scheduled = mode != "single", mode == "scheduled"
-    grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
     if persistent:
-        place = ["    n_rb = gl.cdiv(" + str(plan.row_extent) + f", {CTA_ROWS})",
-                 f"    num_tiles = n_rb * {grid_n}"]
+        place = persistent_place(plan)
     else:
         # the rows that see the most blocks go first: the last row blocks under a range
         # bounded above (j < i + hi), the first under one bounded below (j >= i + lo)
@@ -419,12 +416,13 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     tbars = [f"{b}{k}" for k in range(len(tbufs)) for b in ("tfull", "tfree")] if em.split else []
     hw = plan.whole_axes[col] // (2 if em.split else 1)
     dm = ["dm_lo", "dm_hi"] if data else []  # the keys every row sees whole (data mask)
-    where = ["num_tiles", "n_rb"] if persistent else ["j_lo", "n_blocks"]
-    shared = ", ".join([*rows, *rings, *tbufs, *tbars, *bars, *where, *dm, *args])
+    # a walk places each tile itself; one program per tile is told its place
+    tiles = ["num_tiles", "n_rb"] if persistent else ["j_lo", "n_blocks"]
+    tile_args = "" if persistent else "row_block, pid_grid, "
+    shared = ", ".join([*rows, *rings, *tbufs, *tbars, *bars, *tiles, *dm, *args])
     producer_args = ", ".join([*rdescs, *sdescs, *rows, *rings, *bars, *(
-        ["num_tiles", "n_rb", *args] if persistent else
-        [*[f"rbase{k}" for k in range(nr)], *[f"sbase{k}" for k in range(ns)], "j_lo",
-         "n_blocks"])])
+        [*tiles, *args] if persistent else
+        [*[f"rbase{k}" for k in range(nr)], *[f"sbase{k}" for k in range(ns)], *tiles])])
     row_bytes = " + ".join(f"{d}.block_type.nbytes" for d in rdescs)
     # (a persistent walk loads a tile's rows once the consumers are done with the last
     # tile's; its ring positions run on across tiles from ``base``)
@@ -471,7 +469,6 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
            "may load"] if persistent else []),
         *_gl(epi)]
     tile = tile_lines(mode, rng)
-    tile_args = "" if persistent else "row_block, pid_grid, "
     src = [
         *source_header("lowering/gluon_sums.py", p, ", fence_async_shared"),
         "", "",
@@ -483,8 +480,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
                                             *[ln[4:] for ln in base_lines]]),
         "", "",
         "@gluon.jit",
-        f"def _consumer({shared}, " + ("" if persistent else "row_block, pid_grid, ")
-        + "WHICH: gl.constexpr, B_L: gl.constexpr, DTYPE: gl.constexpr, EVEN_L: gl.constexpr):",
+        f"def _consumer({shared}, {tile_args}WHICH: gl.constexpr, B_L: gl.constexpr, "
+        "DTYPE: gl.constexpr, EVEN_L: gl.constexpr):",
         *consumer,
         *walk(mode, "consumer", per_tile, tile),
         "", "",

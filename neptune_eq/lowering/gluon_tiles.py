@@ -91,6 +91,20 @@ def key_range(plan: TilePlan, name: str, data: bool) -> list[str]:
     return rng
 
 
+def affine_walk(ps) -> str:
+    """The persistent walk of tiles whose work the pass's affine key range fixes: round
+    robin where every tile has the same work (no bound moving with the rows, or both:
+    a window), the launcher's balanced order where one bound moves (causal)."""
+    return "round_robin" if (ps.lo_offset is None) == (ps.hi_offset is None) else "scheduled"
+
+
+def persistent_place(plan: TilePlan) -> list[str]:
+    """A persistent program's lines before its partitions split: the row blocks per grid
+    index and the number of tiles its walk draws from."""
+    grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
+    return [f"    n_rb = gl.cdiv({plan.row_extent}, {CTA_ROWS})", f"    num_tiles = n_rb * {grid_n}"]
+
+
 def sched_size(num_tiles: int, programs: int) -> int:
     """int32 entries of the ``tile_sched`` buffer (see the module's docstring)."""
     return 1 + len(RANGE_FIELDS) * num_tiles + 2 * programs

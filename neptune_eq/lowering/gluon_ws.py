@@ -56,8 +56,8 @@ from .block_ranges import data_range_form
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Emitter, Tile, grid_decode, init_fill
 from .fold_body import epilogue, loop_body
-from .gluon_tiles import (CTA_ROWS, ROWS, gl_lines as _gl, gl_main, key_range, ranges_kernel,
-                          tile_lines, walk)
+from .gluon_tiles import (CTA_ROWS, ROWS, affine_walk, gl_lines as _gl, gl_main, key_range,
+                          persistent_place, ranges_kernel, tile_lines, walk)
 from .lower import LoweringError, TilePlan
 
 PERSISTENT = True  # tiles walked by one program per SM (see generate)
@@ -356,13 +356,13 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # (``TileConfig.per_tile``: the same kernel, ``runtime.tile_order.one_tile_per_program``).
     atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
     data = bool(atoms)
-    equal_work = (ps.lo_offset is None) == (ps.hi_offset is None)
     if not PERSISTENT:
         mode = "single"
     elif data:
         mode = "dynamic" if DYNAMIC else "single"
     else:
-        mode = "round_robin" if equal_work else "scheduled" if SCHEDULED else "single"
+        mode = affine_walk(ps)
+        mode = "single" if mode == "scheduled" and not SCHEDULED else mode
     persistent, scheduled = mode != "single", mode == "scheduled"
     tensors = [ph.name for ph in p.inputs] + list(p.outputs)
     strides = [f"{t}_s{k}" for t in tensors for k in range(len(p.shape_of(t)))]
@@ -434,7 +434,6 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))
     bases = [*_gl(em.pop()), f"    a_row = {a_row} + row_first", f"    b_row = {b_row}",
              f"    c_row = {c_row}"]
-    grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
     # a tile's place and key range (the consumers' prologue decodes the grid axes itself)
     tile = tile_lines(mode, rng, "producer")
 
@@ -482,8 +481,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    mbarrier.arrive(c_empty.index(last), count=1)",
         *_gl(epi)]
     if persistent:
-        place = ["    n_rb = gl.cdiv(" + str(plan.row_extent) + f", {CTA_ROWS})",
-                 f"    num_tiles = n_rb * {grid_n}"]
+        place = persistent_place(plan)
     else:
         place = ["    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
                  "    pid_grid = gl.program_id(1)",
