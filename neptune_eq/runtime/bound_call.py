@@ -104,13 +104,11 @@ class BoundCall:
         # A call captured in a CUDA graph takes a fresh buffer from the graph's own pool,
         # which the graph keeps alive for its replays; a kept one could be freed first.
         capturing = stream is not None and torch.cuda.is_current_stream_capturing()
-        key = (stream, threading.get_ident())
-        ws = None if capturing else self._scratch.get(key)
-        if ws is None:
+
+        def scratch():
             buf = torch.empty(total, dtype=self._fp32, device=self.device)
-            ws = [buf[at:at + n] for n, at in cuts]
-            if not capturing:
-                self._scratch[key] = ws
+            return [buf[at:at + n] for n, at in cuts]
+        ws = _kept(self._scratch, _FRESH if capturing else stream, scratch)
         if self.launcher.config.fused:
             sem = self.launcher._semaphores(self.device, stream)
             lists.append(args + ws + [sem] + self.strides + [chunk, nsplit])
@@ -124,15 +122,10 @@ class BoundCall:
         keeps those alive for its replays)."""
         import torch
         fresh = self.interpret or torch.cuda.is_current_stream_capturing()
-        key = None if fresh else (current_stream(torch.cuda.current_device()),
-                                  threading.get_ident())
-        sums = None if fresh else self._summaries.get(key)
-        if sums is None:
-            sums = [torch.empty(shape, dtype=dt, device=self.device)
-                    for _, shape, dt in self.pre[1]]
-            if not fresh:
-                self._summaries[key] = sums
-        return sums
+        return _kept(self._summaries,
+                     _FRESH if fresh else current_stream(torch.cuda.current_device()),
+                     lambda: [torch.empty(shape, dtype=dt, device=self.device)
+                              for _, shape, dt in self.pre[1]])
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
@@ -164,3 +157,20 @@ class BoundCall:
         for fl, ck, a in zip(self.steps, cks, self.arg_lists(vals, stream)):
             fl.fast(ck, a, stream)
         return outs
+
+
+_FRESH = object()  # ``_kept``'s stream for a call whose buffers are not kept
+
+
+def _kept(store: dict, stream, make):
+    """``make()``'s buffers kept in ``store`` per (stream, thread) between calls -- each
+    call rewrites them before its kernels read them, in its stream's order -- or, with
+    ``stream`` ``_FRESH`` (a CUDA graph capture: the graph's pool keeps them for its
+    replays), fresh and not kept."""
+    if stream is _FRESH:
+        return make()
+    key = (stream, threading.get_ident())
+    got = store.get(key)
+    if got is None:
+        got = store[key] = make()
+    return got
