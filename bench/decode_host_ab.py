@@ -8,12 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import neptune_ops as ops
 import neptune_eq as ne
-from host_profile import loop_us  # the warm loop without a sync, one definition
-
-
-class NoKeep(dict):
-    def __setitem__(self, k, v):
-        pass
+from host_profile import NoKeep, loop_us  # the warm loop without a sync, one definition
 
 
 for op, S in [("gqa-dc", 2048), ("causal-dc", 2048), ("gqa-dc", 8192)]:

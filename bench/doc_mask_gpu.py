@@ -170,7 +170,7 @@ def smoke_one(name: str, S: int, dtype: torch.dtype) -> dict:
 def host_profile(name: str, S: int, dtype: torch.dtype, calls: int = 500) -> str:
     """Host time per call (a loop without sync) and its cProfile: where a call whose
     device time is below its host time spends the host's."""
-    from host_profile import host_profile as profile_host, loop_us
+    from host_profile import NoKeep, host_profile as profile_host, loop_us
     mask, B, _ = case(name, S)
     q, k, v = (torch.randn(B, H, S, D, device=DEV, dtype=dtype) for _ in range(3))
     host, table = profile_host(lambda: ne.flex_attention(q, k, v, mask_mod=mask), calls, top=30)
@@ -186,7 +186,7 @@ def host_profile(name: str, S: int, dtype: torch.dtype, calls: int = 500) -> str
     for _ in range(3 if bound else 0):
         for mode in ab:
             for b in bound:
-                b._summaries = {} if mode == "kept" else _NoKeep()
+                b._summaries = {} if mode == "kept" else NoKeep()
             ab[mode].append(loop_us(lambda: ne.flex_attention(q, k, v, mask_mod=mask),
                                     calls=calls, warmup=10))
     for b in bound:
@@ -194,12 +194,6 @@ def host_profile(name: str, S: int, dtype: torch.dtype, calls: int = 500) -> str
     kept = ", ".join(f"{m} {' / '.join(f'{x:.0f}' for x in xs)}" for m, xs in ab.items())
     return (f"{name} S={S} {dtype}: host {host:.0f} us per call (FlexAttention with a "
             f"prebuilt BlockMask: {flex_host:.0f} us); summaries {kept or 'n/a'} us\n" + table)
-
-
-class _NoKeep(dict):
-    """A ``BoundCall._summaries`` that keeps nothing: every call allocates."""
-    def __setitem__(self, key, value):
-        pass
 
 
 def fresh_start() -> None:

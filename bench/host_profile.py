@@ -13,6 +13,13 @@ import pstats
 import time
 
 
+class NoKeep(dict):
+    """A stand-in for a replay's kept buffers (``BoundCall._scratch``, ``._summaries``)
+    that keeps nothing: every call allocates, the A/B's other side."""
+    def __setitem__(self, key, value):
+        pass
+
+
 def loop_us(fn, calls: int = 200, warmup: int = 10) -> float:
     """Host microseconds per ``fn()`` in a warm loop that never synchronises: the host's
     pace (the GPU keeps up when it is faster)."""
