@@ -69,6 +69,20 @@ def _worker(args):
     return k.cache_status
 
 
+def test_a_flipped_lowering_switch_is_a_new_key(fresh_cache, monkeypatch):
+    """The benches flip the Gluon walk's module switches to A/B them in one process: an
+    entry chosen under one setting must not serve the other."""
+    from neptune_eq.lowering import gluon_sums, gluon_ws
+    assert ne.superoptimize(examples.softmax(2, 5), target="interpreter").cache_status == "miss"
+    for module, switch in ((gluon_ws, "PERSISTENT"), (gluon_ws, "SCHEDULED"),
+                           (gluon_ws, "DYNAMIC"), (gluon_sums, "PERSISTENT")):
+        with monkeypatch.context() as m:
+            m.setattr(module, switch, not getattr(module, switch))
+            assert ne.superoptimize(examples.softmax(2, 5),
+                                    target="interpreter").cache_status == "miss"
+    assert ne.superoptimize(examples.softmax(2, 5), target="interpreter").cache_status == "hit"
+
+
 def test_concurrent_writers_leave_one_valid_entry(fresh_cache):
     ctx = mp.get_context("spawn")
     with ctx.Pool(2) as pool:

@@ -57,9 +57,18 @@ def make_key(program, rule_files, target: str, device: str, options: dict) -> st
     env = {k: os.environ.get(k) for k in ("NEPTUNE_EQ_TMA", "NEPTUNE_EQ_WARP_SPECIALIZE")}
     blob = json.dumps({"program": canonical_text(program), "rules": rules, "target": target,
                        "device": device, "options": options, "versions": _versions(),
-                       "env": env},
+                       "env": env, "walks": lowering_switches()},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def lowering_switches() -> dict:
+    """The Gluon lowering's module switches (how tiles are walked).  The benches flip them
+    to A/B a walk in one process; a kernel chosen under one setting is not the kernel the
+    other emits, so a cache entry must not serve both."""
+    from ..lowering import gluon_sums, gluon_ws
+    return {"ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,
+            "ws_dynamic": gluon_ws.DYNAMIC, "sums_persistent": gluon_sums.PERSISTENT}
 
 
 def _path(key: str) -> Path:
