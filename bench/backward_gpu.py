@@ -258,9 +258,16 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
     flex_c = torch.compile(flex_attention)
     dev_us, kernels = device_kernels(fn, q, k, v, g)
     flex_us, flex_kernels = device_kernels(lambda q, k, v: flex_c(q, k, v, **kw), q, k, v, g)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:  # (where a deterministic step's time goes: its kernels are the same two-kernel form)
+        det_us, det_kernels = device_kernels(fn, q, k, v, g)
+    finally:
+        torch.use_deterministic_algorithms(False)
     host_us, table = profile_host(lambda: step(fn, q, k, v, g), calls=200, top=40, warmup=0)
     return (f"{variant} S={S}: host {host_us:.0f} us per step (loop without sync), "
             f"device kernels {dev_us:.0f} us per step:\n{kernels}\n"
+            f"Under torch.use_deterministic_algorithms(True): device kernels {det_us:.0f} us:"
+            f"\n{det_kernels}\n"
             f"FlexAttention (compiled), same step: device kernels {flex_us:.0f} us:\n"
             f"{flex_kernels}\n\n" + table)
 

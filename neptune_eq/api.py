@@ -19,6 +19,7 @@ from .lowering.inline import isolate_reductions
 from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
 from .runtime.bound_call import BoundCall
+from .runtime.launch import written_outputs
 from .runtime.timing import strided_rows, timing_tensors
 from .runtime.gluon_launch import GluonBoundCall, make_launcher
 from .runtime.launcher import Launcher, check_inputs, resolve_target
@@ -197,9 +198,10 @@ class Kernel:
             self._launcher = make_launcher(self.program, self.kernel_source, self.target, self.config)
         bound = check_inputs(self.program, args, kwargs, self.target)
         dev = "cuda" if self.target == "cuda" else "cpu"
-        for name in self.program.outputs:
-            bound[name] = torch.empty(self.program.shape_of(name),
-                                      dtype=getattr(torch, self.program.dtype_of(name)), device=dev)
+        outs = self.program.outputs
+        bound.update(zip(outs, written_outputs(
+            [(self.program.shape_of(n), getattr(torch, self.program.dtype_of(n))) for n in outs],
+            dev)))
         return bound, self._launcher
 
     def _bind_symbolic(self, args: tuple, kwargs: dict) -> tuple[dict, Launcher]:
@@ -211,9 +213,9 @@ class Kernel:
         values = sizes_of(prog, bound)
         launcher = self._dispatch.launcher(values, bound)
         dev = "cuda" if self.target == "cuda" else "cpu"
-        for name in prog.outputs:
-            dims = [values[n.name] if hasattr(n, "name") else n for n in prog.shape_of(name)]
-            bound[name] = torch.empty(dims, dtype=getattr(torch, prog.dtype_of(name)), device=dev)
+        specs = [([values[n.name] if hasattr(n, "name") else n for n in prog.shape_of(name)],
+                  getattr(torch, prog.dtype_of(name))) for name in prog.outputs]
+        bound.update(zip(prog.outputs, written_outputs(specs, dev)))
         return bound, launcher
 
 

@@ -38,3 +38,12 @@ def count_calls(monkeypatch, owner, name: str) -> list:
         return real(*a, **kw)
     monkeypatch.setattr(owner, name, counted)
     return count
+
+
+def filled_shapes(fn) -> list:
+    """The shapes torch filled (``aten::fill_`` on a non-empty tensor) while ``fn()`` ran:
+    under ``torch.use_deterministic_algorithms(True)`` every new tensor is filled."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn()
+    return [e.input_shapes[0] for e in prof.events()
+            if e.name == "aten::fill_" and e.input_shapes[0] not in ([0], [])]

@@ -10,6 +10,8 @@ import torch
 import neptune_eq as ne
 from neptune_eq.dropin import flex
 
+from helpers import filled_shapes
+
 TOL = 3e-5
 
 
@@ -183,6 +185,18 @@ def test_deterministic_mode_has_no_float_atomics():
     loops = re.split(r"for l0 in (?:tl\.)?range\(", kern.source)[1:]
     # four products per block: S = Q·Kᵀ, dV += Pᵀ·dO, dP = dO·Vᵀ, dK += dSᵀ·Q
     assert all(lp.count("tl.dot(") == 4 for lp in loops), loops
+    # every output of the step's kernels is written whole: none is filled with NaN first
+    # (torch's deterministic fill of new tensors, a launch per output on the GPU)
+    q, k, v = (torch.randn(1, 2, 4, 3, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 2, 4, 3)
+    torch.use_deterministic_algorithms(True)
+    try:
+        def step():
+            return torch.autograd.grad(ne.flex_attention(q, k, v), [q, k, v], g)
+        step()
+        assert filled_shapes(step) == []
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_a_loss_without_the_lse_folds_its_gradient_away():

@@ -22,7 +22,7 @@ import itertools
 import threading
 
 from .descriptors import ensure_allocator, tma_ok
-from .launch import current_stream
+from .launch import current_stream, written_outputs
 
 
 class BoundCall:
@@ -130,8 +130,7 @@ class BoundCall:
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
         import torch
-        dev = self.device
-        outs = [torch.empty(shape, dtype=dt, device=dev) for shape, dt in self.out_specs]
+        outs = written_outputs(self.out_specs, self.device)
         for k in self.zeroed:  # atomically summed outputs start at zero
             outs[k].zero_()
         vals = inputs + outs

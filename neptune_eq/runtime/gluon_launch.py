@@ -21,6 +21,7 @@ from ..lowering.gluon_tiles import sched_size
 from ..lowering.gluon_ws import CTA_ROWS, KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
+from .launch import written_outputs
 from .block_summary import SummaryPrepass
 from .tile_order import one_tile_per_program, tile_order, tile_work
 from .launch import FastLaunch, current_stream, int_classes
@@ -281,7 +282,7 @@ class GluonBoundCall:
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
         import torch
-        outs = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in self.out_specs]
+        outs = written_outputs(self.out_specs, self.device)
         tensors = {**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))}
         la = self.launcher
         if la.fast_ok:

@@ -32,6 +32,30 @@ def current_stream(device: int):
     return driver.active.get_current_stream(device)
 
 
+def written_outputs(specs: list, device) -> list:
+    """Tensors of ``specs`` ((shape, torch dtype) pairs) for a launch that writes every
+    element of them (a kernel's outputs; those it adds into are zeroed by the caller).
+
+    Under ``torch.use_deterministic_algorithms(True)`` torch fills every new tensor with
+    NaN (``torch.utils.deterministic.fill_uninitialized_memory``), so that a read of
+    uninitialised memory is reproducible.  Nothing reads these before the kernel writes
+    them, so there the fill is only time: a launch of its own per output, 4 launches and
+    83 us of a window(256) fwd+bwd's 831 us at S=8192 (H200, session 30,
+    ``bench/backward_gpu.py --host-profile``).  Then the storage is taken as it comes."""
+    import torch
+    if not (torch.are_deterministic_algorithms_enabled()
+            and torch.utils.deterministic.fill_uninitialized_memory):
+        return [torch.empty(shape, dtype=dt, device=device) for shape, dt in specs]
+    outs = []
+    for shape, dt in specs:
+        numel = 1
+        for n in shape:
+            numel *= n
+        store = torch.UntypedStorage(numel * dt.itemsize, device=device)
+        outs.append(torch.empty(0, dtype=dt, device=device).set_(store, 0, tuple(shape)))
+    return outs
+
+
 def launch_key(tensors: list, ints: list) -> tuple:
     """What Triton specialises a launch on, or finer: the device, each pointer's 16-byte
     alignment and every integer argument's value (scratch buffers are ours and always
