@@ -166,31 +166,26 @@ def test_summaries_are_kept_per_stream_and_thread_on_the_gpu(monkeypatch):
     the next call on that stream rewrites them before its kernel reads them (stream
     order); another thread or stream gets its own, and a call captured in a CUDA graph
     fresh ones (the graph keeps them).  The interpreter always allocates."""
-    from neptune_eq.runtime import bound_call
     doc = torch.repeat_interleave(torch.arange(4, dtype=torch.int32), 6)
     q = torch.randn(1, 2, doc.numel(), 16)
     ne.flex_attention(q, q, q, mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j))
     bc = next(b for st in flex.STRUCTURES.values() if st.kernel is not None
               for b in st.kernel._bound.values() if b is not None and b.pre)
-    assert bc._summary_buffers() is not bc._summary_buffers() and not bc._summaries
-    stream, capturing = ["s0"], [False]
+    assert bc._summary_buffers("s0", False) is not bc._summary_buffers("s0", False)
+    assert not bc._summaries
     monkeypatch.setattr(bc, "interpret", False)
-    monkeypatch.setattr(bound_call, "current_stream", lambda device: stream[0])
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    first = bc._summary_buffers()
+    first = bc._summary_buffers("s0", False)
     assert [(tuple(t.shape), t.dtype) for t in first] == [(tuple(sh), dt) for _, sh, dt in bc.pre[1]]
-    assert bc._summary_buffers() is first
-    stream[0] = "s1"
-    assert bc._summary_buffers() is not first
+    assert bc._summary_buffers("s0", False) is first
+    assert bc._summary_buffers("s1", False) is not first
     other = []
-    th = threading.Thread(target=lambda: other.append(bc._summary_buffers()))
+    th = threading.Thread(target=lambda: other.append(bc._summary_buffers("s1", False)))
     th.start()
     th.join()
-    assert other[0] is not bc._summary_buffers()
-    capturing[0] = True
+    assert other[0] is not bc._summary_buffers("s1", False)
     n = len(bc._summaries)
-    assert bc._summary_buffers() is not bc._summary_buffers() and len(bc._summaries) == n
+    assert bc._summary_buffers("s1", True) is not bc._summary_buffers("s1", True)
+    assert len(bc._summaries) == n
 
 
 def test_replay_reads_new_data_and_each_stride_gets_its_own(monkeypatch):

@@ -88,9 +88,10 @@ class BoundCall:
         # them before its kernel reads them, in stream order
         self._summaries: dict = {}
 
-    def arg_lists(self, vals: list, stream) -> list[list]:
+    def arg_lists(self, vals: list, stream, capturing: bool | None = None) -> list[list]:
         """The arguments of every launch, in order, for the call whose tensors are
-        ``vals`` (inputs, outputs, then summaries, as ``slots`` number them)."""
+        ``vals`` (inputs, outputs, then summaries, as ``slots`` number them); ``capturing``
+        (a CUDA graph capture is running) as the caller found it, else asked here."""
         import torch
         args = [vals[k] for k in self.param_slots]
         lists = []
@@ -103,7 +104,8 @@ class BoundCall:
         total, cuts, chunk, nsplit = self.scratch
         # A call captured in a CUDA graph takes a fresh buffer from the graph's own pool,
         # which the graph keeps alive for its replays; a kept one could be freed first.
-        capturing = stream is not None and torch.cuda.is_current_stream_capturing()
+        if capturing is None:
+            capturing = stream is not None and torch.cuda.is_current_stream_capturing()
 
         def scratch():
             buf = torch.empty(total, dtype=self._fp32, device=self.device)
@@ -116,14 +118,12 @@ class BoundCall:
             lists += [args + ws + self.strides + [chunk], args + ws + self.strides + [nsplit]]
         return lists
 
-    def _summary_buffers(self) -> list:
+    def _summary_buffers(self, stream, capturing: bool) -> list:
         """The pre-pass's outputs for this call: kept per (stream, thread) on the GPU;
         fresh in the interpreter and while a CUDA graph is captured (the graph's pool
         keeps those alive for its replays)."""
         import torch
-        fresh = self.interpret or torch.cuda.is_current_stream_capturing()
-        return _kept(self._summaries,
-                     _FRESH if fresh else current_stream(torch.cuda.current_device()),
+        return _kept(self._summaries, _FRESH if self.interpret or capturing else stream,
                      lambda: [torch.empty(shape, dtype=dt, device=self.device)
                               for _, shape, dt in self.pre[1]])
 
@@ -134,17 +134,23 @@ class BoundCall:
         for k in self.zeroed:  # atomically summed outputs start at zero
             outs[k].zero_()
         vals = inputs + outs
-        if self.pre:
-            vals += self._summary_buffers()
         la = self.launcher
         if self.interpret:
+            if self.pre:
+                vals += self._summary_buffers(None, False)
             for fl, a in zip(self.steps, self.arg_lists(vals, None)):
                 fl.fn[fl.grid](*a, **fl.consts, **fl.options)
             return outs
+        # the device, stream and capture state, asked once per call (kept buffers and
+        # launches both need them)
+        cur = torch.cuda.current_device()
+        stream = current_stream(cur)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self.pre:
+            vals += self._summary_buffers(stream, capturing)
         cks = None
         tma_pointers_ok = not any(vals[k].data_ptr() & 15 for k in self.desc_slots)
         if self.int_key is not None and la.fast_ok and tma_pointers_ok:
-            cur = torch.cuda.current_device()
             align = tuple([vals[k].data_ptr() & 15 == 0 for k in self.param_slots])
             cks = la._checked.get((cur, align, self.int_key))
         if cks is None:  # not checked under this key yet, or TMA cannot take these pointers
@@ -152,8 +158,7 @@ class BoundCall:
             return outs
         if la.tma:
             ensure_allocator()  # per call: Triton keeps the allocator per thread context
-        stream = current_stream(cur)
-        for fl, ck, a in zip(self.steps, cks, self.arg_lists(vals, stream)):
+        for fl, ck, a in zip(self.steps, cks, self.arg_lists(vals, stream, capturing)):
             fl.fast(ck, a, stream)
         return outs
 

@@ -281,7 +281,6 @@ class GluonBoundCall:
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
-        import torch
         outs = written_outputs(self.out_specs, self.device)
         tensors = {**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))}
         la = self.launcher
