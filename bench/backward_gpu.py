@@ -263,8 +263,21 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
         det_us, det_kernels = device_kernels(fn, q, k, v, g)
     finally:
         torch.use_deterministic_algorithms(False)
+    from host_profile import loop_us
+    flex_host_us = loop_us(lambda: step(lambda q, k, v: flex_c(q, k, v, **kw), q, k, v, g))
+    graphs = {}  # where a replayed step's device time goes, plain and deterministic
+    for det in (False, True):
+        torch.use_deterministic_algorithms(det, warn_only=True)
+        try:
+            graphs[det] = graph_kernels(fn, q, k, v, g)
+        finally:
+            torch.use_deterministic_algorithms(False)
     host_us, table = profile_host(lambda: step(fn, q, k, v, g), calls=200, top=40, warmup=0)
-    return (f"{variant} S={S}: host {host_us:.0f} us per step (loop without sync), "
+    return (f"{variant} S={S}: FlexAttention's host {flex_host_us:.0f} us per step\n"
+            f"Replayed from a CUDA graph: device kernels {graphs[False][0]:.0f} us:\n"
+            f"{graphs[False][1]}\nthe same captured under deterministic algorithms: "
+            f"{graphs[True][0]:.0f} us:\n{graphs[True][1]}\n"
+            f"{variant} S={S}: host {host_us:.0f} us per step (loop without sync), "
             f"device kernels {dev_us:.0f} us per step:\n{kernels}\n"
             f"Under torch.use_deterministic_algorithms(True): device kernels {det_us:.0f} us:"
             f"\n{det_kernels}\n"
@@ -278,6 +291,21 @@ def device_kernels(fn, q, k, v, g, steps: int = 20) -> tuple[float, str]:
     from host_profile import kernel_times
     times = sorted(kernel_times(lambda: step(fn, q, k, v, g), steps, warmup=steps),
                    key=lambda t: -t[1])
+    lines = "\n".join(f"  {us:8.1f} us  x{n}  {name[:90]}" for name, us, n in times)
+    return sum(us for _, us, _ in times), lines
+
+
+def graph_kernels(fn, q, k, v, g, replays: int = 20) -> tuple[float, str]:
+    """``device_kernels`` of one fwd+bwd captured in a CUDA graph (as ``graph_ms``
+    captures it) and replayed."""
+    from host_profile import kernel_times
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        graph, _ = capture_step(fn, qg, kg, vg, g.clone())
+    torch.cuda.synchronize()
+    times = sorted(kernel_times(graph.replay, replays, warmup=3), key=lambda t: -t[1])
     lines = "\n".join(f"  {us:8.1f} us  x{n}  {name[:90]}" for name, us, n in times)
     return sum(us for _, us, _ in times), lines
 

@@ -237,6 +237,25 @@ def test_deterministic_mode_writes_outputs_without_a_fill_first():
     assert torch.utils.deterministic.fill_uninitialized_memory  # the user's setting, untouched
 
 
+def test_deterministic_mode_fills_no_summary_of_a_document_mask():
+    """The pre-pass writes every block's summary, so under deterministic algorithms its
+    outputs are not NaN-filled first either -- and the masked attention is unchanged."""
+    doc = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), 7)
+    q = torch.randn(1, 2, doc.numel(), 16)
+
+    def call():
+        return ne.flex_attention(q, q, q, mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j))
+    want = call()
+    try:
+        torch.use_deterministic_algorithms(True)
+        for _ in range(2):  # a first call and a replay
+            got = []
+            assert filled_shapes(lambda: got.append(call())) == []
+            assert torch.equal(got[0], want)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_configs_are_timed_as_replayed_calls(monkeypatch):
     """``time_configs`` times each config the way a call runs it (a replay), and the
     replay it times computes the right thing -- here in the interpreter, the GPU timer

@@ -16,7 +16,7 @@ torch: the reference the pre-pass is tested against, bit for bit.
 """
 from __future__ import annotations
 
-from .launch import FastLaunch
+from .launch import FastLaunch, written_outputs
 
 
 def summarize(x, dim: int | None, block: int):
@@ -110,9 +110,9 @@ class SummaryPrepass:
 
     def prepare(self, tensors: dict) -> tuple[dict, FastLaunch, list, list]:
         """(summaries by name, the launch, its arguments, its integer arguments)."""
-        import torch
         xs, (outs, tail, launch) = self.plan_for(tensors)
-        dev = xs[0].device
-        made = {name: torch.empty(shape, dtype=dtype, device=dev) for name, shape, dtype in outs}
+        # (the pre-pass writes every block's summary: no deterministic-mode fill first)
+        made = dict(zip([name for name, _, _ in outs],
+                        written_outputs([(shape, dtype) for _, shape, dtype in outs], xs[0].device)))
         ints = [v for x in xs for v in (*x.shape, *x.stride())] + tail
         return made, launch, xs + list(made.values()), ints

@@ -122,10 +122,9 @@ class BoundCall:
         """The pre-pass's outputs for this call: kept per (stream, thread) on the GPU;
         fresh in the interpreter and while a CUDA graph is captured (the graph's pool
         keeps those alive for its replays)."""
-        import torch
         return _kept(self._summaries, _FRESH if self.interpret or capturing else stream,
-                     lambda: [torch.empty(shape, dtype=dt, device=self.device)
-                              for _, shape, dt in self.pre[1]])
+                     lambda: written_outputs([(shape, dt) for _, shape, dt in self.pre[1]],
+                                             self.device))
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
