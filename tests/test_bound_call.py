@@ -338,7 +338,7 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
                                           GluonLauncher._args)
         _launch = NS(fast=lambda ck, args, stream: fast.append((ck, args)))
 
-        def _descriptors(self, tensors):
+        def _descriptors(self, tensors, reuse=False):
             return ["desc:" + str(tensors["q"].data_ptr())]
 
         def __call__(self, tensors):
@@ -413,3 +413,29 @@ def test_host_timing_runs_a_long_call_three_times_and_a_short_one_by_do_bench(mo
     clock["runs"].clear()
     assert timing.host_ms(call_taking([0.2])) == ("do_bench", {"warmup": 10, "rep": 40,
                                                               "return_mode": "median"})
+
+
+def test_a_replay_reuses_its_descriptors_fields_with_a_new_base():
+    """A Gluon replay's host TMA descriptors: a tensor of the signature its slot described
+    last gets the same fields with its own base (no view-and-check constructor per call);
+    the kept fields hold no tensor; another signature, or a base the TMA cannot take (not
+    16-byte aligned), goes through the constructor and its checks."""
+    from types import SimpleNamespace as NS
+    from triton.experimental.gluon import language as gl
+    from neptune_eq.runtime.gluon_launch import GluonLauncher
+    layout = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
+    la = NS(_tiles=[("q", [64, 16], layout)], _described={})
+    q = torch.randn(1, 2, 100, 16).half()
+    first, = GluonLauncher._descriptors(la, {"q": q})
+    q2 = torch.randn(1, 2, 100, 16).half()
+    again, = GluonLauncher._descriptors(la, {"q": q2}, reuse=True)
+    assert again.base.data_ptr() == q2.data_ptr() and again.base.shape == (200, 16)
+    assert {f: v for f, v in vars(again).items() if f != "base"} == \
+        {f: v for f, v in vars(first).items() if f != "base"}
+    assert again.shape == [200, 16] and again.strides == [16, 1]
+    assert not any(isinstance(v, torch.Tensor) for v in la._described[0][1].values())
+    other, = GluonLauncher._descriptors(la, {"q": torch.randn(1, 2, 50, 16).half()}, reuse=True)
+    assert other.shape == [100, 16]
+    off = torch.randn(2 * 50 * 16 + 1).half()[1:].view(1, 2, 50, 16)  # 2-byte aligned
+    with pytest.raises(AssertionError, match="16-byte"):
+        GluonLauncher._descriptors(la, {"q": off}, reuse=True)
