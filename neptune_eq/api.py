@@ -167,15 +167,23 @@ class Kernel:
             # compiled pieces (Dynamo cannot trace the launcher; ne.flex_attention is a
             # custom op instead, compiled whole).
             return torch.compiler.disable(self.__call__)(*args, **kwargs)
-        if self.target == "cuda":
-            args = _rows_contiguous(args)
-            kwargs = {k: v.contiguous() if strided_rows(v) else v for k, v in kwargs.items()}
+        # A signature met before: only the data is bound (runtime.bound_call).  Looked up
+        # before the rows check below: every signature kept was taken after it (on the GPU
+        # a kept one has contiguous rows), so a hit skips it -- a few us of a replay's ~20.
         sig = _signature(args) if not kwargs else None
-        if sig is not None:
-            replay = self._bound.get(sig)
-            if replay:  # a signature met before: only the data is bound (runtime.bound_call)
-                res = replay(list(args))
-                return res[0] if len(res) == 1 else tuple(res)
+        replay = self._bound.get(sig) if sig is not None else None
+        if replay:
+            res = replay(list(args))
+            return res[0] if len(res) == 1 else tuple(res)
+        if self.target == "cuda":
+            rows = _rows_contiguous(args)
+            if rows is not args:  # copied: the copies' signature may have been met
+                args, sig = rows, _signature(rows) if not kwargs else None
+                replay = self._bound.get(sig) if sig is not None else None
+                if replay:
+                    res = replay(list(args))
+                    return res[0] if len(res) == 1 else tuple(res)
+            kwargs = {k: v.contiguous() if strided_rows(v) else v for k, v in kwargs.items()}
         bound, launcher = (self._bind_symbolic(args, kwargs) if self._dispatch is not None
                            else self._bind_static(args, kwargs))
         launcher(bound)

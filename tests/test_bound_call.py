@@ -316,6 +316,31 @@ def test_gpu_calls_get_rows_with_a_contiguous_last_dimension():
     assert _rows_contiguous((q, 3)) == (q, 3)
 
 
+def test_a_replay_is_found_before_the_rows_check_and_strided_rows_still_get_copied(monkeypatch):
+    """On the GPU a call looks its signature up first (every kept signature has contiguous
+    rows, so a hit needs no rows check); a call with strided rows misses, is copied, and
+    then replays under the copies' signature -- right either way, never re-bound."""
+    kern = ne.superoptimize(examples.attention(1, 2, 20, 37, 16, "float32"), target="interpreter",
+                            cache=False)
+    prog = kern.input_program
+    names = [ph.name for ph in prog.inputs]
+    ins = random_inputs(prog)
+    ref = evaluate(prog, ins)[prog.outputs[0]]
+    kern(*[ins[n] for n in names])
+    monkeypatch.setattr(kern, "target", "cuda")  # the GPU's call path (launches stay CPU)
+    checks = count_calls(monkeypatch, api, "check_inputs")
+    rows = count_calls(monkeypatch, api, "_rows_contiguous")
+    got = kern(*[ins[n] for n in names])
+    assert (got.double() - ref).abs().max().item() < 1e-4
+    assert checks[0] == 0 and rows[0] == 0        # a hit: no bind, no rows check
+    q_t = ins["q"].transpose(2, 3).contiguous().transpose(2, 3)   # stride 1 off the last dim
+    for _ in range(2):
+        got = kern(*[q_t if n == "q" else ins[n] for n in names])
+        assert (got.double() - ref).abs().max().item() < 1e-4
+    assert checks[0] == 0 and rows[0] == 2         # copied, then the contiguous replay
+    assert len(kern._bound) == 1
+
+
 def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatch):
     """A kernel whose size bucket runs the Gluon form replays a signature met before
     (``GluonBoundCall``): no re-binding of the named sizes and no stride reads, fresh

@@ -141,10 +141,10 @@ class BoundCall:
                 fl.fn[fl.grid](*a, **fl.consts, **fl.options)
             return outs
         # the device, stream and capture state, asked once per call (kept buffers and
-        # launches both need them)
+        # launches both need them; only kept buffers need the capture state)
         cur = torch.cuda.current_device()
         stream = current_stream(cur)
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = bool(self.pre or self.scratch) and torch.cuda.is_current_stream_capturing()
         if self.pre:
             vals += self._summary_buffers(stream, capturing)
         cks = None
