@@ -464,3 +464,24 @@ def test_a_replay_reuses_its_descriptors_fields_with_a_new_base():
     off = torch.randn(2 * 50 * 16 + 1).half()[1:].view(1, 2, 50, 16)  # 2-byte aligned
     with pytest.raises(AssertionError, match="16-byte"):
         GluonLauncher._descriptors(la, {"q": off}, reuse=True)
+
+
+def test_a_fast_launch_makes_the_launch_metadata_only_for_a_hook(monkeypatch):
+    """Triton reads a launch's metadata only to hand it to a launch hook (a profiler's):
+    with no hook the fast launch passes None instead of building it; with one set it is
+    built and passed, so profilers still see every launch."""
+    from types import SimpleNamespace as NS
+    from neptune_eq.runtime import launch
+    made, runs = [], []
+    ck = NS(function="fn", packed_metadata="packed",
+            launch_metadata=lambda *a: made.append(a) or {"name": "k"},
+            run=lambda *a: runs.append(a))
+    fl = launch.FastLaunch(lambda: None, (3,), {"B": 16}, {})
+    hooks = NS(enter=None, exit=None)
+    fl._hooks = (hooks, "enter", "exit")
+    fl.fast(ck, ["x", 7], "stream")
+    assert not made and runs[-1][:9] == (3, 1, 1, "stream", "fn", "packed", None, None, None)
+    assert runs[-1][9:] == ("x", 7, 16)
+    hooks.enter = print
+    fl.fast(ck, ["x", 7], "stream")
+    assert made and runs[-1][6] == {"name": "k"} and runs[-1][7] is print

@@ -117,6 +117,9 @@ class FastLaunch:
     def fast(self, ck, args: list, stream) -> None:
         src, enter_name, exit_name = self._hooks
         enter, exit_ = getattr(src, enter_name), getattr(src, exit_name)
-        meta = ck.launch_metadata(self.grid, stream, *args, *self.const_values)
+        # the launch's metadata is read by a hook only (a profiler's): none set, none made
+        # (the kernel's handles were set up by the checked launch this one repeats)
+        meta = (ck.launch_metadata(self.grid, stream, *args, *self.const_values)
+                if enter is not None or exit_ is not None else None)
         ck.run(*self.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_,
                *args, *self.const_values)
