@@ -21,10 +21,9 @@ from ..lowering.gluon_tiles import sched_size
 from ..lowering.gluon_ws import CTA_ROWS, KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
-from .launch import written_outputs
 from .block_summary import SummaryPrepass
 from .tile_order import one_tile_per_program, tile_order, tile_work
-from .launch import FastLaunch, current_stream, int_classes
+from .launch import FastLaunch, current_stream, int_classes, written_outputs
 from .launcher import Launcher, import_source, same_outputs
 from .tile_configs import TileConfig
 
