@@ -172,18 +172,15 @@ class Kernel:
         # a kept one has contiguous rows), so a hit skips it -- a few us of a replay's ~20.
         sig = _signature(args) if not kwargs else None
         replay = self._bound.get(sig) if sig is not None else None
-        if replay:
-            res = replay(list(args))
-            return res[0] if len(res) == 1 else tuple(res)
-        if self.target == "cuda":
+        if not replay and self.target == "cuda":
             rows = _rows_contiguous(args)
             if rows is not args:  # copied: the copies' signature may have been met
                 args, sig = rows, _signature(rows) if not kwargs else None
                 replay = self._bound.get(sig) if sig is not None else None
-                if replay:
-                    res = replay(list(args))
-                    return res[0] if len(res) == 1 else tuple(res)
             kwargs = {k: v.contiguous() if strided_rows(v) else v for k, v in kwargs.items()}
+        if replay:
+            res = replay(list(args))
+            return res[0] if len(res) == 1 else tuple(res)
         bound, launcher = (self._bind_symbolic(args, kwargs) if self._dispatch is not None
                            else self._bind_static(args, kwargs))
         launcher(bound)
