@@ -86,6 +86,32 @@ def test_bad_rule_files_are_rejected_with_file_line_and_reason(tmp_path, text, m
     assert st.rows() == before and "user" not in st.rulesets
 
 
+def test_a_rule_file_is_checked_once_per_text_and_again_when_edited(tmp_path, monkeypatch):
+    """A rule file is checked on a scratch e-graph once per text (every kernel a training
+    step builds loads the shipped files again); an edited file is checked again, and a
+    name another loaded file holds is still refused, from the kept check too."""
+    from neptune_eq.egraph import rulefiles
+    checked, real = [], rulefiles._parse_and_check
+    monkeypatch.setattr(rulefiles, "_parse_and_check",
+                        lambda path, *a: checked.append(path.name) or real(path, *a))
+    p = ne.build_program(examples.softmax(2, 3))
+    mine = _write(tmp_path, '; exp(x) = exp(x)\n(rewrite (Exp x) (Exp x) :name "same-exp")\n')
+    for _ in range(2):
+        assert [i.name for i in EGraphStage(p).load_rules(mine)] == ["same-exp"]
+    assert checked.count("user.egg") == 1
+    twin = tmp_path / "twin.egg"
+    twin.write_text(mine.read_text())
+    EGraphStage(p).load_rules(twin)            # its own check: another path
+    st = EGraphStage(p)
+    st.load_rules(mine)
+    with pytest.raises(RuleFileError, match=r"twin.egg:2 \(rule 'same-exp'\): duplicate"):
+        st.load_rules(twin)
+    mine.write_text('; x\n(rewrite (Exp x) (Bogus x) :name "same-exp")\n')
+    with pytest.raises(RuleFileError, match="same-exp"):
+        EGraphStage(p).load_rules(mine)
+    assert checked.count("user.egg") == 2 and checked.count("twin.egg") == 1
+
+
 def test_layout_rules_rewrite_the_correction_to_exp2():
     p, trace, view, cand = _optimize(examples.softmax(4, 9))
     corr = cand.program.definition("den").body.args[1]
