@@ -200,3 +200,13 @@ def test_folds_whose_exponent_reads_a_running_non_maximum_are_banned():
     ref = evaluate(kern.input_program, ins)["out"]
     got = kern(ins["x"].float(), ins["w"].float()).double()
     assert torch.isfinite(got).all() and ((got - ref).abs() <= 1e-4 * ref.abs().max()).all()
+
+
+def test_fold_proofs_see_constants_in_their_exact_form_found_once():
+    """A fold's constants reach sympy in their simplest exact form (log2 e as 1/log 2,
+    so exp2(x·log2 e) = exp(x) is provable); the search for it runs once per value."""
+    import sympy
+    from neptune_eq.egraph import verify
+    assert verify._exact(1.4426950408889634) == 1 / sympy.log(2)
+    assert verify._exact(0.125) == sympy.Rational(1, 8) and verify._exact(30) == 30
+    assert verify._exact(0.08838834764831845) is verify._exact(0.08838834764831845)
