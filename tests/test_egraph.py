@@ -186,6 +186,10 @@ def test_folds_whose_exponent_reads_a_running_non_maximum_are_banned():
     assert not refused.ok and "not a maximum" in refused.detail
     grows = Term("exp", (Term("add", (x, Term("run", (), "p"))),))
     assert not check_fold(Term("rollsum", (grows, corr), "j"), frozenset({"p"})).ok
+    # a wrong correction (the sign of the shift flipped) is refuted, not proved
+    flipped = Term("exp", (Term("sub", (Term("run", (), "p"), Term("prev", (), "p"))),))
+    wrong = check_fold(Term("rollsum", (shifted, flipped), "j"))
+    assert not wrong.eq3 and "counter-example" in wrong.detail
 
     xs = ne.placeholder((1, 37), "float32", "x")
     w = ne.placeholder((1, 37), "float32", "w")

@@ -134,7 +134,10 @@ def check_fold(t: Term, max_producers: frozenset[str] | None = None) -> FoldChec
     except NotAlgebraic as e:
         return FoldCheck(str(t), False, eq4, "unsupported", f"op {e} has no sympy form")
     lhs = h * g_old if t.op in ("rollsum", "splitk") else h + g_old
-    diff = sympy.simplify(sympy.piecewise_fold(sympy.expand_log(lhs - g_new, force=True)))
+    diff = sympy.piecewise_fold(sympy.expand_log(lhs - g_new, force=True))
+    if _expands_to_zero(diff):
+        return FoldCheck(str(t), True, eq4, "sympy")
+    diff = sympy.simplify(diff)
     if diff == 0:
         return FoldCheck(str(t), True, eq4, "sympy")
     # Not proved symbolically: random points (positive, where sqrt/log need it).
@@ -148,6 +151,15 @@ def check_fold(t: Term, max_producers: frozenset[str] | None = None) -> FoldChec
             return FoldCheck(str(t), False, eq4, "random", f"counter-example {point}: "
                              f"h·g(r,c) − g(r',c) = {val.real:.3g}")
     return FoldCheck(str(t), True, eq4, "random (20 points)")
+
+
+def _expands_to_zero(e: sympy.Expr) -> bool:
+    """``e`` is 0 by expansion and power rules that hold for every value (no ``force``),
+    branch by branch for a ``Piecewise``: every fold of the shipped rules is proved so
+    in 2-10 ms, where ``simplify`` took 9-33 ms each (and a first call imports sympy's
+    units, ~0.3 s) on the CPU machine.  False means "not shown", and ``simplify`` tries."""
+    branches = [a for a, _ in e.args] if isinstance(e, sympy.Piecewise) else [e]
+    return all(sympy.expand(sympy.powsimp(sympy.expand(b))) == 0 for b in branches)
 
 
 def _unbounded_exp(body: Term, corr: Term, max_producers: frozenset[str]) -> str:
