@@ -108,7 +108,7 @@ class BoundCall:
             capturing = stream is not None and torch.cuda.is_current_stream_capturing()
 
         def scratch():
-            buf = torch.empty(total, dtype=self._fp32, device=self.device)
+            buf = written_outputs([((total,), self._fp32)], self.device)[0]
             return [buf[at:at + n] for n, at in cuts]
         ws = _kept(self._scratch, _FRESH if capturing else stream, scratch)
         if self.launcher.config.fused:

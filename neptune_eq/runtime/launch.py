@@ -15,6 +15,8 @@ path is switched off for good and ``reason`` says why.
 """
 from __future__ import annotations
 
+import math
+
 
 def _hook_source():
     """Where Triton keeps its launch hooks (profilers set them at any time, so they are
@@ -34,7 +36,8 @@ def current_stream(device: int):
 
 def written_outputs(specs: list, device) -> list:
     """Tensors of ``specs`` ((shape, torch dtype) pairs) for a launch that writes every
-    element of them (a kernel's outputs; those it adds into are zeroed by the caller).
+    element of them (a kernel's outputs, and split-k's fold states and the pre-pass's summaries, which
+their kernels write before they read; those a kernel adds into are zeroed by the caller).
 
     Under ``torch.use_deterministic_algorithms(True)`` torch fills every new tensor with
     NaN (``torch.utils.deterministic.fill_uninitialized_memory``), so that a read of
@@ -48,10 +51,7 @@ def written_outputs(specs: list, device) -> list:
         return [torch.empty(shape, dtype=dt, device=device) for shape, dt in specs]
     outs = []
     for shape, dt in specs:
-        numel = 1
-        for n in shape:
-            numel *= n
-        store = torch.UntypedStorage(numel * dt.itemsize, device=device)
+        store = torch.UntypedStorage(math.prod(shape) * dt.itemsize, device=device)
         outs.append(torch.empty(0, dtype=dt, device=device).set_(store, 0, tuple(shape)))
     return outs
 

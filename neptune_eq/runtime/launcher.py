@@ -19,7 +19,8 @@ from pathlib import Path
 from ..lowering.kernelgen import COMBINE_ROWS, KernelSource
 from .block_summary import SummaryPrepass, build_summaries
 from .descriptors import ensure_allocator, tma_ok
-from .launch import FastLaunch, _triton_int_specialisation, class_launch_key, current_stream, launch_key
+from .launch import (FastLaunch, _triton_int_specialisation, class_launch_key, current_stream,
+                     launch_key, written_outputs)
 from ..ir import Program, ProgramError
 from .triton_mode import check_interpreter_importable, enable_interpreter
 from .tile_configs import TileConfig
@@ -271,7 +272,7 @@ class Launcher:
         sizes = [rows * w for w in self.ks.scratch.values()]
         # one scratch allocation, cut into the fold states (each 16-byte aligned)
         pad = [-(-n // 4) * 4 for n in sizes]
-        buf = torch.empty(sum(pad), dtype=torch.float32, device=args[0].device)
+        buf = written_outputs([((sum(pad),), torch.float32)], args[0].device)[0]
         ws = [buf[at:at + n] for n, at in zip(sizes, itertools.accumulate([0] + pad))]
         if self.config.fused:
             sem = self._semaphores(args[0].device, stream)
