@@ -127,17 +127,25 @@ def capture_step(fn, q, k, v, g, warmups: int = 3):
     return graph, grads
 
 
-def graph_ms(fn, q, k, v, g) -> tuple[float, float]:
-    """(median ms of one fwd+bwd replayed from a CUDA graph, max abs difference between
-    the replayed gradients and the called step's), on leaves of its own."""
+def side_capture(fn, q, k, v, g) -> tuple:
+    """(a CUDA graph of one fwd+bwd, its gradient tensors, the side stream, the leaves and
+    cotangent it was captured on): leaves of its own, made on that stream (see
+    ``capture_step``)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        gg = g.clone()
-        graph, grads = capture_step(fn, qg, kg, vg, gg)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)] + [g.clone()]
+        graph, grads = capture_step(fn, *leaves)
+    return graph, grads, side, leaves
+
+
+def graph_ms(fn, q, k, v, g) -> tuple[float, float]:
+    """(median ms of one fwd+bwd replayed from a CUDA graph, max abs difference between
+    the replayed gradients and the called step's), on leaves of its own."""
+    graph, grads, side, leaves = side_capture(fn, q, k, v, g)
+    with torch.cuda.stream(side):
         graph.replay()
-        called = step(fn, qg, kg, vg, gg)
+        called = step(fn, *leaves)
     torch.cuda.synchronize()
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, called))
     return do_bench(graph.replay, return_mode="median"), diff
@@ -288,24 +296,20 @@ def host_profile(S: int, dtype, variant: str = "causal") -> str:
 def device_kernels(fn, q, k, v, g, steps: int = 20) -> tuple[float, str]:
     """(device microseconds per fwd+bwd, one line per kernel: time per step, launches
     per step, name), from the profiler over ``steps`` warm steps."""
-    from host_profile import kernel_times
-    times = sorted(kernel_times(lambda: step(fn, q, k, v, g), steps, warmup=steps),
-                   key=lambda t: -t[1])
-    lines = "\n".join(f"  {us:8.1f} us  x{n}  {name[:90]}" for name, us, n in times)
-    return sum(us for _, us, _ in times), lines
+    return _kernel_table(lambda: step(fn, q, k, v, g), steps, warmup=steps)
 
 
 def graph_kernels(fn, q, k, v, g, replays: int = 20) -> tuple[float, str]:
     """``device_kernels`` of one fwd+bwd captured in a CUDA graph (as ``graph_ms``
     captures it) and replayed."""
-    from host_profile import kernel_times
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        graph, _ = capture_step(fn, qg, kg, vg, g.clone())
+    graph = side_capture(fn, q, k, v, g)[0]
     torch.cuda.synchronize()
-    times = sorted(kernel_times(graph.replay, replays, warmup=3), key=lambda t: -t[1])
+    return _kernel_table(graph.replay, replays, warmup=3)
+
+
+def _kernel_table(call, calls: int, warmup: int) -> tuple[float, str]:
+    from host_profile import kernel_times
+    times = sorted(kernel_times(call, calls, warmup=warmup), key=lambda t: -t[1])
     lines = "\n".join(f"  {us:8.1f} us  x{n}  {name[:90]}" for name, us, n in times)
     return sum(us for _, us, _ in times), lines
 
