@@ -1,7 +1,7 @@
 """Where the time goes: host overhead vs GPU time, and what the compiler made of a kernel.
 
     python bench/diagnose.py overhead [--ops causal-dc alibi-dc ...] [--seqs 512 2048]
-    python bench/diagnose.py compiled [--ops global-pf] [--seqs 8192]
+    python bench/diagnose.py compiled [--ops global-pf] [--seqs 8192] [--wide]
     python bench/diagnose.py loop --ops global-pf --seqs 8192   # for ncu: a few launches
 
 ``overhead`` times each call three ways: ``do_bench`` of the full call (what
@@ -10,7 +10,9 @@ CUDA graph) and the host time per call (a loop of calls without synchronising). 
 the host time exceeds the GPU time, the call is launch-bound and a faster kernel cannot
 show.  The same for SDPA and FlexAttention.
 ``compiled`` prints every timed config of the chosen candidate with registers, spills,
-shared memory and whether the tensor-core ops are Hopper ``wgmma``.
+shared memory and whether the tensor-core ops are Hopper ``wgmma``; with ``--wide`` also
+a grid of pointer-load tiles wider than the offered one (row blocks 32-128 x key blocks
+32-128 x 4/8 warps x 2-5 stages), to see whether the offered grid holds the best tile.
 """
 from __future__ import annotations
 
@@ -73,6 +75,24 @@ def overhead(op, S):
               f"{'—' if c.measured_ms is None else f'{c.measured_ms * 1e3:.1f} us'} {c.status}")
 
 
+WIDE = False
+
+
+def wide_grid(ks) -> list:
+    """Pointer-load tiles beyond ``candidate_configs``' handful (``--wide``)."""
+    from neptune_eq.runtime.tile_configs import TileConfig, _tiled_blocks
+    out = []
+    for bi in (32, 64, 128):
+        for bl in (32, 64, 128):
+            for w in (4, 8):
+                for st in (2, 3, 4, 5):
+                    if bi * bl > 128 * 64 and st > 3 or bi < 16 * w // 4 * 2 and w == 8:
+                        continue  # (shared memory; 8 warps need 32+ rows)
+                    out.append(TileConfig({k: bi if k == f"B_{ks.block_axis}" else bl
+                                           for k in _tiled_blocks(ks)}, w, st))
+    return out
+
+
 def compiled(op, S):
     """Every config the timer may compile (pointer, TMA, warp-specialised; pruned as the
     timer prunes them): time, registers, spills, shared memory, and what the PTX uses.
@@ -91,6 +111,9 @@ def compiled(op, S):
     print(f"{op} S={S}: {kern.chosen_row.structure}; chosen [{kern.config}]")
     configs = prune_configs(kern.plan, candidate_configs(ks, "cuda"),
                             device_for(torch.cuda.get_device_name()))
+    if WIDE:
+        seen = {str(c) for c in configs}
+        configs += [c for c in wide_grid(ks) if str(c) not in seen]
     records = []
     for cfg in configs:
         try:
@@ -152,9 +175,10 @@ def main():
                     choices=list(nb.OPS))
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--wide", action="store_true", help="compiled: also a wider tile grid")
     a = ap.parse_args()
-    global PEERS
-    PEERS = not a.no_peers
+    global PEERS, WIDE
+    PEERS, WIDE = not a.no_peers, a.wide
     fn = {"overhead": overhead, "compiled": compiled, "loop": loop, "hostprofile": hostprofile}[a.what]
     for S in a.seqs:
         for op in a.ops:

@@ -138,31 +138,160 @@ def engine_split(kw, q, k, v, g, reps: int = 200) -> dict:
             "split_run_backward": med["run"]}
 
 
-def call_profile(kw, q, k, v, g, calls: int = 500) -> str:
-    """cProfile of ``calls`` direct calls of the first backward kernel (own time)."""
+def _profiled(fn, calls: int) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (20 warm-up calls first), by own time."""
     import cProfile
     import io
     import pstats
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+    return buf.getvalue()
+
+
+def run_backward_profile(kw, q, k, v, g, calls: int = 300) -> str:
+    """cProfile of ``flex_backward.run_backward`` called directly (our backward's host work
+    less the autograd engine)."""
+    args = backward_args(kw, q, k, v, g)
+    return _profiled(lambda: flex_backward.run_backward(*args), calls)
+
+
+def call_profile(kw, q, k, v, g, calls: int = 500) -> str:
+    """cProfile of ``calls`` direct calls of each backward kernel this step runs (own
+    time), on the row statistics its pre-pass made, as ``run_backward`` calls them."""
     args = backward_args(kw, q, k, v, g)
     skey, q_, k_, v_, captured, out, lse, d_out, d_lse, needs = args
     st = flex.STRUCTURES[skey]
     names, _, sizes, env = flex_backward.backward_env(st, q_, k_, v_, captured, out, lse,
                                                       d_out, d_lse)
-    groups = flex_backward.gradient_groups(names, needs, True)
-    bw, kern = next(flex_backward.group_kernels(st, groups, sizes, d_lse is not None, env))[1][:2]
-    a = [env[ph.name] for ph in bw.program.inputs]
-    for _ in range(20):
-        kern(*a)
+    groups = flex_backward.chosen_groups(st, names, needs, sizes, d_lse is not None, env)
+    parts = []
+    for group, built in flex_backward.group_kernels(st, groups, sizes, d_lse is not None, env):
+        bw, kern, _, _, stats, pre = built
+        if pre is not None:
+            first, rows = pre
+            res = rows(*[env[ph.name] for ph in first.program.inputs])
+            env.update(zip(stats, res if isinstance(res, tuple) else (res,)))
+        a = [env[ph.name] for ph in bw.program.inputs]
+        parts.append(f"== kernel {''.join(group)} ==\n" + _profiled(lambda: kern(*a), calls))
+    return "\n".join(parts)
+
+
+def backward_trace(kw, q, k, v, g, steps: int = 30) -> str:
+    """torch.profiler's CPU ops (every thread: the autograd engine runs a CUDA backward on
+    its device thread, where cProfile in this one cannot see) of ``steps`` backward calls of
+    ours, the forward outside the trace: what the engine does around our Function."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    outs = []
+    for _ in range(steps + 5):
+        outs.append(ne.flex_attention(q, k, v, **kw))
+    for o in outs[:5]:
+        torch.autograd.grad(o, (q, k, v), g)
     torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(calls):
-        kern(*a)
-    pr.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
-    return buf.getvalue()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for o in outs[5:]:
+            with record_function("grad_call"):
+                torch.autograd.grad(o, (q, k, v), g)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+
+
+def _gluon_launchers() -> list:
+    """Every ``GluonLauncher`` alive in this process (``type``, not ``isinstance``: the
+    heap holds weak proxies of dead objects, which ``isinstance`` would dereference)."""
+    import gc
+    from neptune_eq.runtime.gluon_launch import GluonLauncher
+    return [o for o in gc.get_objects() if type(o) is GluonLauncher]
+
+
+def gluon_launches() -> dict:
+    """Per Gluon launcher this process made: whether its fast launch is on, and how many
+    of its checked kernels launch with encoded descriptors (``runtime/tma_launch.py``)
+    and how many maps they keep -- the evidence that a host-time A/B ran that path."""
+    from neptune_eq.runtime.launch import _hook_source
+    src, enter, exit_ = _hook_source()
+    out = {"hooks": f"{getattr(src, enter)!r} / {getattr(src, exit_)!r}"}
+    for la in _gluon_launchers():
+        encs = [e for _, e in la._encoded.values()]
+        out[f"{la.form.name}@{id(la):x}"] = (
+            f"fast {la.fast_ok} {la.fast_reason}; encoded {sum(e is not None for e in encs)}"
+            f"/{len(encs)} kernels, {sum(len(e.maps) for e in encs if e is not None)} maps")
+    return out
+
+
+def encoded_ab(kw, q, k, v, g, rounds: int = 6) -> dict:
+    """Host microseconds of session 31's two launch changes, alternated ``rounds`` times in
+    this process (separate processes on the lent machine moved the same segment by up to
+    2x): ``before`` -- Triton 3.6's always-present hook chains passed to every launch, with
+    its metadata made (``runtime.launch.launch_hooks`` as if every hook were set), and
+    descriptors encoded per call; ``hooks`` -- empty chains passed as None; ``both`` --
+    and the Gluon kernels' descriptors encoded once per address (``runtime/tma_launch.py``).
+    Per mode: ``run_backward`` called directly (synchronised before each call) and the
+    eager fwd+bwd step in a loop without synchronising."""
+    from neptune_eq.runtime import launch, tma_launch
+    args = backward_args(kw, q, k, v, g)
+    real_set = launch._set
+
+    def step():
+        torch.autograd.grad(ne.flex_attention(q, k, v, **kw), (q, k, v), g)
+    modes = ("before", "hooks", "both")
+    got = {f"ab_{m}_{w}": [] for m in modes for w in ("run_backward", "step")}
+    try:
+        for _ in range(rounds):
+            for mode in modes:
+                tma_launch.ENABLED = mode == "both"
+                launch._set = real_set if mode != "before" else (lambda hook: hook)
+                for la in _gluon_launchers():
+                    la._encoded.clear()
+                got[f"ab_{mode}_run_backward"].append(
+                    round(host_us(lambda: flex_backward.run_backward(*args)), 1))
+                got[f"ab_{mode}_step"].append(round(loop_us(step), 1))
+    finally:
+        tma_launch.ENABLED, launch._set = True, real_set
+    return got
+
+
+def engine_baseline(reps: int = 300) -> dict:
+    """Host microseconds of ``torch.autograd.grad`` through one trivial Python
+    ``autograd.Function`` on CUDA tensors (backward returns its cotangent), against calling
+    that backward directly: what the engine costs any Python-defined backward -- ours and
+    FlexAttention's -- before its own work.  Then the same with a backward that spends
+    ~200 us of Python, to see whether the engine's share grows with the work."""
+    class Ident(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class Busy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 2e-4:
+                pass
+            return g
+    x = torch.randn(1024, device="cuda", requires_grad=True)
+    g = torch.randn(1024, device="cuda")
+    row = {}
+    for name, fn in (("trivial", Ident), ("busy_200us", Busy)):
+        row[f"engine_{name}_grad"] = host_us(lambda: torch.autograd.grad(fn.apply(x), x, g), reps)
+        row[f"engine_{name}_forward"] = host_us(lambda: fn.apply(x), reps)
+    return row
 
 
 def main() -> None:
@@ -173,9 +302,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="measure each variant this often")
     ap.add_argument("--detail", action="store_true",
                     help="also split the backward's host time and profile one kernel call")
+    ap.add_argument("--encoded-ab", action="store_true",
+                    help="also this session's launch changes on/off, alternated in this process")
+    ap.add_argument("--engine-baseline", action="store_true",
+                    help="also what the autograd engine costs a trivial Python backward")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.engine_baseline:
+        row = {"variant": "engine_baseline", "device": torch.cuda.get_device_name(),
+               **engine_baseline()}
+        print(json.dumps({k: round(x, 1) if isinstance(x, float) else x for k, x in row.items()}),
+              flush=True)
+        with open(out / "step_host.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
     flex_c = torch.compile(flex_attention)
     S = a.S
     for name in a.variants.split(",") * a.rounds:
@@ -186,9 +326,19 @@ def main() -> None:
                                 "ours_"))
             row.update(segments(lambda q, k, v: flex_c(q, k, v, **kw), q, k, v, g, "flex_"))
             row.update(ours_pieces(kw, q, k, v, g))
+            if a.encoded_ab:
+                row.update(encoded_ab(kw, q, k, v, g))
+            row["gluon_launches"] = gluon_launches()
             if a.detail:
                 row.update(engine_split(kw, q, k, v, g))
-                (out / f"call_profile_{name}.txt").write_text(call_profile(kw, q, k, v, g))
+                for what, fn in (("backward_trace", backward_trace),
+                                 ("run_backward_profile", run_backward_profile),
+                                 ("call_profile", call_profile)):
+                    try:
+                        text = fn(kw, q, k, v, g)
+                    except Exception as e:  # noqa: BLE001 - the next detail still runs
+                        text = f"failed: {type(e).__name__}: {e}"
+                    (out / f"{what}_{name}.txt").write_text(text)
         except Exception as e:  # noqa: BLE001 - recorded, the next row runs
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps({k: round(x, 1) if isinstance(x, float) else x

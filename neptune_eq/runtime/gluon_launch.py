@@ -23,7 +23,8 @@ from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
 from .tile_order import one_tile_per_program, tile_order, tile_work
-from .launch import FastLaunch, current_stream, int_classes, written_outputs
+from .launch import FastLaunch, current_stream, int_classes, launch_hooks, written_outputs
+from .tma_launch import EncodedLaunch
 from .launcher import Launcher, import_source, same_outputs
 from .tile_configs import TileConfig
 
@@ -127,34 +128,36 @@ class GluonLauncher:
         self._launch = FastLaunch(self.fn, self.grid, self.consts, {"num_warps": 4})
         self._checked: dict = {}
         self._described: dict = {}  # descriptor slot -> (signature, its fields but the base)
+        self._encoded: dict = {}  # id(compiled kernel) -> (it, its EncodedLaunch or None)
         self.fast_ok = os.environ.get("NEPTUNE_EQ_FAST_LAUNCH", "1") != "0"
         self.fast_reason = "" if self.fast_ok else "off (NEPTUNE_EQ_FAST_LAUNCH=0)"
 
     def _descriptors(self, tensors: dict, reuse: bool = False) -> list:
-        """The host TMA descriptors of the streamed and resident tiles.  With ``reuse``
-        (a replay), a tensor of the signature its slot last described -- shape, strides,
-        dtype -- at a 16-byte aligned address gets that descriptor's fields with only its
-        base replaced: constructing them (a view, the dataclass's checks) took about a
-        quarter of a causal fwd+bwd's host time at S=2048 (11 descriptors a step, 245 of
-        ~1600 us under cProfile, H200 host, session 30).  The kept fields hold no tensor."""
+        """The host TMA descriptors of the streamed and resident tiles (``_descriptor``)."""
+        return [self._descriptor(k, tensors[name], reuse) for k, (name, _, _) in
+                enumerate(self._tiles)]
+
+    def _descriptor(self, k: int, t, reuse: bool = False):
+        """Slot ``k``'s host TMA descriptor over ``t``.  With ``reuse`` (a replay), a tensor
+        of the signature its slot last described -- shape, strides, dtype -- at a 16-byte
+        aligned address gets that descriptor's fields with only its base replaced:
+        constructing them (a view, the dataclass's checks) took about a quarter of a causal
+        fwd+bwd's host time at S=2048 (11 descriptors a step, 245 of ~1600 us under
+        cProfile, H200 host, session 30).  The kept fields hold no tensor."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        out = []
-        for k, (name, block, layout) in enumerate(self._tiles):
-            t = tensors[name]
-            flat = t.view(-1, t.shape[-1])
-            kept = self._described.get(k) if reuse else None
-            if kept is not None and kept[0] == (t.shape, t.stride(), t.dtype) \
-                    and not t.data_ptr() & 15:
-                d = object.__new__(TensorDescriptor)
-                d.__dict__.update(kept[1])
-                d.base = flat
-                out.append(d)
-                continue
-            d = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
-            self._described[k] = ((t.shape, t.stride(), t.dtype),
-                                  {f: v for f, v in d.__dict__.items() if f != "base"})
-            out.append(d)
-        return out
+        _, block, layout = self._tiles[k]
+        flat = t.view(-1, t.shape[-1])
+        kept = self._described.get(k) if reuse else None
+        if kept is not None and kept[0] == (t.shape, t.stride(), t.dtype) \
+                and not t.data_ptr() & 15:
+            d = object.__new__(TensorDescriptor)
+            d.__dict__.update(kept[1])
+            d.base = flat
+            return d
+        d = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout)
+        self._described[k] = ((t.shape, t.stride(), t.dtype),
+                              {f: v for f, v in d.__dict__.items() if f != "base"})
+        return d
 
     def _pointers(self, tensors: dict, dev: int) -> list:
         """The kernel's pointer arguments, in order."""
@@ -174,15 +177,19 @@ class GluonLauncher:
         return ints, int_classes(ints)
 
     def _args(self, tensors: dict, integers: tuple | None = None) -> tuple[list, tuple]:
-        """The kernel's arguments and the key a checked fast launch is reused under;
-        ``integers``: ``integer_args`` of these tensors' signature, if known (a replay:
-        its descriptors are then made from the kept ones, ``_descriptors``)."""
+        """The kernel's arguments and the key a checked fast launch is reused under."""
+        rest, key = self._rest(tensors, integers)
+        return self._descriptors(tensors) + rest, key
+
+    def _rest(self, tensors: dict, integers: tuple | None = None) -> tuple[list, tuple]:
+        """(the kernel's arguments after its descriptors, the launch key); ``integers``:
+        ``integer_args`` of these tensors' signature, if known (a replay)."""
         import torch
         dev = torch.cuda.current_device()
         ptrs = self._pointers(tensors, dev)
         ints, classes = integers or self.integer_args(tensors)
         key = (dev, tuple([t.data_ptr() & 15 == 0 for t in ptrs]), classes)
-        return self._descriptors(tensors, reuse=integers is not None) + ptrs + ints, key
+        return ptrs + ints, key
 
     def _summarised(self, tensors: dict) -> tuple[dict, tuple | None]:
         """``tensors`` with fresh (unfilled) summaries -- and a dynamic walk's
@@ -198,13 +205,29 @@ class GluonLauncher:
         sums, launch, args, ints = self._pre.prepare(tensors)
         return {**tensors, **sums}, (launch, args + ints, int_classes(ints))
 
-    def _fast(self, ck: tuple, pre, args: list, stream) -> None:
-        """The checked launches of a call: pre-pass, ranges kernel, the form."""
+    def _fast(self, ck: tuple, pre, tensors: dict, rest: list, stream,
+              reuse: bool = False) -> None:
+        """The checked launches of a call: pre-pass, ranges kernel, the form (``rest``:
+        its arguments after the descriptors, ``_rest``)."""
         if pre:
             pre[0].fast(ck[0], pre[1], stream)
         if self._ranges is not None:
-            self._ranges.fast(ck[2], args[len(self.form.descs):], stream)
-        self._launch.fast(ck[1], args, stream)
+            self._ranges.fast(ck[2], rest, stream)
+        self._launch_form(ck[1], tensors, rest, stream, reuse)
+
+    def _launch_form(self, ck, tensors: dict, rest: list, stream, reuse: bool) -> None:
+        """The form's checked launch: through ``tma_launch.EncodedLaunch`` (descriptors
+        encoded once per address) where this Triton's launcher allows it and no launch
+        hook (a profiler's) is set, else ``FastLaunch`` with descriptors made here."""
+        enc = self._encoded.get(id(ck))
+        if enc is None:
+            enc = self._encoded[id(ck)] = (ck, EncodedLaunch.of(ck, len(self._tiles)))
+        if enc[1] is None or launch_hooks(self._launch._hooks) != (None, None):
+            self._launch.fast(ck, self._descriptors(tensors, reuse) + rest, stream)
+            return
+        enc[1].launch(self._launch.grid, stream, [tensors[n] for n, _, _ in self._tiles],
+                      lambda k: self._descriptor(k, tensors[self._tiles[k][0]], reuse),
+                      rest + self._launch.const_values)
 
     def _slow(self, pre, args: list) -> tuple:
         """Triton's own launches of a call, in order; what ``_fast`` replays."""
@@ -226,13 +249,13 @@ class GluonLauncher:
         for name in self.ks.scattered:  # every program adds its rows' terms into these
             tensors[name].zero_()
         tensors, pre = self._summarised(tensors)
-        args, key = self._args(tensors)
+        rest, key = self._rest(tensors)
         key = key + (pre[2] if pre else (),)  # the pre-pass's sizes count too
         ck = self._checked.get(key) if self.fast_ok else None
         if ck is not None:
-            self._fast(ck, pre, args, current_stream(key[0]))
+            self._fast(ck, pre, tensors, rest, current_stream(key[0]))
             return
-        ck = self._slow(pre, args)
+        ck = self._slow(pre, self._descriptors(tensors) + rest)
         if self.fast_ok:
             self._check_fast(tensors, key, ck)
 
@@ -244,12 +267,12 @@ class GluonLauncher:
         fresh = {n: (torch.zeros_like if n in self.ks.scattered else torch.empty_like)(tensors[n])
                  for n in self.program.outputs}
         fresh, pre = self._summarised({**tensors, **fresh})
-        args, key2 = self._args(fresh)
+        rest, key2 = self._rest(fresh)
         if key2 + (pre[2] if pre else (),) != key:
             return  # fresh outputs align differently: check on a later call
         compared = list(self.program.outputs) + [s.name for s in self.ks.summaries]
         try:
-            self._fast(ck, pre, args, current_stream(key[0]))
+            self._fast(ck, pre, fresh, rest, current_stream(key[0]))
             same = same_outputs(self.ks, tensors, fresh, compared)
         except Exception as e:  # noqa: BLE001 - Triton internals differ: keep its launch
             self.fast_ok, self.fast_reason = False, f"off: direct launch failed ({e})"
@@ -303,12 +326,12 @@ class GluonBoundCall:
         tensors = {**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))}
         la = self.launcher
         if la.fast_ok:
-            args, key = la._args(tensors, self.integers)
+            rest, key = la._rest(tensors, self.integers)
             ck = la._checked.get(key + ((),))  # (no pre-pass: its part of the key is empty)
             if ck is not None:
                 for k in self.zeroed:  # every program adds its rows' terms into these
                     outs[k].zero_()
-                la._launch.fast(ck[1], args, current_stream(key[0]))
+                la._launch_form(ck[1], tensors, rest, current_stream(key[0]), reuse=True)
                 return outs
         la(tensors)
         return outs

@@ -29,6 +29,27 @@ def _hook_source():
         return CompiledKernel, "launch_enter_hook", "launch_exit_hook"
 
 
+def _set(hook):
+    """``hook`` if it would call anything: Triton 3.6 on keeps its launch hooks in an
+    always-present ``HookChain`` (a list of calls, empty unless a profiler added one);
+    before, a hook was a callable or None."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
+
+
+def launch_hooks(hooks: tuple) -> tuple:
+    """(enter, exit) hooks to hand a launch, from ``_hook_source()``'s triple: both None
+    when neither would call anything, so the launch makes no metadata for them and the
+    launcher calls nothing (as with no hook set; a profiler started later adds its hook
+    to the chain, read here on every launch)."""
+    src, enter_name, exit_name = hooks
+    enter, exit_ = _set(getattr(src, enter_name)), _set(getattr(src, exit_name))
+    if enter is None and exit_ is None:
+        return None, None
+    return getattr(src, enter_name), getattr(src, exit_name)
+
+
 def current_stream(device: int):
     from triton.runtime import driver
     return driver.active.get_current_stream(device)
@@ -115,8 +136,7 @@ class FastLaunch:
         return self.fn[self.grid](*args, **self.consts, **self.options)
 
     def fast(self, ck, args: list, stream) -> None:
-        src, enter_name, exit_name = self._hooks
-        enter, exit_ = getattr(src, enter_name), getattr(src, exit_name)
+        enter, exit_ = launch_hooks(self._hooks)
         # the launch's metadata is read by a hook only (a profiler's): none set, none made
         # (the kernel's handles were set up by the checked launch this one repeats)
         meta = (ck.launch_metadata(self.grid, stream, *args, *self.const_values)
