@@ -3,6 +3,7 @@
     python bench/diagnose.py overhead [--ops causal-dc alibi-dc ...] [--seqs 512 2048]
     python bench/diagnose.py compiled [--ops global-pf] [--seqs 8192] [--wide]
     python bench/diagnose.py loop --ops global-pf --seqs 8192   # for ncu: a few launches
+    python bench/diagnose.py launchab --ops causal-dc gqa-dc --seqs 512 2048
 
 ``overhead`` times each call three ways: ``do_bench`` of the full call (what
 neptune_ops.py reports), ``do_bench_cudagraph`` (GPU time only: launches replayed from a
@@ -168,9 +169,40 @@ def loop(op, S, n=5):
         print(f"{op} S={S}: {n} launches of {name} done", flush=True)
 
 
+def launchab(op, S, rounds=6):
+    """Host microseconds per warm call (a loop without sync, ``host_profile.loop_us``) of
+    session 31's launch changes, alternated ``rounds`` times in this process: ``before``
+    (Triton 3.6's empty hook chains passed to every launch, with its metadata made;
+    ``CompiledKernel.run`` called), ``hooks`` (empty chains passed as None) and ``raw``
+    (and the compiled launcher called directly, ``launch.raw_launcher``).  The outputs of
+    every mode must be bit-identical."""
+    import gc
+    from neptune_eq.runtime import launch
+    kern, args, *_ = _setup(op, S)
+    real_set, real_raw = launch._set, launch.RAW
+    modes = {"before": (lambda hook: hook, False), "hooks": (real_set, False),
+             "raw": (real_set, True)}
+    got, outs = {m: [] for m in modes}, {}
+    try:
+        for _ in range(rounds):
+            for mode, (hooks, raw) in modes.items():
+                launch._set, launch.RAW = hooks, raw
+                for fl in [o for o in gc.get_objects() if type(o) is launch.FastLaunch]:
+                    fl._raw.clear()
+                got[mode].append(_host_us(lambda: kern(*args)))
+                outs[mode] = kern(*args)
+    finally:
+        launch._set, launch.RAW = real_set, real_raw
+    same = all(torch.equal(outs[m], outs["before"]) for m in outs)
+    med = {m: sorted(x)[len(x) // 2] for m, x in got.items()}
+    print(f"{op} S={S} [{kern.config}]: host us per call, median of {rounds} alternated -- "
+          + ", ".join(f"{m} {med[m]:.1f} ({' '.join(f'{x:.0f}' for x in got[m])})" for m in got)
+          + f"; outputs bit-identical: {same}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["overhead", "compiled", "loop", "hostprofile"])
+    ap.add_argument("what", choices=["overhead", "compiled", "loop", "hostprofile", "launchab"])
     ap.add_argument("--ops", nargs="+", default=["causal-dc", "alibi-dc", "gqa-dc"],
                     choices=list(nb.OPS))
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 8192])
@@ -179,7 +211,8 @@ def main():
     a = ap.parse_args()
     global PEERS, WIDE
     PEERS, WIDE = not a.no_peers, a.wide
-    fn = {"overhead": overhead, "compiled": compiled, "loop": loop, "hostprofile": hostprofile}[a.what]
+    fn = {"overhead": overhead, "compiled": compiled, "loop": loop, "hostprofile": hostprofile,
+          "launchab": launchab}[a.what]
     for S in a.seqs:
         for op in a.ops:
             try:

@@ -228,34 +228,38 @@ def gluon_launches() -> dict:
 
 
 def encoded_ab(kw, q, k, v, g, rounds: int = 6) -> dict:
-    """Host microseconds of session 31's two launch changes, alternated ``rounds`` times in
-    this process (separate processes on the lent machine moved the same segment by up to
-    2x): ``before`` -- Triton 3.6's always-present hook chains passed to every launch, with
-    its metadata made (``runtime.launch.launch_hooks`` as if every hook were set), and
-    descriptors encoded per call; ``hooks`` -- empty chains passed as None; ``both`` --
-    and the Gluon kernels' descriptors encoded once per address (``runtime/tma_launch.py``).
-    Per mode: ``run_backward`` called directly (synchronised before each call) and the
-    eager fwd+bwd step in a loop without synchronising."""
+    """Host microseconds of session 31's launch changes, alternated ``rounds`` times in this
+    process (separate processes on the lent machine moved the same segment by up to 2x):
+    ``before`` -- Triton 3.6's always-present hook chains passed to every launch, with its
+    metadata made, ``CompiledKernel.run`` called and descriptors encoded per call;
+    ``raw`` -- empty chains passed as None and the compiled launcher called directly
+    (``runtime.launch.raw_launcher``); ``all`` -- and the Gluon kernels' descriptors
+    encoded once per address (``runtime/tma_launch.py``).  Per mode: ``run_backward``
+    called directly (synchronised before each call) and the eager fwd+bwd step in a loop
+    without synchronising."""
+    import gc
     from neptune_eq.runtime import launch, tma_launch
     args = backward_args(kw, q, k, v, g)
     real_set = launch._set
 
     def step():
         torch.autograd.grad(ne.flex_attention(q, k, v, **kw), (q, k, v), g)
-    modes = ("before", "hooks", "both")
+    modes = {"before": (lambda hook: hook, False, False), "raw": (real_set, True, False),
+             "all": (real_set, True, True)}
     got = {f"ab_{m}_{w}": [] for m in modes for w in ("run_backward", "step")}
     try:
         for _ in range(rounds):
-            for mode in modes:
-                tma_launch.ENABLED = mode == "both"
-                launch._set = real_set if mode != "before" else (lambda hook: hook)
+            for mode, (hooks, raw, encoded) in modes.items():
+                launch._set, launch.RAW, tma_launch.ENABLED = hooks, raw, encoded
                 for la in _gluon_launchers():
                     la._encoded.clear()
+                for fl in [o for o in gc.get_objects() if type(o) is launch.FastLaunch]:
+                    fl._raw.clear()
                 got[f"ab_{mode}_run_backward"].append(
                     round(host_us(lambda: flex_backward.run_backward(*args)), 1))
                 got[f"ab_{mode}_step"].append(round(loop_us(step), 1))
     finally:
-        tma_launch.ENABLED, launch._set = True, real_set
+        launch._set, launch.RAW, tma_launch.ENABLED = real_set, True, True
     return got
 
 

@@ -510,8 +510,14 @@ def _wrapped_kernel(indices=(0, 1), prefix=13, scratch=0):
     ns = {"_BASE_ARGS_FORMAT_LEN": prefix, "make_tensordesc_arg": encode}
     exec(_WRAPPER, ns)
     inner = ns["wrap"](lambda *a: launched.append(a), set(indices), ["m0", "m1"])
-    run = NS(launch=inner, launch_cooperative_grid=False, launch_pdl=True,
-             global_scratch_size=scratch, profile_scratch_size=0)
+
+    class CudaLauncher:  # Triton 3.6's call: scratch goes in before the metadata
+        launch_cooperative_grid, launch_pdl, profile_scratch_size = False, True, 0
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, False, True, None, None, *args)
+    run = CudaLauncher()
+    run.launch, run.global_scratch_size = inner, scratch
     return NS(run=run, function="fn", packed_metadata="meta"), launched, encoded
 
 
@@ -530,8 +536,7 @@ def test_a_descriptor_is_encoded_once_per_address_and_launched_as_triton_would()
     def desc(t):
         return {"ptr": t.data_ptr(), "shape": list(t.shape), "strides": list(t.stride())}
     # Triton's own path: CudaLauncher.__call__ with no scratch, then the wrapper
-    ck.run.launch(2, 1, 1, "s", "fn", False, True, None, None, "meta", None, None, None,
-                  desc(a), desc(b), 5, "ptr", 16)
+    ck.run(2, 1, 1, "s", "fn", "meta", None, None, None, desc(a), desc(b), 5, "ptr", 16)
     made = []
     enc.launch((2, 1, 1), "s", [a, b], lambda k: made.append(k) or desc([a, b][k]),
                [5, "ptr", 16])
@@ -597,8 +602,50 @@ def test_an_encoded_launch_is_offered_only_for_the_wrapper_it_knows(monkeypatch)
     assert EncodedLaunch.of(_wrapped_kernel()[0], 3) is None
     plain = NS(run=NS(launch=print, global_scratch_size=0, profile_scratch_size=0))
     assert EncodedLaunch.of(plain, 2) is None and EncodedLaunch.of("compiled", 1) is None
+    later, _, _ = _wrapped_kernel()  # a launcher taking metadata and hooks before scratch
+    type(later.run).__call__ = lambda self, gx, gy, gz, st, fn, meta, lmeta, enter, exit_, *a: 0
+    assert EncodedLaunch.of(later, 2) is None
     monkeypatch.setattr(tma_launch, "ENABLED", False)
     assert EncodedLaunch.of(_wrapped_kernel()[0], 2) is None
+
+
+def test_a_fast_launch_calls_the_compiled_launcher_as_triton_3_6_would(monkeypatch):
+    """``launch.raw_launcher``: a checked fast launch calls the compiled launcher under
+    ``CompiledKernel.run`` directly, with exactly what 3.6's ``CudaLauncher.__call__``
+    passes it; a launcher with scratch to allocate, a Python launcher (a descriptor
+    wrapper), another call layout, or ``NEPTUNE_EQ_RAW_LAUNCH=0`` goes through ``run``."""
+    import functools
+    from types import SimpleNamespace as NS
+    from neptune_eq.runtime import launch
+    launched = []
+
+    class CudaLauncher:  # Triton 3.6's, as far as the direct call depends on it
+        launch_cooperative_grid, launch_pdl = False, True
+        global_scratch_size = profile_scratch_size = 0
+        launch = functools.partial(lambda *a: launched.append(("raw",) + a))  # not Python code
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            launched.append(("run",))
+            self.launch(gridX, gridY, gridZ, stream, function, False, True, None, None, *args)
+    ck = NS(run=CudaLauncher(), function="fn", packed_metadata="packed")
+    fl = launch.FastLaunch(lambda: None, (3,), {"B": 16}, {})
+    fl._hooks = (NS(enter=None, exit=None), "enter", "exit")
+    ck.run(3, 1, 1, "stream", "fn", "packed", None, None, None, "x", 7, 16)  # Triton's way
+    fl.fast(ck, ["x", 7], "stream")
+    assert launched[0] == ("run",) and launched[1] == launched[2] and len(launched) == 3
+    for change in ({"global_scratch_size": 64}, {"launch": lambda *a: None}):
+        other = NS(run=CudaLauncher(), function="fn", packed_metadata="packed")
+        for k, val in change.items():
+            setattr(other.run, k, val)
+        assert launch.raw_launcher(other) is None
+    later = NS(run=NS(launch=CudaLauncher.launch, global_scratch_size=0, profile_scratch_size=0,
+                      launch_cooperative_grid=False, launch_pdl=True))
+    assert launch.raw_launcher(later) is None  # (not 3.6's call layout)
+    monkeypatch.setattr(launch, "RAW", False)
+    fl2 = launch.FastLaunch(lambda: None, (3,), {"B": 16}, {})
+    fl2._hooks = fl._hooks
+    fl2.fast(ck, ["x", 7], "stream")
+    assert launched[-2] == ("run",) and launched[-1] == launched[1]
 
 
 def test_a_fast_launch_makes_the_launch_metadata_only_for_a_hook(monkeypatch):

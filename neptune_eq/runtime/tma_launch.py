@@ -18,14 +18,18 @@ is still right: a map holds no data.
 
 The wrapper's layout is Triton's internal, so ``EncodedLaunch.of`` checks it: a closure
 holding ``launcher``, ``tensordesc_indices`` and ``tensordesc_meta``, descriptors first
-in the signature, the driver's argument prefix of the length it expects, and no global or
-profile scratch.  Anything else gives None, and the caller keeps Triton's path.  As with
+in the signature, the driver's argument prefix of the length and order it expects (3.6's
+``CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)`` with scratch
+before the metadata; later Triton orders them otherwise), an encoder of (descriptor,
+metadata), and no global or profile scratch.  Anything else gives None, and the caller keeps Triton's path.  As with
 every fast launch, the first use under a launch key is checked bit for bit against
 Triton's own launch (``GluonLauncher._check_fast``).
 """
 from __future__ import annotations
 
 import os
+
+from .launch import positional
 
 KEEP = 256  # maps kept per compiled kernel (oldest dropped first)
 _PREFIX = 13  # grid (3), stream, function, cooperative, pdl, 2 scratch, metadata (2), hooks (2)
@@ -64,7 +68,8 @@ class EncodedLaunch:
         except (KeyError, AttributeError):
             return None
         if prefix != _PREFIX or sorted(indices) != list(range(n)) or not metas \
-                or len(metas) != n or not callable(raw):
+                or len(metas) != n or not callable(raw) \
+                or positional(type(run).__call__) != 6 or positional(encode) != 2:
             return None
         return cls(ck, raw, metas, encode)
 
