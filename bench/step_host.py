@@ -265,8 +265,8 @@ def encoded_ab(kw, q, k, v, g, rounds: int = 6) -> dict:
 
 def engine_baseline(reps: int = 300) -> dict:
     """Host microseconds of ``torch.autograd.grad`` through one trivial Python
-    ``autograd.Function`` on CUDA tensors (backward returns its cotangent), against calling
-    that backward directly: what the engine costs any Python-defined backward -- ours and
+    ``autograd.Function`` on CUDA tensors (backward returns its cotangent), beside its
+    forward alone: what the engine costs any Python-defined backward -- ours and
     FlexAttention's -- before its own work.  Then the same with a backward that spends
     ~200 us of Python, to see whether the engine's share grows with the work."""
     class Ident(torch.autograd.Function):
@@ -278,11 +278,7 @@ def engine_baseline(reps: int = 300) -> dict:
         def backward(ctx, g):
             return g
 
-    class Busy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
+    class Busy(Ident):
         @staticmethod
         def backward(ctx, g):
             t0 = time.perf_counter()
