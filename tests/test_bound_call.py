@@ -525,7 +525,7 @@ def test_a_descriptor_is_encoded_once_per_address_and_launched_as_triton_would()
     """``tma_launch.EncodedLaunch``: the raw launcher gets exactly the arguments Triton's
     descriptor wrapper would pass it, each slot's map encoded once per (address, shape,
     strides, dtype) and reused while they repeat -- a new address, shape or stride is
-    encoded afresh, and the oldest maps are dropped past ``KEEP``."""
+    encoded afresh, and the maps are dropped once ``KEEP`` are kept."""
     from neptune_eq.runtime import tma_launch
     from neptune_eq.runtime.tma_launch import EncodedLaunch
     ck, launched, encoded = _wrapped_kernel()
@@ -553,9 +553,8 @@ def test_a_descriptor_is_encoded_once_per_address_and_launched_as_triton_would()
     old = tma_launch.KEEP
     try:
         tma_launch.KEEP = len(enc.maps)
-        first = next(iter(enc.maps))
         enc.launch((1, 1, 1), "s", [c, c], lambda k: desc(c), [5])
-        assert first not in enc.maps and len(enc.maps) == tma_launch.KEEP
+        assert list(enc.maps) == [(k, c.data_ptr(), c.shape, c.stride(), c.dtype) for k in (0, 1)]
     finally:
         tma_launch.KEEP = old
 

@@ -31,7 +31,7 @@ import os
 
 from .launch import positional
 
-KEEP = 256  # maps kept per compiled kernel (oldest dropped first)
+KEEP = 256  # maps kept per compiled kernel (all dropped when full, as ``Kernel``'s replays)
 _PREFIX = 13  # grid (3), stream, function, cooperative, pdl, 2 scratch, metadata (2), hooks (2)
 ENABLED = os.environ.get("NEPTUNE_EQ_ENCODED_TMA", "1") != "0"
 
@@ -80,8 +80,8 @@ class EncodedLaunch:
         got = self.maps.get(key)
         if got is None:
             got = self.encode(descriptor(k), self.metas[k])
-            if len(self.maps) >= KEEP:
-                del self.maps[next(iter(self.maps))]
+            if len(self.maps) >= KEEP:  # (all at once: one step, safe beside other threads)
+                self.maps.clear()
             self.maps[key] = got
         return got
 
