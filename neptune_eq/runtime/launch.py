@@ -8,7 +8,8 @@ pointer's 16-byte alignment and the exact value of every integer argument, at le
 fine as Triton's own specialisation on alignment, ``== 1``, ``% 16`` and i32/i64), so a
 hit always reuses the kernel Triton itself would have picked.
 
-The direct call relies on Triton internals (``CompiledKernel.run``'s argument order),
+The direct call relies on Triton internals (``CompiledKernel.run``'s argument order, and
+on Triton 3.6 the compiled launcher's under it, ``raw_launcher``),
 so the first call under every key is *checked*: the fast launch must reproduce the
 normal launch bit for bit (``Launcher.__call__`` compares the outputs), else the fast
 path is switched off for good and ``reason`` says why.

@@ -7,7 +7,8 @@ it encodes each descriptor into a ``CUtensorMap`` (``make_tensordesc_arg``: the 
 encode call and the argument lists around it), after ``GluonLauncher`` has made a
 ``TensorDescriptor`` per slot.  Under cProfile that was 98 of 220 us per call of a causal
 dK/dV kernel (four descriptors) at S=2048 on the H200 host (session 31,
-``bench/step_host.py --detail``), and an eager training step makes two such calls.
+``bench/step_host.py --detail``), and an eager causal training step makes three such
+calls (the forward, dQ, dK/dV).
 
 A map depends only on the base address, the shape and strides, the element type, and the
 block and swizzle that the compiled kernel fixed.  So it is kept under those (per compiled
