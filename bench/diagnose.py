@@ -101,7 +101,7 @@ def compiled(op, S):
     import json
     from neptune_eq.choosing.choose import prune_configs
     from neptune_eq.choosing.costmodel import device_for
-    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.gluon_launch import make_launcher
     from neptune_eq.runtime.tile_configs import candidate_configs
     kern, args, *_ = _setup(op, S)
     bound = dict(zip([p.name for p in kern.program.inputs], args))
@@ -118,22 +118,20 @@ def compiled(op, S):
     records = []
     for cfg in configs:
         try:
-            la = Launcher(kern.program, ks, "cuda", cfg)
+            la = make_launcher(kern.program, ks, "cuda", cfg)  # (a gluon-ws config: the Gluon form)
             la(tensors)
             ms = do_bench(lambda: la(tensors), warmup=25, rep=100, return_mode="median")
-            run = la._pointer_twin or la  # a TMA config on unaligned inputs runs pointers
-            for fn in run.fns:
-                for ck in list(_compiled_kernels(fn))[-1:]:  # the one this config compiled
-                    ptx = ck.asm.get("ptx", "")
-                    rec = {"config": str(cfg), "us": ms * 1e3, "kernel": fn.__name__,
-                           "regs": ck.n_regs, "spills": ck.n_spills, "smem": ck.metadata.shared,
-                           "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx,
-                           "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
-                    records.append(rec)
-                    print(f"  [{cfg}] {ms * 1e3:8.1f} us  {fn.__name__}: regs {ck.n_regs} spills "
-                          f"{ck.n_spills} smem {ck.metadata.shared} wgmma {rec['wgmma']} "
-                          f"mma.sync {rec['mma_sync']} tma {rec['tma']} setmaxnreg {rec['setmaxnreg']}",
-                          flush=True)
+            for name, ck in _kernels_run(la):
+                ptx = ck.asm.get("ptx", "")
+                rec = {"config": str(cfg), "us": ms * 1e3, "kernel": name,
+                       "regs": ck.n_regs, "spills": ck.n_spills, "smem": ck.metadata.shared,
+                       "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx,
+                       "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
+                records.append(rec)
+                print(f"  [{cfg}] {ms * 1e3:8.1f} us  {name}: regs {ck.n_regs} spills "
+                      f"{ck.n_spills} smem {ck.metadata.shared} wgmma {rec['wgmma']} "
+                      f"mma.sync {rec['mma_sync']} tma {rec['tma']} setmaxnreg {rec['setmaxnreg']}",
+                      flush=True)
         except Exception as ex:  # noqa: BLE001
             msg = [x for x in str(ex).strip().splitlines() if x.strip()]
             records.append({"config": str(cfg), "failed": (msg[-1] if msg else type(ex).__name__)[:300]})
@@ -144,9 +142,18 @@ def compiled(op, S):
         {"gpu": torch.cuda.get_device_name(), "chosen": str(kern.config), "configs": records}, indent=1))
 
 
-def _compiled_kernels(fn):
-    for cache in fn.device_caches.values():
-        yield from cache[0].values()
+def _kernels_run(la) -> list:
+    """(name, CompiledKernel) of each kernel a launcher's calls run: those its checked fast
+    launch keeps (the very kernels of this config), else the last each JIT function
+    compiled (right only for a config compiled first in this process)."""
+    run = getattr(la, "_pointer_twin", None) or la  # a TMA config on unaligned inputs
+    checked = [v for k, v in run._checked.items() if k != "failed"]
+    if checked:
+        cks = [ck for ck in checked[0] if ck is not None and hasattr(ck, "n_regs")]
+        return [(ck.name, ck) for ck in cks]
+    fns = getattr(run, "fns", None) or [run.fn]
+    return [(fn.__name__, ck) for fn in fns
+            for ck in [c for cache in fn.device_caches.values() for c in cache[0].values()][-1:]]
 
 
 def hostprofile(op, S, n=2000):
