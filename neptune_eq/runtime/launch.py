@@ -129,22 +129,29 @@ def positional(fn) -> int:
     return code.co_argcount if code is not None else -1
 
 
-def raw_launcher(ck):
-    """The compiled launcher under ``ck.run`` (Triton 3.6's ``CudaLauncher``), where calling
-    it directly is what ``CudaLauncher.__call__`` would do: 3.6's call layout (grid,
-    stream and function, then the rest, ``positional`` 6 with ``self``), no global or
-    profile scratch to allocate, and a launcher that is not Python (no descriptor wrapper
-    to run: ``tma_launch`` takes those).  Else None, and ``ck.run`` is called as before.
-    It saves the call's frame, its two scratch closures and an argument copy: per warm
-    call of GQA decode at S=512 (two launches) 31.2 -> 29.0 us of host time, of alibi
-    decode at 2048 36.3 -> 33.0 (H200 host, alternated in one process, session 31,
-    ``bench/diagnose.py launchab``)."""
+def launcher_36(ck):
+    """``ck.run`` if it is Triton 3.6's ``CudaLauncher`` as the direct launches below rely
+    on it: its call layout (grid, stream and function, then the rest: ``positional`` 6
+    with ``self``; later Triton takes the metadata and hooks first), no global or profile
+    scratch to allocate, and its cooperative-grid and PDL flags; else None."""
     run = getattr(ck, "run", None)
-    raw = getattr(run, "launch", None)
-    if raw is None or hasattr(raw, "__code__") or not callable(raw) \
-            or positional(type(run).__call__) != 6 \
+    if run is None or positional(type(run).__call__) != 6 \
             or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) \
             or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
+        return None
+    return run
+
+
+def raw_launcher(ck):
+    """The compiled launcher under ``ck.run``, where calling it directly is what 3.6's
+    ``CudaLauncher.__call__`` would do (``launcher_36``) and it is not Python (no
+    descriptor wrapper to run: ``tma_launch`` takes those).  Else None, and ``ck.run`` is
+    called as before.  It saves the call's frame, its two scratch closures and an
+    argument copy: per warm call of GQA decode at S=512 (two launches) 31.2 -> 29.0 us of
+    host time, of alibi decode at 2048 36.3 -> 33.0 (H200 host, alternated in one
+    process, session 31, ``bench/diagnose.py launchab``)."""
+    raw = getattr(launcher_36(ck), "launch", None)
+    if raw is None or hasattr(raw, "__code__") or not callable(raw):
         return None
     return raw
 

@@ -17,12 +17,11 @@ tensors at the same addresses from torch's caching allocator, and a decode reads
 same cache.  A freed address that is reused with the same shape gets the same map, which
 is still right: a map holds no data.
 
-The wrapper's layout is Triton's internal, so ``EncodedLaunch.of`` checks it: a closure
-holding ``launcher``, ``tensordesc_indices`` and ``tensordesc_meta``, descriptors first
-in the signature, the driver's argument prefix of the length and order it expects (3.6's
-``CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)`` with scratch
-before the metadata; later Triton orders them otherwise), an encoder of (descriptor,
-metadata), and no global or profile scratch.  Anything else gives None, and the caller keeps Triton's path.  As with
+The wrapper's layout is Triton's internal, so ``EncodedLaunch.of`` checks it: 3.6's
+``CudaLauncher`` (``launch.launcher_36``: its call layout, no scratch), a closure holding
+``launcher``, ``tensordesc_indices`` and ``tensordesc_meta``, descriptors first in the
+signature, the driver's argument prefix of the length it expects, and an encoder of
+(descriptor, metadata).  Anything else gives None, and the caller keeps Triton's path.  As with
 every fast launch, the first use under a launch key is checked bit for bit against
 Triton's own launch (``GluonLauncher._check_fast``).
 """
@@ -30,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-from .launch import positional
+from .launch import launcher_36, positional
 
 KEEP = 256  # maps kept per compiled kernel (all dropped when full, as ``Kernel``'s replays)
 _PREFIX = 13  # grid (3), stream, function, cooperative, pdl, 2 scratch, metadata (2), hooks (2)
@@ -53,11 +52,9 @@ class EncodedLaunch:
         wrapper around a raw launcher with the ``n`` descriptors first; else None."""
         if not ENABLED:
             return None
-        run = getattr(ck, "run", None)
-        inner = getattr(run, "launch", None)
+        inner = getattr(launcher_36(ck), "launch", None)
         code, cells = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
-        if code is None or not cells or getattr(run, "global_scratch_size", 1) \
-                or getattr(run, "profile_scratch_size", 1):
+        if code is None or not cells:
             return None
         free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
         glob = getattr(inner, "__globals__", {})
@@ -65,12 +62,10 @@ class EncodedLaunch:
             raw, indices, metas = (free["launcher"], free["tensordesc_indices"],
                                    free["tensordesc_meta"])
             prefix, encode = glob["_BASE_ARGS_FORMAT_LEN"], glob["make_tensordesc_arg"]
-            run.launch_cooperative_grid, run.launch_pdl  # noqa: B018 - present?
-        except (KeyError, AttributeError):
+        except KeyError:
             return None
         if prefix != _PREFIX or sorted(indices) != list(range(n)) or not metas \
-                or len(metas) != n or not callable(raw) \
-                or positional(type(run).__call__) != 6 or positional(encode) != 2:
+                or len(metas) != n or not callable(raw) or positional(encode) != 2:
             return None
         return cls(ck, raw, metas, encode)
 
