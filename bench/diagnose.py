@@ -180,26 +180,24 @@ def launchab(op, S, rounds=6):
     """Host microseconds per warm call (a loop without sync, ``host_profile.loop_us``) of
     session 31's launch changes, alternated ``rounds`` times in this process: ``before``
     (Triton 3.6's empty hook chains passed to every launch, with its metadata made;
-    ``CompiledKernel.run`` called), ``hooks`` (empty chains passed as None) and ``raw``
-    (and the compiled launcher called directly, ``launch.raw_launcher``).  The outputs of
-    every mode must be bit-identical."""
-    import gc
-    from neptune_eq.runtime import launch
+    ``CompiledKernel.run`` called; so no Gluon descriptor is encoded once either),
+    ``hooks`` (empty chains passed as None, and so Gluon descriptors encoded once per
+    address) and ``raw`` (and the compiled launcher called directly,
+    ``launch.raw_launcher``).  The outputs of every mode must be bit-identical."""
+    from host_profile import launch_settings
     kern, args, *_ = _setup(op, S)
-    real_set, real_raw = launch._set, launch.RAW
-    modes = {"before": (lambda hook: hook, False), "hooks": (real_set, False),
-             "raw": (real_set, True)}
+    modes = {"before": (False, False, False), "hooks": (True, False, True),
+             "raw": (True, True, True)}
     got, outs = {m: [] for m in modes}, {}
+    restore = launch_settings()
     try:
         for _ in range(rounds):
-            for mode, (hooks, raw) in modes.items():
-                launch._set, launch.RAW = hooks, raw
-                for fl in [o for o in gc.get_objects() if type(o) is launch.FastLaunch]:
-                    fl._raw.clear()
+            for mode, switches in modes.items():
+                launch_settings(*switches)
                 got[mode].append(_host_us(lambda: kern(*args)))
                 outs[mode] = kern(*args)
     finally:
-        launch._set, launch.RAW = real_set, real_raw
+        restore()
     same = all(torch.equal(outs[m], outs["before"]) for m in outs)
     med = {m: sorted(x)[len(x) // 2] for m, x in got.items()}
     print(f"{op} S={S} [{kern.config}]: host us per call, median of {rounds} alternated -- "

@@ -13,6 +13,26 @@ import pstats
 import time
 
 
+def launch_settings(hooks_as_none: bool = True, raw: bool = True, encoded: bool = True):
+    """Set the launch path's switches for an in-process A/B and forget what each launcher
+    decided under the last setting: empty launch-hook chains passed as None
+    (``runtime.launch.launch_hooks``; off: every chain counts as a hook, Triton's own
+    behaviour), the compiled launcher called directly (``launch.raw_launcher``) and Gluon
+    descriptors encoded once per address (``runtime.tma_launch``).  Returns a function
+    that puts the defaults back."""
+    import gc
+    from neptune_eq.runtime import gluon_launch, launch, tma_launch
+    real_set = launch.__dict__.setdefault("_real_set", launch._set)
+    launch._set = real_set if hooks_as_none else (lambda hook: hook)
+    launch.RAW, tma_launch.ENABLED = raw, encoded
+    for o in gc.get_objects():  # (``type``: the heap holds weak proxies of dead objects)
+        if type(o) is launch.FastLaunch:
+            o._raw.clear()
+        elif type(o) is gluon_launch.GluonLauncher:
+            o._encoded.clear()
+    return lambda: launch_settings()
+
+
 class NoKeep(dict):
     """A stand-in for a replay's kept buffers (``BoundCall._scratch``, ``._summaries``)
     that keeps nothing: every call allocates, the A/B's other side."""

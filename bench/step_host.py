@@ -237,29 +237,24 @@ def encoded_ab(kw, q, k, v, g, rounds: int = 6) -> dict:
     encoded once per address (``runtime/tma_launch.py``).  Per mode: ``run_backward``
     called directly (synchronised before each call) and the eager fwd+bwd step in a loop
     without synchronising."""
-    import gc
-    from neptune_eq.runtime import launch, tma_launch
+    from host_profile import launch_settings
     args = backward_args(kw, q, k, v, g)
-    real_set = launch._set
 
     def step():
         torch.autograd.grad(ne.flex_attention(q, k, v, **kw), (q, k, v), g)
-    modes = {"before": (lambda hook: hook, False, False), "raw": (real_set, True, False),
-             "all": (real_set, True, True)}
+    modes = {"before": (False, False, False), "raw": (True, True, False),
+             "all": (True, True, True)}
     got = {f"ab_{m}_{w}": [] for m in modes for w in ("run_backward", "step")}
+    restore = launch_settings()
     try:
         for _ in range(rounds):
-            for mode, (hooks, raw, encoded) in modes.items():
-                launch._set, launch.RAW, tma_launch.ENABLED = hooks, raw, encoded
-                for la in _gluon_launchers():
-                    la._encoded.clear()
-                for fl in [o for o in gc.get_objects() if type(o) is launch.FastLaunch]:
-                    fl._raw.clear()
+            for mode, switches in modes.items():
+                launch_settings(*switches)
                 got[f"ab_{mode}_run_backward"].append(
                     round(host_us(lambda: flex_backward.run_backward(*args)), 1))
                 got[f"ab_{mode}_step"].append(round(loop_us(step), 1))
     finally:
-        launch._set, launch.RAW, tma_launch.ENABLED = real_set, True, True
+        restore()
     return got
 
 
