@@ -46,10 +46,10 @@ def launch_hooks(hooks: tuple) -> tuple:
     launcher calls nothing (as with no hook set; a profiler started later adds its hook
     to the chain, read here on every launch)."""
     src, enter_name, exit_name = hooks
-    enter, exit_ = _set(getattr(src, enter_name)), _set(getattr(src, exit_name))
-    if enter is None and exit_ is None:
+    enter, exit_ = getattr(src, enter_name), getattr(src, exit_name)
+    if _set(enter) is None and _set(exit_) is None:
         return None, None
-    return getattr(src, enter_name), getattr(src, exit_name)
+    return enter, exit_
 
 
 def current_stream(device: int):
