@@ -4,6 +4,7 @@
     python bench/diagnose.py compiled [--ops global-pf] [--seqs 8192] [--wide]
     python bench/diagnose.py loop --ops global-pf --seqs 8192   # for ncu: a few launches
     python bench/diagnose.py launchab --ops causal-dc gqa-dc --seqs 512 2048
+    python bench/diagnose.py hostsplit --ops gqa-pf --seqs 512 2048
 
 ``overhead`` times each call three ways: ``do_bench`` of the full call (what
 neptune_ops.py reports), ``do_bench_cudagraph`` (GPU time only: launches replayed from a
@@ -205,9 +206,38 @@ def launchab(op, S, rounds=6):
           + f"; outputs bit-identical: {same}", flush=True)
 
 
+def hostsplit(op, S):
+    """Host microseconds per warm call (a loop without sync), cut at the layers of our
+    call path, beside SDPA's whole call: the call (``Kernel.__call__``), its replay alone
+    (``bound_call`` / ``gluon_launch``: outputs, arguments, launches), the signature it is
+    looked up by, and the outputs' allocation alone."""
+    from neptune_eq.api import _signature
+    from neptune_eq.runtime.launch import written_outputs
+    kern, args, spec, qkvs, *_ = _setup(op, S)
+    kern(*args)
+    replay = kern._bound.get(_signature(args))
+    rows = [("call", lambda: kern(*args))]
+    if replay:
+        rows += [("replay", lambda: replay(list(args))),
+                 ("signature", lambda: _signature(args)),
+                 ("outputs", lambda: written_outputs(replay.out_specs, replay.device))]
+    hq, hkv, sq, _, _, alibi, softcap, masked, _ = spec
+    if PEERS and not (alibi or softcap):  # SDPA alone (nb.peers would compile the others)
+        q, k, v, _ = qkvs
+        rows.append(("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=masked and sq > 1, enable_gqa=hq > hkv)))
+    got = {n: [] for n, _ in rows}
+    for _ in range(5):  # alternated: the host's drift falls on every row
+        for name, fn in rows:
+            got[name].append(_host_us(fn))
+    print(f"{op} S={S} [{kern.config}] {type(replay).__name__}: host us per call, median of 5 -- "
+          + ", ".join(f"{n} {sorted(x)[2]:.1f}" for n, x in got.items()), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["overhead", "compiled", "loop", "hostprofile", "launchab"])
+    ap.add_argument("what", choices=["overhead", "compiled", "loop", "hostprofile", "launchab",
+                                     "hostsplit"])
     ap.add_argument("--ops", nargs="+", default=["causal-dc", "alibi-dc", "gqa-dc"],
                     choices=list(nb.OPS))
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 8192])
@@ -217,7 +247,7 @@ def main():
     global PEERS, WIDE
     PEERS, WIDE = not a.no_peers, a.wide
     fn = {"overhead": overhead, "compiled": compiled, "loop": loop, "hostprofile": hostprofile,
-          "launchab": launchab}[a.what]
+          "launchab": launchab, "hostsplit": hostsplit}[a.what]
     for S in a.seqs:
         for op in a.ops:
             try:

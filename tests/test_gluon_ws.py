@@ -351,3 +351,46 @@ def test_the_timer_rejects_a_gluon_form_that_disagrees_with_the_tl_form():
     lse = {"lse": torch.tensor([float("-inf"), 3.0])}  # a fully masked row agrees as -inf
     assert _disagreement({"lse": torch.tensor([float("-inf"), 3.0001])}, lse, ["lse"]) == ""
     assert "no tl config" in _disagreement(close, None, ["o"])
+
+
+def _turn_events(consumer: str) -> list[str]:
+    """The consumer's product issues, product waits and turn events, in source order."""
+    out = []
+    for ln in consumer.splitlines():
+        s = ln.strip()
+        if s.startswith("mbarrier.wait(turn."):
+            out.append("take")
+        elif s.startswith("mbarrier.arrive(turn.index(1 - WHICH)"):
+            out.append("pass")
+        elif "warpgroup_mma_wait(" in s:
+            out.append("await")
+        elif "warpgroup_mma(" in s:
+            out.append("issue")
+    return out
+
+
+@pytest.mark.parametrize("name", ["global-fp16-d64", "causal-bf16-d128", "window",
+                                  "documents-causal"])
+def test_pingpong_consumers_issue_their_products_in_turn(tmp_path, monkeypatch, name):
+    """With ``gluon_ws.PINGPONG`` each consumer takes its turn before it issues a block's
+    products and hands the turn over before it waits for any of them (so one warpgroup's
+    softmax runs beside the other's products), at every issue site -- block 0, each key
+    loop, the ragged block, the last deferred product -- and the form still compiles for
+    sm_90.  Off, the source has no turns."""
+    kern = _kernel(**(VARIANTS.get(name) or DATA_VARIANTS[name]))
+    assert "turn" not in kern.kernel_source.gluon.source  # off by default
+    monkeypatch.setattr(gluon_ws, "PINGPONG", True)
+    form = gluon_ws.generate(kern.plan, kern.kernel_source.gluon.name)
+    consumer = form.source.split("def _consumer(")[1].split("@gluon.jit")[0]
+    events = _turn_events(consumer)
+    held = False
+    for ev in events:  # issue only while holding the turn; never await while holding it
+        assert (ev != "issue" or held) and (ev != "await" or not held), events
+        assert (ev != "take" or not held) and (ev != "pass" or held), events
+        held = {"take": True, "pass": False}.get(ev, held)
+    assert not held and events.count("take") >= 3, events
+    # turn numbers: block 0's, block jb's, the last product's (see pingpong_turns)
+    for n in ("(base + it) & 1", "(base + it + jb) & 1", "(base + it + n_blocks) & 1"):
+        assert f"mbarrier.wait(turn.index(WHICH), {n})" in consumer, n
+    assert "if WHICH == 1:" in consumer and "mbarrier.arrive(turn.index(0), count=1)" in consumer
+    _compiles(tmp_path, name, kern.program, replace(kern.kernel_source, gluon=form))

@@ -63,12 +63,14 @@ def make_key(program, rule_files, target: str, device: str, options: dict) -> st
 
 
 def lowering_switches() -> dict:
-    """The Gluon lowering's module switches (how tiles are walked).  The benches flip them
-    to A/B a walk in one process; a kernel chosen under one setting is not the kernel the
-    other emits, so a cache entry must not serve both."""
+    """The Gluon lowering's module switches (how tiles are walked, whether the consumers
+    take turns).  The benches flip them to A/B a form in one process; a kernel chosen
+    under one setting is not the kernel the other emits, so a cache entry must not serve
+    both."""
     from ..lowering import gluon_sums, gluon_ws
     return {"ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,
-            "ws_dynamic": gluon_ws.DYNAMIC, "sums_persistent": gluon_sums.PERSISTENT}
+            "ws_dynamic": gluon_ws.DYNAMIC, "ws_pingpong": gluon_ws.PINGPONG,
+            "sums_persistent": gluon_sums.PERSISTENT}
 
 
 def _path(key: str) -> Path:

@@ -210,3 +210,25 @@ def walk(mode: str, role: str, lines: list[str], per_tile: list[str],
             "        # the next tile, read ahead",
             *["        " + ln for ln in ahead], *["    " + ln for ln in lines[cut:]],
             "        base += n_blocks", "        it += 1", "        t = t_next"]
+
+
+def pingpong_turns(on: bool) -> tuple[list[str], str, str, list[str]]:
+    """Ping-pong's lines: (barrier set-up, the wait before a warpgroup issues the products
+    of its turn -- ``{n}``: the turn's number --, the arrive that hands the turn to the
+    other warpgroup, and the other warpgroup's first arrive), or no lines when off.
+
+    Turns are counted, not kept: every tile gives each warpgroup one turn per key block
+    (block 0's first product, block j's first product with block j-1's deferred one)
+    plus one for the last deferred product, so turn ``base + it + jb`` is the jb-th of
+    tile ``it`` (``base``: the blocks of the tiles before).  Both warpgroups walk the
+    same tiles and key blocks, so the counts always meet.  ``turn[w]`` completes a phase
+    when the other warpgroup hands over; warpgroup 1 hands warpgroup 0 its first turn."""
+    if not on:
+        return [], "", "", []
+    setup = ["    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+             "    mbarrier.init(turn.index(0), count=1)  # warpgroup 0 may issue",
+             "    mbarrier.init(turn.index(1), count=1)  # warpgroup 1 may issue"]
+    return (setup, "mbarrier.wait(turn.index(WHICH), ({n}) & 1)  # this warpgroup's turn",
+            "mbarrier.arrive(turn.index(1 - WHICH), count=1)  # the other's turn",
+            ["    if WHICH == 1:  # warpgroup 0 issues first",
+             "        mbarrier.arrive(turn.index(0), count=1)"])

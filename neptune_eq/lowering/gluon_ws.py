@@ -49,6 +49,7 @@ builds the TMA descriptors.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..ir import Term
@@ -57,7 +58,8 @@ from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Emitter, Tile, grid_decode, init_fill
 from .fold_body import epilogue, loop_body
 from .gluon_tiles import (CTA_ROWS, ROWS, affine_walk, gl_lines as _gl, gl_main, key_range,
-                          persistent_place, ranges_kernel, tile_lines, walk)
+                          persistent_place, pingpong_turns, ranges_kernel, tile_lines,
+                          walk)
 from .lower import LoweringError, TilePlan
 
 PERSISTENT = True  # tiles walked by one program per SM (see generate)
@@ -68,6 +70,10 @@ DYNAMIC = False    # ... tiles of a data mask too, taken from a counter (see gen
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
 KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
 SMEM_BYTES = 224 * 1024  # row tiles + ring: Hopper's 227 KiB per program, less barriers
+# The two consumers issue their products in turn (FlashAttention-3's ping-pong): one
+# warpgroup's softmax runs while the other's products hold the tensor cores (see
+# ``gluon_tiles.pingpong_turns``).  Read when a form is generated; NEPTUNE_EQ_PINGPONG=0 / 1 sets the default.
+PINGPONG = os.environ.get("NEPTUNE_EQ_PINGPONG", "0") == "1"
 
 
 @dataclass
@@ -415,11 +421,17 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
 
     # Block j > 0 issues its first contraction and block j-1's deferred P·c, waits for the
     # former only, and runs the block's math while the latter is on the tensor cores.
+    # With ping-pong the block's inputs are waited for before its turn, so a warpgroup
+    # holds the turn only while it issues.
+    turn_setup, turn_wait, turn_pass, turn_first = pingpong_turns(PINGPONG)
     issue = ["mbarrier.wait(b_ready.index(st), ph)",
+             *(["mbarrier.wait(c_ready.index(prev), ((g - 1) // STAGES) & 1)",
+                turn_wait.format(n="base + it + jb")] if turn_wait else []),
              "qk = warpgroup_mma(q_tile, b_bufs.index(st).permute((1, 0)), zero_s, "
              "use_acc=False, is_async=True)",
-             "mbarrier.wait(c_ready.index(prev), ((g - 1) // STAGES) & 1)",
+             *([] if turn_wait else ["mbarrier.wait(c_ready.index(prev), ((g - 1) // STAGES) & 1)"]),
              f"{pv_fold} = warpgroup_mma(p_op, c_bufs.index(prev), {pv_fold}, is_async=True)",
+             *([turn_pass] if turn_pass else []),
              "qk = warpgroup_mma_wait(1, deps=(qk, ))",
              "mbarrier.arrive(b_empty.index(st), count=1)"]
 
@@ -440,6 +452,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
     where = ["num_tiles", "n_rb"] if persistent else ["pid_grid", "row_block", "j_lo", "n_blocks"]
     bars = ["a_bar", "q_empty", "b_ready", "b_empty", "c_ready", "c_empty"]
+    bars += ["turn"] if turn_setup else []
     bars += ["t_ready"] if mode == "dynamic" else []  # the mailbox's two slots
     shared = ", ".join(["a_smem", "b_bufs", "c_bufs", *bars, *where, *dm, *args])
     producer_args = ", ".join(["a_desc", "b_desc", "c_desc", "a_smem", "b_bufs", "c_bufs", *bars,
@@ -467,8 +480,10 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    l0 = j_lo",
         "    st = base % STAGES",
         "    mbarrier.wait(b_ready.index(st), (base // STAGES) & 1)",
+        *(["    " + turn_wait.format(n="base + it")] if turn_wait else []),
         "    qk = warpgroup_mma(q_tile, b_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, "
         "is_async=True)",
+        *(["    " + turn_pass] if turn_pass else []),
         "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
         "    mbarrier.arrive(b_empty.index(st), count=1)",
         *[ln[4:] for ln in _gl(body_edge)],
@@ -476,7 +491,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         RELEASE,
         "    last = (base + n_blocks - 1) % STAGES",
         "    mbarrier.wait(c_ready.index(last), ((base + n_blocks - 1) // STAGES) & 1)",
+        *(["    " + turn_wait.format(n="base + it + n_blocks")] if turn_wait else []),
         f"    {pv_fold} = warpgroup_mma(p_op, c_bufs.index(last), {pv_fold}, is_async=True)",
+        *(["    " + turn_pass] if turn_pass else []),
         f"    {pv_fold} = warpgroup_mma_wait(0, deps=({pv_fold}, ))",
         "    mbarrier.arrive(c_empty.index(last), count=1)",
         *_gl(epi)]
@@ -516,6 +533,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    cols = gl.arange(0, B_L, S_COLS)",
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
         "    q_tile = a_smem.index(WHICH)",
+        *turn_first,
         *walk(mode, "consumer", consumer, tile_lines(mode, rng, "consumer"),
               released=consumer.index(RELEASE) + 1),
         "", "",
@@ -534,6 +552,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
           for b in ("b_ready", "b_empty", "c_ready", "c_empty")],
         "    mbarrier.init(a_bar, count=1)",
         "    mbarrier.init(q_empty, count=2)  # both consumers release the row tiles",
+        *turn_setup,
         *(["    t_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
            "    mbarrier.init(t_ready.index(0), count=1)  # the producer posts each tile",
            "    mbarrier.init(t_ready.index(1), count=1)"] if mode == "dynamic" else []),
