@@ -157,6 +157,71 @@ def _profiled(fn, calls: int) -> str:
     return buf.getvalue()
 
 
+def engine_profile(kw, q, k, v, g, reps: int = 200) -> tuple[dict, str]:
+    """Our backward inside ``torch.autograd.grad`` against the same work called directly:
+    host us of the grad, of our Function's backward inside it (the engine's device
+    thread), of ``run_backward`` called from this thread and from another Python thread;
+    and the cProfile of the Function's backward in the engine's thread (by own time)."""
+    import cProfile
+    import io
+    import pstats
+    import threading
+    from neptune_eq.dropin import torch_op
+    real_fn = torch_op.EagerFlexAttention.backward
+    pr, spent, where, seen = cProfile.Profile(), {False: [], True: []}, set(), {}
+
+    def grads(wrapped, n):
+        total = []
+        torch_op.EagerFlexAttention.backward = staticmethod(wrapped)
+        try:
+            for _ in range(n):
+                out = ne.flex_attention(q, k, v, **kw)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                torch.autograd.grad(out, (q, k, v), g)
+                total.append(time.perf_counter() - t0)
+        finally:
+            torch_op.EagerFlexAttention.backward = staticmethod(real_fn)
+        return statistics.median(total) * 1e6
+
+    def timed(profile):
+        def fn(ctx, *a):
+            if not where:  # what the engine passes, beside what the direct call gets
+                seen.update(grads_in=[None if x is None else (tuple(x.shape), x.stride(), str(x.dtype))
+                                      for x in a], needs=list(ctx.needs_input_grad))
+            where.add(threading.get_ident())
+            t0 = time.perf_counter()
+            if profile:
+                pr.enable()
+            try:
+                return real_fn(ctx, *a)
+            finally:
+                if profile:
+                    pr.disable()
+                spent[profile].append(time.perf_counter() - t0)
+        return fn
+    grads(real_fn, 10)  # builds and first calls outside every measurement
+    total = grads(timed(False), reps)
+    grads(timed(True), reps)
+    args = backward_args(kw, q, k, v, g)
+    here = host_us(lambda: flex_backward.run_backward(*args))
+    other = {}
+    th = threading.Thread(target=lambda: other.update(
+        us=host_us(lambda: flex_backward.run_backward(*args))))
+    th.start()
+    th.join()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
+    row = {"engine_grad": total,
+           "engine_function_backward": statistics.median(spent[False]) * 1e6,
+           "engine_function_backward_profiled": statistics.median(spent[True]) * 1e6,
+           "run_backward_main_thread": here, "run_backward_other_thread": other.get("us"),
+           "engine_thread_is_main": threading.get_ident() in where, **seen,
+           "direct_args": [(tuple(x.shape), x.stride(), str(x.dtype)) if hasattr(x, "shape")
+                           else repr(x)[:40] for x in args[1:]]}
+    return row, buf.getvalue()
+
+
 def run_backward_profile(kw, q, k, v, g, calls: int = 300) -> str:
     """cProfile of ``flex_backward.run_backward`` called directly (our backward's host work
     less the autograd engine)."""
@@ -299,6 +364,8 @@ def main() -> None:
                     help="also split the backward's host time and profile one kernel call")
     ap.add_argument("--encoded-ab", action="store_true",
                     help="also this session's launch changes on/off, alternated in this process")
+    ap.add_argument("--engine-profile", action="store_true",
+                    help="only our backward inside autograd.grad vs called directly, profiled")
     ap.add_argument("--engine-baseline", action="store_true",
                     help="also what the autograd engine costs a trivial Python backward")
     a = ap.parse_args()
@@ -311,8 +378,21 @@ def main() -> None:
               flush=True)
         with open(out / "step_host.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-    flex_c = torch.compile(flex_attention)
     S = a.S
+    if a.engine_profile:
+        for name in a.variants.split(","):
+            kw, q, k, v, g = step_tensors(name, S)
+            row, text = engine_profile(kw, q, k, v, g)
+            row.update(variant=name, S=S, device=torch.cuda.get_device_name())
+            (out / f"engine_profile_{name}.txt").write_text(text)
+            (out / f"run_backward_profile_{name}.txt").write_text(
+                run_backward_profile(kw, q, k, v, g, calls=200))
+            print(json.dumps({k: round(x, 1) if isinstance(x, float) else x
+                              for k, x in row.items()}), flush=True)
+            with open(out / "step_host.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return
+    flex_c = torch.compile(flex_attention)
     for name in a.variants.split(",") * a.rounds:
         row = {"variant": name, "S": S, "device": torch.cuda.get_device_name()}
         try:
