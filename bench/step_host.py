@@ -323,6 +323,43 @@ def encoded_ab(kw, q, k, v, g, rounds: int = 6) -> dict:
     return got
 
 
+def plan_ab(kw, q, k, v, g, flex_c, rounds: int = 6) -> dict:
+    """Host microseconds with the backward's plans (``dropin/backward_plan``) off and on,
+    and FlexAttention's compiled step, alternated ``rounds`` times in this process: the
+    eager fwd+bwd step in a loop without synchronising, and ``autograd.grad`` alone (the
+    forward before it synchronised); the gradients of both modes must be bit-identical."""
+    from neptune_eq.dropin import backward_plan
+
+    def bwd_us(fn, reps=100):
+        times = []
+        for _ in range(reps):
+            out = fn(q, k, v)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.autograd.grad(out, (q, k, v), g)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[5:]) * 1e6
+    ours = lambda q, k, v: ne.flex_attention(q, k, v, **kw)  # noqa: E731
+    theirs = lambda q, k, v: flex_c(q, k, v, **kw)  # noqa: E731
+    modes = {"plan_off": (ours, False), "plan_on": (ours, True), "flex": (theirs, True)}
+    got = {f"ab_{m}_{w}": [] for m in modes for w in ("step", "bwd")}
+    grads = {}
+    try:
+        for _ in range(rounds):
+            for mode, (fn, on) in modes.items():
+                backward_plan.ENABLED = on
+                step = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), g)  # noqa: E731
+                got[f"ab_{mode}_step"].append(round(loop_us(step), 1))
+                got[f"ab_{mode}_bwd"].append(round(bwd_us(fn), 1))
+                grads[mode] = step()
+    finally:
+        backward_plan.ENABLED = True
+    got.update({f"median_{k[3:]}": statistics.median(x) for k, x in got.items()})
+    got["plan_grads_bit_identical"] = all(
+        torch.equal(a, b) for a, b in zip(grads["plan_off"], grads["plan_on"]))
+    return got
+
+
 def engine_baseline(reps: int = 300) -> dict:
     """Host microseconds of ``torch.autograd.grad`` through one trivial Python
     ``autograd.Function`` on CUDA tensors (backward returns its cotangent), beside its
@@ -364,6 +401,8 @@ def main() -> None:
                     help="also split the backward's host time and profile one kernel call")
     ap.add_argument("--encoded-ab", action="store_true",
                     help="also this session's launch changes on/off, alternated in this process")
+    ap.add_argument("--plan-ab", action="store_true",
+                    help="only the backward plans off / on beside Flex, alternated")
     ap.add_argument("--engine-profile", action="store_true",
                     help="only our backward inside autograd.grad vs called directly, profiled")
     ap.add_argument("--engine-baseline", action="store_true",
@@ -393,6 +432,15 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
         return
     flex_c = torch.compile(flex_attention)
+    if a.plan_ab:
+        for name in a.variants.split(","):
+            kw, q, k, v, g = step_tensors(name, S)
+            row = {"variant": name, "S": S, "device": torch.cuda.get_device_name(),
+                   **plan_ab(kw, q, k, v, g, flex_c)}
+            print(json.dumps(row), flush=True)
+            with open(out / "step_host.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return
     for name in a.variants.split(",") * a.rounds:
         row = {"variant": name, "S": S, "device": torch.cuda.get_device_name()}
         try:

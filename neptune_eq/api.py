@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import sys
 
@@ -64,6 +64,14 @@ class Kernel:
         state["_launcher"] = None
         state["_bound"] = {}
         return state
+
+    def replay_for(self, args) -> Callable | None:
+        """The replay kept for a positional call on ``args`` (``runtime.bound_call``:
+        ``replay(list(args))`` launches and returns the outputs as a list), or None where
+        no call at their signature has been made or the form is not replayed.  What a
+        caller that made such a call keeps to skip ``__call__``'s look-up next time."""
+        sig = _signature(tuple(args))
+        return self._bound.get(sig) if sig is not None else None
 
     @property
     def ranking_spearman(self) -> float | None:

@@ -249,6 +249,32 @@ def test_learnable_captured_slopes_get_gradients():
         assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
 
 
+def test_learnable_slopes_shared_by_a_gqa_group_get_gradients():
+    """GQA (two query heads per KV head) beside a one-dimensional captured tensor that
+    requires grad: dK/dV are summed over each group's heads after the kernel, the slopes'
+    partial over the rows (the 1-D input once crashed the GQA rewrite)."""
+    slopes = torch.tensor([0.5, -0.25], requires_grad=True)
+
+    def alibi(score, b, h, i, j):
+        return score + slopes[h // 2] * (j - i)
+
+    q = torch.randn(1, 4, 6, 4, requires_grad=True)
+    k = torch.randn(1, 2, 7, 4, requires_grad=True)
+    v = torch.randn(1, 2, 7, 4, requires_grad=True)
+    out = ne.flex_attention(q, k, v, score_mod=alibi, mask_mod=lambda b, h, i, j: i >= j,
+                            enable_gqa=True)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, slopes), g)
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v, slopes)]
+    per_head = ins[3].repeat_interleave(2)[None, :, None, None]
+    ref_out, _ = reference(*ins[:3], lambda s, i, j: s + per_head * (j - i),
+                           lambda i, j: i >= j, group=2)
+    ref = torch.autograd.grad(ref_out, ins, g.double())
+    for name, a, r in zip(("q", "k", "v", "slopes"), got, ref):
+        assert a.shape == r.shape and torch.isfinite(a).all(), name
+        assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item()), name
+
+
 def test_the_op_and_the_eager_function_give_the_same_gradients():
     """Eager calls with grad take ``torch_op.EagerFlexAttention`` (no custom-op dispatch);
     ``torch.compile`` takes the ``neptune_eq::flex_attention`` op and its registered

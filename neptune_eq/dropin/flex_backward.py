@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import flex
+from . import backward_plan, flex
 from ..frontend.autodiff import backward_program
 from ..frontend.backward_forms import (note_prepared, only_outputs, with_constant_input,
                                        with_definition_as_input, with_fp32_output,
@@ -274,7 +274,8 @@ def _grouped_reads_expanded(program, wrt: tuple[str, ...]):
         if t.op == "load" and t.val in groups:
             return Term("load", (t.args[0], var(t.args[1].args[0].val), *t.args[2:]), t.val)
         return t
-    heads = {ph.name: ph.shape[1] for ph in program.inputs}["q"]
+    heads = next(ph.shape[1] for ph in program.inputs if ph.name == "q")  # (a captured
+    # input may have one dim: ALiBi's slopes)
     inputs = [Placeholder(ph.name, (ph.shape[0], heads, *ph.shape[2:]), ph.dtype)
               if ph.name in groups else ph for ph in program.inputs]
     defs = [type(d)(d.name, d.axes, swap(d.body), d.dtype) for d in program.defs]
@@ -354,34 +355,41 @@ def _partial_only(bw, wrt: tuple[str, ...]):
 
 
 def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, needs: list[bool]):
-    """Gradients (dq, dk, dv, [d captured...]); None where ``needs`` is False."""
+    """Gradients (dq, dk, dv, [d captured...]); None where ``needs`` is False.  A key met
+    before runs its recorded kernels' replays (``backward_plan``)."""
     st = flex.STRUCTURES.get(skey)
     if st is None or st.program is None:
         raise ProgramError(f"Expected a structure traced in this process, got key {skey!r}; "
                            "call ne.flex_attention, which traces the mods.")
     names, tensors, sizes, env = backward_env(st, q, k, v, captured, out, lse, d_out, d_lse)
+    key = backward_plan.plan_key(skey, needs, [*tensors, out, lse, d_out], d_lse)
+    plan = backward_plan.get(key)
+    if plan is not None:
+        return plan.run(env, names, tensors)
     for name, t, need in zip(names, tensors, needs):
         if need and not t.is_floating_point():
             raise ProgramError(f"Expected a float tensor to differentiate, got {name} of dtype "
                                f"{t.dtype}; only float captured tensors have gradients.")
-    got = {}
+    got, rec = {}, backward_plan.Recorder()
     groups = chosen_groups(st, names, needs, sizes, d_lse is not None, env)
     for group, built in group_kernels(st, groups, sizes, d_lse is not None, env):
         bw, kern, rows, expanded, stats, pre = built
         if pre is not None:  # the fused kernel's row statistics, by their own kernel
             first, row_kern = pre
-            res = row_kern(*[env[ph.name] for ph in first.program.inputs])
+            inputs = [ph.name for ph in first.program.inputs]
+            args = [env[n] for n in inputs]
+            res = row_kern(*args)
             env.update(zip(stats, res if isinstance(res, tuple) else (res,)))
-        out = kern(*[env[ph.name] for ph in bw.program.inputs])  # positional: replayed
+            rec.row_statistics(row_kern, inputs, args, stats)
+        inputs = [ph.name for ph in bw.program.inputs]
+        args = [env[n] for n in inputs]
+        out = kern(*args)  # positional: replayed
         out = out if isinstance(out, tuple) else (out,)
+        rec.gradients(kern, inputs, args, group, rows, expanded)
         for name, g in zip(group, out):
-            if rows:
-                g = g.sum(dim=tuple(range(g.dim() - rows, g.dim())))
-            if name in expanded:  # per query head -> per KV head: the group's sum
-                n = expanded[name]
-                g = g.unflatten(1, (g.shape[1] // n, n)).sum(2)
-            got[name] = g
-    return [got[n].to(t.dtype) if n in got else None for n, t in zip(names, tensors)]
+            got[name] = backward_plan.finish_gradient(g, rows, expanded.get(name))
+    backward_plan.keep(key, rec)
+    return [backward_plan.as_input_dtype(got.get(n), t) for n, t in zip(names, tensors)]
 
 
 def chosen_groups(st, names, needs, sizes, lse_grad: bool, env: dict) -> list[tuple[str, ...]]:
