@@ -35,6 +35,21 @@ def test_cache_miss_then_hit_then_miss_on_a_changed_shape(fresh_cache):
     assert torch.allclose(again(x), torch.softmax(x, -1), atol=1e-5)
 
 
+def test_a_hit_unpickles_what_only_explaining_reads_when_it_is_read(fresh_cache):
+    """The trace, the e-graph and the candidates stay pickled in a loaded kernel until
+    first read (a warm hit's time is the call's); read, they are what the build made."""
+    first = ne.superoptimize(examples.softmax(3, 20), target="interpreter")
+    again = ne.superoptimize(examples.softmax(3, 20), target="interpreter")
+    assert again.cache_status == "hit"
+    assert set(again.__dict__["_lazy"]) == {"trace", "candidates", "_egraph_json", "_egraph_dot"}
+    assert "trace" not in again.__dict__
+    assert again.explain() == first.explain()  # reads the trace and the candidates
+    assert "trace" in again.__dict__ and "trace" not in again.__dict__["_lazy"]
+    assert again.candidate_table() == first.candidate_table()
+    with pytest.raises(AttributeError):
+        again.no_such_field
+
+
 def test_corrupted_entry_is_detected_and_rebuilt(fresh_cache):
     ne.superoptimize(examples.softmax(2, 9), target="interpreter")
     (entry,) = _entries(fresh_cache)
