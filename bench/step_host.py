@@ -360,6 +360,27 @@ def plan_ab(kw, q, k, v, g, flex_c, rounds: int = 6) -> dict:
     return got
 
 
+def call_forms(kw, q, k, v, g) -> dict:
+    """What a warm step runs: the forward kernel's config and how it is replayed (its
+    replay's class, or none: the general call each time), and the backward's plan (each
+    step's replay class and kernel config) or why it keeps the general path."""
+    from neptune_eq.dropin import backward_plan, flex
+    args = backward_args(kw, q, k, v, g)
+    skey, q_, k_, v_, captured, out, lse, d_out, d_lse, needs = args
+    kern = flex.STRUCTURES[skey].kernel
+    fwd = kern.replay_for([q_, k_, v_, *captured])
+    row = {"forward_config": str(kern.config), "forward_replay": type(fwd).__name__}
+    if fwd is not None and hasattr(fwd, "launcher"):
+        row["forward_launch_config"] = str(getattr(fwd.launcher, "config", ""))
+    key = backward_plan.plan_key(skey, needs, [q_, k_, v_, *captured, out, lse, d_out], d_lse)
+    plan = backward_plan.get(key)
+    row["backward_plan"] = ("none kept" if key not in backward_plan._PLANS else
+                            "general path (a kernel without a replay)" if plan is None else
+                            [f"{type(st.call).__name__} {getattr(st.call.launcher, 'config', '')}"
+                             f" -> {','.join(st.outputs)}" for st in plan.steps])
+    return row
+
+
 def engine_baseline(reps: int = 300) -> dict:
     """Host microseconds of ``torch.autograd.grad`` through one trivial Python
     ``autograd.Function`` on CUDA tensors (backward returns its cotangent), beside its
@@ -436,7 +457,7 @@ def main() -> None:
         for name in a.variants.split(","):
             kw, q, k, v, g = step_tensors(name, S)
             row = {"variant": name, "S": S, "device": torch.cuda.get_device_name(),
-                   **plan_ab(kw, q, k, v, g, flex_c)}
+                   **plan_ab(kw, q, k, v, g, flex_c), **call_forms(kw, q, k, v, g)}
             print(json.dumps(row), flush=True)
             with open(out / "step_host.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
