@@ -51,21 +51,24 @@ def host_us(fn, reps: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
+def grad_times(fwd, q, k, v, g, reps: int) -> list[float]:
+    """Seconds of ``torch.autograd.grad`` over ``fwd(q, k, v)``, each after the forward
+    ran and the GPU was synchronised."""
+    times = []
+    for _ in range(reps):
+        out = fwd(q, k, v)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.autograd.grad(out, (q, k, v), g)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def segments(fn, q, k, v, g, prefix: str) -> dict:
     row = {}
     row[f"{prefix}step"] = loop_us(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), g))
     row[f"{prefix}fwd"] = host_us(lambda: fn(q, k, v))
-    holder = {}
-
-    def fwd_then_time_bwd():
-        out = fn(q, k, v)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        torch.autograd.grad(out, (q, k, v), g)
-        holder.setdefault("t", []).append(time.perf_counter() - t0)
-    for _ in range(200):
-        fwd_then_time_bwd()
-    row[f"{prefix}bwd"] = statistics.median(holder["t"][5:]) * 1e6
+    row[f"{prefix}bwd"] = statistics.median(grad_times(fn, q, k, v, g, 200)[5:]) * 1e6
     return row
 
 
@@ -122,14 +125,8 @@ def engine_split(kw, q, k, v, g, reps: int = 200) -> dict:
             spent["run"].append(time.perf_counter() - t0)
     torch_op.EagerFlexAttention.backward = staticmethod(timed_fn)
     flex_backward.run_backward = timed_run
-    total = []
     try:
-        for _ in range(reps):
-            out = ne.flex_attention(q, k, v, **kw)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            torch.autograd.grad(out, (q, k, v), g)
-            total.append(time.perf_counter() - t0)
+        total = grad_times(lambda q, k, v: ne.flex_attention(q, k, v, **kw), q, k, v, g, reps)
     finally:
         torch_op.EagerFlexAttention.backward = staticmethod(real_fn)
         flex_backward.run_backward = real_run
@@ -171,18 +168,12 @@ def engine_profile(kw, q, k, v, g, reps: int = 200) -> tuple[dict, str]:
     pr, spent, where, seen = cProfile.Profile(), {False: [], True: []}, set(), {}
 
     def grads(wrapped, n):
-        total = []
         torch_op.EagerFlexAttention.backward = staticmethod(wrapped)
         try:
-            for _ in range(n):
-                out = ne.flex_attention(q, k, v, **kw)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                torch.autograd.grad(out, (q, k, v), g)
-                total.append(time.perf_counter() - t0)
+            return statistics.median(grad_times(
+                lambda q, k, v: ne.flex_attention(q, k, v, **kw), q, k, v, g, n)) * 1e6
         finally:
             torch_op.EagerFlexAttention.backward = staticmethod(real_fn)
-        return statistics.median(total) * 1e6
 
     def timed(profile):
         def fn(ctx, *a):
@@ -331,14 +322,7 @@ def plan_ab(kw, q, k, v, g, flex_c, rounds: int = 6) -> dict:
     from neptune_eq.dropin import backward_plan
 
     def bwd_us(fn, reps=100):
-        times = []
-        for _ in range(reps):
-            out = fn(q, k, v)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            torch.autograd.grad(out, (q, k, v), g)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[5:]) * 1e6
+        return statistics.median(grad_times(fn, q, k, v, g, reps)[5:]) * 1e6
     ours = lambda q, k, v: ne.flex_attention(q, k, v, **kw)  # noqa: E731
     theirs = lambda q, k, v: flex_c(q, k, v, **kw)  # noqa: E731
     modes = {"plan_off": (ours, False), "plan_on": (ours, True), "flex": (theirs, True)}
