@@ -383,10 +383,10 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
             rec.row_statistics(row_kern, inputs, args, stats)
         inputs = [ph.name for ph in bw.program.inputs]
         args = [env[n] for n in inputs]
-        out = kern(*args)  # positional: replayed
-        out = out if isinstance(out, tuple) else (out,)
+        res = kern(*args)  # positional: replayed
+        res = res if isinstance(res, tuple) else (res,)
         rec.gradients(kern, inputs, args, group, rows, expanded)
-        for name, g in zip(group, out):
+        for name, g in zip(group, res):
             got[name] = backward_plan.finish_gradient(g, rows, expanded.get(name))
     backward_plan.keep(key, rec)
     return [backward_plan.as_input_dtype(got.get(n), t) for n, t in zip(names, tensors)]
