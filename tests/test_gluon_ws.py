@@ -376,7 +376,7 @@ def test_pingpong_consumers_issue_their_products_in_turn(tmp_path, monkeypatch, 
     products and hands the turn over before it waits for any of them (so one warpgroup's
     softmax runs beside the other's products), at every issue site -- block 0, each key
     loop, the ragged block, the last deferred product -- and the form still compiles for
-    sm_90.  Off, the source has no turns."""
+    sm_90 (causal and a document mask).  Off, the source has no turns."""
     kern = _kernel(**(VARIANTS.get(name) or DATA_VARIANTS[name]))
     assert "turn" not in kern.kernel_source.gluon.source  # off by default
     monkeypatch.setattr(gluon_ws, "PINGPONG", True)
@@ -393,4 +393,5 @@ def test_pingpong_consumers_issue_their_products_in_turn(tmp_path, monkeypatch, 
     for n in ("(base + it) & 1", "(base + it + jb) & 1", "(base + it + n_blocks) & 1"):
         assert f"mbarrier.wait(turn.index(WHICH), {n})" in consumer, n
     assert "if WHICH == 1:" in consumer and "mbarrier.arrive(turn.index(0), count=1)" in consumer
-    _compiles(tmp_path, name, kern.program, replace(kern.kernel_source, gluon=form))
+    if name in ("causal-bf16-d128", "documents-causal"):  # (a compile is seconds: two suffice)
+        _compiles(tmp_path, name, kern.program, replace(kern.kernel_source, gluon=form))
