@@ -72,7 +72,9 @@ KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score t
 SMEM_BYTES = 224 * 1024  # row tiles + ring: Hopper's 227 KiB per program, less barriers
 # The two consumers issue their products in turn (FlashAttention-3's ping-pong): one
 # warpgroup's softmax runs while the other's products hold the tensor cores (see
-# ``gluon_tiles.pingpong_turns``).  Read when a form is generated; NEPTUNE_EQ_PINGPONG=0 / 1 sets the default.
+# ``gluon_tiles.pingpong_turns``).  Off: measured never past the best walk without it
+# (bench/results/README.md, session 32).  Read when a form is generated;
+# NEPTUNE_EQ_PINGPONG=1 turns it on.
 PINGPONG = os.environ.get("NEPTUNE_EQ_PINGPONG", "0") == "1"
 
 

@@ -156,6 +156,16 @@ def raw_launcher(ck):
     return raw
 
 
+def call_raw(raw, ck, grid: tuple, stream, args: list, meta=None, enter=None, exit_=None):
+    """Call a raw launcher of ``ck`` as 3.6's ``CudaLauncher.__call__`` would: grid,
+    stream, function, its cooperative-grid and PDL flags, no global or profile scratch
+    (``launcher_36`` checked there is none), the metadata and hooks, then ``args``.
+    The one place that layout is written (``FastLaunch`` and ``tma_launch`` both use it)."""
+    run = ck.run
+    raw(*grid, stream, ck.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+        ck.packed_metadata, meta, enter, exit_, *args)
+
+
 RAW = os.environ.get("NEPTUNE_EQ_RAW_LAUNCH", "1") != "0"
 
 
@@ -184,9 +194,8 @@ class FastLaunch:
         if raw is None:
             raw = self._raw[id(ck)] = (ck, raw_launcher(ck) if RAW else None)
         if raw[1] is not None:
-            run = ck.run
-            raw[1](*self.grid, stream, ck.function, run.launch_cooperative_grid, run.launch_pdl,
-                   None, None, ck.packed_metadata, meta, enter, exit_, *args, *self.const_values)
+            call_raw(raw[1], ck, self.grid, stream, [*args, *self.const_values], meta, enter,
+                     exit_)
             return
         ck.run(*self.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_,
                *args, *self.const_values)

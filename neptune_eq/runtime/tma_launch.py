@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import os
 
-from .launch import launcher_36, positional
+from .launch import call_raw, launcher_36, positional
 
 KEEP = 256  # maps kept per compiled kernel (all dropped when full, as ``Kernel``'s replays)
-_PREFIX = 13  # grid (3), stream, function, cooperative, pdl, 2 scratch, metadata (2), hooks (2)
+_PREFIX = 13  # grid (3), stream, function, flags (2), scratch (2), metadata (2), hooks (2)
 ENABLED = os.environ.get("NEPTUNE_EQ_ENCODED_TMA", "1") != "0"
 
 
@@ -42,8 +42,6 @@ class EncodedLaunch:
 
     def __init__(self, ck, raw, metas: list, encode):
         self.ck, self.raw, self.metas, self.encode = ck, raw, list(metas), encode
-        run = ck.run
-        self.cooperative, self.pdl = run.launch_cooperative_grid, run.launch_pdl
         self.maps: dict = {}
 
     @classmethod
@@ -89,6 +87,4 @@ class EncodedLaunch:
         args = []
         for k, t in enumerate(tensors):
             args += self._map(k, t, descriptor)
-        ck = self.ck
-        self.raw(*grid, stream, ck.function, self.cooperative, self.pdl, None, None,
-                 ck.packed_metadata, None, None, None, *args, *rest)
+        call_raw(self.raw, self.ck, grid, stream, [*args, *rest])
