@@ -6,7 +6,9 @@ The dK/dV edits that paid -- the row-vector loads issued before the ring waits, 
 registers per consumer -- are in ``lowering/gluon_sums.py`` since 50c11bb, so they left
 this file; their numbers, probed on the generator of 3286a3f, are in
 ``bench/results/README.md`` (session 21).  What stays are the fused form's dQ experiments
-(the cost of the atomic adds, wider adds, the bulk reduce Triton 3.6's Gluon lacks).
+(the cost of the atomic adds, wider adds, the bulk reduce Triton 3.6's Gluon lacks) and,
+since session 33, FlashAttention-3's split of the adds off the consumers into a worker
+partition (``adder_partition``; results in ``bench/results/s33/``).
 
     python bench/gluon_probe/backward_variants.py --out DIR
 """
@@ -124,6 +126,96 @@ def atomics_v4(src):
     return src
 
 
+def adder_partition(regs=96, warps=1, v4=True, early=False, reds=True, consumer_regs=None, chunk=16):
+    """FlashAttention-3's split of dQ's adds off the consumers, without the bulk reduce
+    Triton 3.6's Gluon lacks: each consumer warpgroup stores its 64×64 fp32 dQ tile to a
+    double-buffered slot in shared memory (dqfull / dqfree mbarriers) and goes on; a
+    worker partition of ``warps`` warps reads the slots back 16 rows at a time and adds
+    them to dQ (one ``red.v4`` per 4 values with ``v4``, else ``gl.atomic_add``).
+    ``early``: the whole slot is read into registers and released before the adds (so the
+    release does not wait on them); ``reds=False``: no adds (diagnostic, wrong dQ);
+    ``consumer_regs``: the consumers' register count; ``chunk``: rows read per step.
+    The adder's warps share the producer's warpgroup, and a warpgroup runs at one register
+    count (setmaxnreg): a worker count above the producer's 24 lowered the first
+    consumer's to what was left (240 -> 168 with a 96-register adder: spills)."""
+    def edit(src):
+        src = sub(src, "tbuf0, tfull0, tfree0, rows_bar", "tbuf0, tfull0, tfree0, dqbuf, dqfull, dqfree, rows_bar", 3)
+        src = sub(src, "    rows_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())\n",
+                  "    dqbuf = gl.allocate_shared_memory(gl.float32, [4, 64, 64], gl.NVMMASharedLayout("
+                  "swizzle_byte_width=128, element_bitwidth=32, rank=2))\n"
+                  "    dqfull = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())\n"
+                  "    dqfree = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())\n"
+                  "    for i in gl.static_range(4):\n"
+                  "        mbarrier.init(dqfull.index(i), count=1)\n"
+                  "        mbarrier.init(dqfree.index(i), count=1)\n"
+                  "    rows_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())\n")
+        n = 0
+        while True:
+            m = re.search(r"\n(\s*)gl\.atomic_add\(d_q_ptr[^\n]*", src)
+            if not m:
+                break
+            ind = m.group(1)
+            new = (f"\n{ind}dq_slot = WHICH * 2 + (g & 1)\n"
+                   f"{ind}mbarrier.wait(dqfree.index(dq_slot), ((g >> 1) & 1) ^ 1)\n"
+                   f"{ind}dqbuf.index(dq_slot).store(sc0)\n"
+                   f"{ind}mbarrier.arrive(dqfull.index(dq_slot), count=1)")
+            src = src[:m.start()] + new + src[m.end():]
+            n += 1
+        assert n >= 1
+        if v4:
+            asm = ("{ .reg .pred p; setp.ne.b32 p, $12, 0; "
+                   "@p red.relaxed.gpu.global.add.v4.f32 [$4], {$8, $9, $10, $11}; "
+                   "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
+            add = (f"            {ASM}({asm!r}, '=r,=r,=r,=r,l,l,l,l,f,f,f,f,r,r,r,r', "
+                   "[ptrs.to(gl.int64), vals, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=4)\n")
+        else:
+            add = "            gl.atomic_add(ptrs, vals, mask=ok, sem='relaxed')\n"
+        tpr = 16  # threads along a 64-column row (4 fp32 each)
+        add = add if reds else ""
+        chunk_body = (
+            f"            for c in gl.static_range({64 // chunk}):\n"
+            f"                vals = dqbuf.index(slot).slice(c * {chunk}, {chunk}, dim=0).load(A_LAYOUT)\n"
+            f"                rows = l0 + c * {chunk} + gl.arange(0, {chunk}, A_ROWS)\n"
+            "                cols = w * 64 + gl.arange(0, 64, A_COLS)\n"
+            "                ptrs = base_ptr + rows[:, None] * d_q_s2 + cols[None, :] * d_q_s3\n"
+            "                ok = (rows < n_L)[:, None] & (cols < 128)[None, :]\n"
+            + add.replace("            ", "                ", 1) +
+            "            mbarrier.arrive(dqfree.index(slot), count=1)\n")
+        early_body = (
+            "            vals = dqbuf.index(slot).load(A_LAYOUT)\n"
+            "            mbarrier.arrive(dqfree.index(slot), count=1)\n"
+            "            rows = l0 + gl.arange(0, 64, A_ROWS)\n"
+            "            cols = w * 64 + gl.arange(0, 64, A_COLS)\n"
+            "            ptrs = base_ptr + rows[:, None] * d_q_s2 + cols[None, :] * d_q_s3\n"
+            "            ok = (rows < n_L)[:, None] & (cols < 128)[None, :]\n"
+            + add)
+        adder = (
+            "@gluon.jit\n"
+            "def _adder(dqbuf, dqfull, dqfree, j_lo, n_blocks, d_q_ptr, d_q_s0, d_q_s1, d_q_s2, d_q_s3, "
+            "ax_z, ax_y, n_L, B_L: gl.constexpr):\n"
+            f"    A_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [{32 // tpr}, {tpr}], [{warps}, 1], [1, 0])\n"
+            "    A_ROWS: gl.constexpr = gl.SliceLayout(1, A_LAYOUT)\n"
+            "    A_COLS: gl.constexpr = gl.SliceLayout(0, A_LAYOUT)\n"
+            "    base_ptr = d_q_ptr + ax_z * d_q_s0 + ax_y * d_q_s1\n"
+            "    for jb in range(n_blocks):\n"
+            "        g = jb\n"
+            "        l0 = j_lo + jb * B_L\n"
+            "        for w in gl.static_range(2):\n"
+            "            slot = w * 2 + (g & 1)\n"
+            "            mbarrier.wait(dqfull.index(slot), (g >> 1) & 1)\n"
+            + (early_body if early else chunk_body) + "\n\n")
+        src = sub(src, "@gluon.jit\ndef _producer(", adder + "@gluon.jit\ndef _producer(")
+        m = re.search(r"\n        \(_producer, \(([^\n]*)\)\),\n    \], \[4, 1\], \[(\d+), 24\]\)", src)
+        src = (src[:m.start()] + m.group(0).split("\n    ], ")[0] +
+               "\n        (_adder, (dqbuf, dqfull, dqfree, j_lo, n_blocks, d_q_ptr, d_q_s0, d_q_s1, d_q_s2, "
+               "d_q_s3, ax_z, ax_y, n_L, B_L)),\n"
+               f"    ], [4, 1, {warps}], [{consumer_regs or m.group(2)}, 24, {regs}])" + src[m.end():])
+        return src
+    edit.__name__ = (f"adder_r{regs}_w{warps}_k{chunk}_{'v4' if v4 else 'scalar'}{'_early' if early else ''}"
+                     f"{'' if reds else '_noreds'}{f'_c{consumer_regs}' if consumer_regs else ''}")
+    return edit
+
+
 VARIANTS = {
     "kv": {"base": []},  # the generated dK/dV form, as a baseline
     "kvq": {"base": [], "free_early": [free_early], "no_atomics": [no_atomics],
@@ -131,7 +223,16 @@ VARIANTS = {
             "at_blocked4": [every_add(atomics_blocked(4))],
             "at_blocked2": [every_add(atomics_blocked(2))],
             "at_blocked1": [every_add(atomics_blocked(1))],
-            "at_v4": [every_add(atomics_v4)]},
+            "at_v4": [every_add(atomics_v4)],
+            # session 33: the adds in a worker partition.  Its warps share the producer's
+            # warpgroup; one at 96 registers lowered the first consumer's to 168 (spills),
+            # so these keep the warpgroup's count small (the _noreds one: the hand-off
+            # through shared memory alone, wrong dQ)
+            "adder_w1_r24": [adder_partition(24, 1, chunk=8)],
+            "adder_w1_r24_noreds": [adder_partition(24, 1, chunk=8, reds=False)],
+            "adder_w2_r40_k8": [adder_partition(40, 2, chunk=8, consumer_regs=232)],
+            "adder_w4_r56": [adder_partition(56, 4, consumer_regs=224)]},
+    "q": {"base": []},  # dQ's own kernel (the two-kernel backward's other half)
 }
 
 

@@ -533,7 +533,11 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
     # The atomic adds are the cost: without them the pass takes 4.4 ms, and wider adds
     # (4 contiguous fp32 per thread, or one red.v4 per 4) still took 7.4-7.6
     # (bench/gluon_probe/backward_variants.py, session 21); the bulk engine's reduce that
-    # FlashAttention-3 uses is not in Triton 3.6's Gluon.  Built and checked, not offered.
+    # FlashAttention-3 uses is not in Triton 3.6's Gluon.  Its other half -- the adds
+    # moved off the consumers into a worker partition reading dQ's tile from shared
+    # memory -- was slower still on an H200 (session 33, S=8192 causal / plain: 4.8 /
+    # 10.0 ms against 3.2 / 5.9 for the two kernels; the hand-off alone, adds dropped,
+    # 3.6 / 6.9).  Built and checked, not offered.
     key_blocks = () if tbufs else (64, 128) if max(widths.values()) <= 64 else (64,)
     return GluonSumsForm(name, "\n".join(src) + "\n", resident + streams,
                          (widths[resident[0]], plan.whole_axes[col]), dts.pop(),
