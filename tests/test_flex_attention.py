@@ -180,6 +180,11 @@ def _sparse_tables() -> BlockMask:
     (qkv(), {"scale": "0.5"}, ValueError, "scale"),
     (qkv(), {"score_mod": lambda s, b, h, i, j: torch.cumsum(s, 0)}, ne.ProgramError,
      "Supported:"),
+    # a mod FlexAttention could not call: said before the trace, not Python's TypeError
+    (qkv(), {"score_mod": lambda s, b: s}, ValueError,
+     r"score_mod to take 5 positional arguments \(score, b, h, q_idx, kv_idx\), got .*\(s, b\)"),
+    (qkv(), {"mask_mod": lambda b, h, i, j, extra: i >= j}, ValueError, "mask_mod to take 4"),
+    (qkv(), {"score_mod": 2.0}, ValueError, "score_mod to be a function"),
 ])
 def test_errors_say_what_to_do(args, kwargs, error, match):
     if kwargs.get("block_mask") == "causal":
