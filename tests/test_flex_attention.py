@@ -193,6 +193,29 @@ def test_errors_say_what_to_do(args, kwargs, error, match):
         ne.flex_attention(*args, **kwargs)
 
 
+@pytest.mark.parametrize("b, lq, s", [(0, 24, 30), (2, 0, 30), (2, 24, 0)])
+def test_empty_batch_queries_or_keys_return_what_torch_would(b, lq, s):
+    """An empty batch or query: empty outputs of torch's shapes (its eager flex_attention
+    returns them); no keys: every row sees none -- output 0, lse and max -inf, as a fully
+    masked row -- and zero gradients of the inputs' shapes, GQA and a value width of its
+    own included; no mod is traced."""
+    q, k, v = qkv(b=b, hq=4, hkv=2, lq=lq, s=s, ev=8)
+    for t in (q, k, v):
+        t.requires_grad_()
+    traced = []
+    out, aux = ne.flex_attention(q, k, v, score_mod=lambda sc, *_: traced.append(1) or sc,
+                                 enable_gqa=True, return_aux=AuxRequest(lse=True, max_scores=True))
+    assert out.shape == (b, 4, lq, 8) and out.dtype == q.dtype and not traced
+    assert aux.lse.shape == aux.max_scores.shape == (b, 4, lq)
+    assert (out == 0).all() and (aux.lse == float("-inf")).all()
+    assert (aux.max_scores == float("-inf")).all()
+    if b and lq:  # (torch's own flex_attention refuses no keys)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        assert_close(out, want)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(g.shape == t.shape and (g == 0).all() for g, t in zip(grads, (q, k, v)))
+
+
 # ----------------------------------------------------------------------------------
 # torch.compile
 # ----------------------------------------------------------------------------------

@@ -121,23 +121,46 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     want_lse, want_max = _aux_request(return_lse, return_aux)
     spec = (check(query, key, value, scale, enable_gqa, want_max) if compiling
             else _checked(query, key, value, scale, enable_gqa, want_max))
+    if min(query.shape[0], query.shape[2], key.shape[2]) == 0:
+        # (torch ops only, so torch.compile traces it too: Dynamo specialises sizes 0 and 1)
+        return _result(*_empty_attention(query, key, value, spec), want_lse, want_max,
+                       return_aux)
     if compiling:
         skey, captured = torch_op.compiled_structure(score_mod, mask_mod, spec)
-    else:
-        skey, captured = eager_env.eager_structure(
-            score_mod, mask_mod, spec, {SIZES[0]: query.shape[0], SIZES[1]: query.shape[2],
-                                        SIZES[2]: key.shape[2]})
-    if compiling:
         out, lse, mx = torch_op.flex_attention_op(query, key, value, captured, skey, want_max)
-    elif torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, *captured)):
+        return _result(out, lse, mx, want_lse, want_max, return_aux)
+    skey, captured = eager_env.eager_structure(
+        score_mod, mask_mod, spec, {SIZES[0]: query.shape[0], SIZES[1]: query.shape[2],
+                                    SIZES[2]: key.shape[2]})
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, *captured)):
         out, lse, mx = torch_op.EagerFlexAttention.apply(query, key, value, skey, want_max,
                                                          want_lse, *captured)
     else:  # eager, no autograd: the op's dispatch layers would only add host time
         out, lse, mx = run(skey, query, key, value, captured, want_max, want_lse)
+    return _result(out, lse, mx, want_lse, want_max, return_aux)
+
+
+def _result(out, lse, mx, want_lse: bool, want_max: bool, return_aux):
+    """What the call returns: out, (out, lse) or (out, AuxOutput)."""
     if return_aux is not None:
         from torch.nn.attention.flex_attention import AuxOutput
         return out, AuxOutput(lse=lse if want_lse else None, max_scores=mx if want_max else None)
     return (out, lse) if want_lse else out
+
+
+def _empty_attention(q, k, v, spec: "Spec") -> tuple:
+    """(out, lse, max_scores) when the batch, the queries or the keys are empty, as torch's
+    eager flex_attention returns for an empty batch or query; with no keys every row sees
+    none, so its output is 0 and its lse and max -inf, as a fully masked row's.  Torch ops
+    on the empty shapes, so autograd gives zero gradients of the right shapes.  No mod is
+    traced: it would be traced at a size of 0."""
+    g = spec.hq // spec.hkv
+    if g > 1:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * spec.scale   # (B, Hq, L, S): one of them is 0
+    out = s @ v                                   # zeros, or empty
+    lse = torch.logsumexp(s.float(), -1)          # -inf over no keys
+    return out, lse, torch.full_like(lse, float("-inf"))
 
 
 # ----------------------------------------------------------------------------------
@@ -224,9 +247,6 @@ def check(q, k, v, scale, enable_gqa, want_max) -> Spec:
     if hq % hkv:
         raise ValueError(f"Expected the query heads to be a multiple of the key/value heads "
                          f"for GQA, got Hq={hq} and Hkv={hkv}.")
-    if min(lq, s, b) == 0:
-        raise ValueError(f"Expected non-empty inputs, got query {tuple(q.shape)} and key "
-                         f"{tuple(k.shape)}.")
     if scale is None:
         scale = 1.0 / math.sqrt(_concrete(e))
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
