@@ -31,7 +31,9 @@ SHAPES = ((4, 16, 5000, 64, None), (4, 16, 3000, 64, 8), (2, 32, 3000, 128, None
           (1, 32, 8192, 128, None),
           # session 28: the key length halved and doubled at the first shape's tiles, to
           # split a program's time into per-key-block and per-tile parts
-          (4, 16, 2560, 64, None), (4, 16, 5120, 64, None), (4, 16, 10240, 64, None))
+          (4, 16, 2560, 64, None), (4, 16, 5120, 64, None), (4, 16, 10240, 64, None),
+          # session 33: the prefill rows under 1.0x cuDNN at S=2048 (global; GQA 64/8)
+          (1, 32, 2048, 128, None), (1, 64, 2048, 128, 8))
 ONLY: tuple = ()  # kernel-name prefixes to run (--only); cuDNN always runs
 SKIP: tuple = ()  # kernel-name prefixes not to run (--skip)
 TL = {64: ((64, 64, 4, 3), (64, 128, 4, 2)), 128: ((128, 64, 8, 3), (64, 64, 4, 3))}
@@ -102,6 +104,33 @@ def single_where(la):
     return make_launcher(la.program, ks, "cuda", la.config)
 
 
+def releases_together(la):
+    """``la`` rebuilt with each block's release of its key slot (``b_empty``) moved down
+    beside the release of the last block's value slot (``c_empty``): one place per block
+    where a consumer warpgroup synchronises (session 33, ncu: Gluon's ``mbarrier.arrive``
+    is one thread's, after a ``bar.sync`` of the warpgroup, and those barriers were a third
+    of the consumers' stall cycles at global S=2048; cuDNN's kernel shows none)."""
+    import re
+    from dataclasses import replace
+    form = la.ks.gluon
+    lines, out, held, n = form.source.splitlines(), [], None, 0
+    for ln in lines:
+        if re.match(r"\s+mbarrier\.arrive\(b_empty\.index\(st\), count=1\)$", ln):
+            held = ln
+            continue
+        if held is not None and re.match(r"\s+mbarrier\.arrive\(c_empty\.index\(prev\), count=1\)$", ln):
+            out += [held, ln]
+            held, n = None, n + 1
+            continue
+        if held is not None and re.match(r"\s*(for |if |mbarrier\.arrive\(q_empty)", ln):
+            out.append(held)  # a block without a value release (the first): kept as it was
+            held = None
+        out.append(ln)
+    assert n and held is None, "no key release moved"
+    ks = replace(la.ks, gluon=replace(form, source="\n".join(out) + "\n"))
+    return make_launcher(la.program, ks, "cuda", la.config)
+
+
 def no_mask_fragment():
     """Patch ``gluon_ws.block_fragment``: every block's body without the affine atoms."""
     orig = gluon_ws.block_fragment
@@ -135,11 +164,14 @@ def shape_rows(b, h, s, d, kv):
             else:
                 coalesced = flags.pop("coalesced", False)
                 one_where = flags.pop("single_where", False)
+                together = flags.pop("together", False)
                 la = launcher(variant, b, h, s, d, kv, cfg, **flags)
                 if coalesced:
                     la = coalesced_store(la, d)
                 if one_where:
                     la = single_where(la)
+                if together:
+                    la = releases_together(la)
             t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}
             ms = timed(lambda: la(t))
             row["ms"] = ms
@@ -168,6 +200,8 @@ def shape_rows(b, h, s, d, kv):
     run("gluon causal per-tile", "causal", g, persistent=False)
     run("gluon causal no mask (wrong)", "causal", g, nomask=True)
     run("gluon global", "global", g)
+    run("gluon global releases together", "global", g, together=True)
+    run("gluon causal releases together", "causal", g, together=True)
     return rows
 
 
