@@ -30,6 +30,16 @@ def test_malformed_programs_get_clear_errors(build, message):
         ne.build_program(build(x, j))
 
 
+@pytest.mark.parametrize("outputs", [5, None, [], ["y"]])
+def test_what_is_not_a_program_output_is_said_so(outputs):
+    """ne.build_program / ne.superoptimize of something that is no ne.compute tensor (or list
+    of them): a ProgramError naming what was expected, not Python's TypeError."""
+    with pytest.raises(ProgramError, match="Expected a ne.compute tensor or a list of them"):
+        ne.build_program(outputs)
+    with pytest.raises(ProgramError, match="Expected a ne.compute tensor or a list of them"):
+        ne.superoptimize(outputs)
+
+
 def test_reduce_axis_reused_in_two_reductions_is_rejected():
     x = ne.placeholder((4, 6), "float32", "x")
     j = ne.reduce_axis(6, "j")

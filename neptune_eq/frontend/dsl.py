@@ -286,7 +286,10 @@ def cast(x, dtype: str) -> Expr:
 # ----------------------------------------------------------------------------------
 def build_program(outputs: "Tensor | Sequence[Tensor]") -> ir.Program:
     """Collect the definitions reachable from ``outputs`` into a validated program."""
-    outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+    try:
+        outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+    except TypeError:  # not a tensor and not iterable (a number, None): said below
+        outs = []
     if not outs or not all(isinstance(o, Tensor) for o in outs):
         raise ProgramError(f"Expected a ne.compute tensor or a list of them, got {outputs!r}.")
     for o in outs:
