@@ -137,3 +137,22 @@ def test_decode_rebases_each_key_block_on_its_own_max():
     assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-4)
     prefill = ne.superoptimize(ne.attention(1, 2, 40, 40, D, "float32"), target="interpreter")
     assert "_blk" not in prefill.source and "own max" not in prefill.plan.describe()
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"kv_heads": 0}, ne.ProgramError, "kv_heads to be a positive int"),
+    ({"kv_heads": 3}, ne.ProgramError, "multiple of kv heads"),
+    ({"d": 0}, ne.ProgramError, "d to be a positive int"),
+    ({"dv": -2}, ne.ProgramError, "dv to be a positive int"),
+    ({"score_mod": lambda s: s}, ValueError, r"score_mod to take 5 positional arguments"),
+    ({"mask_mod": lambda b, h, i: i > 0}, ValueError, r"mask_mod to take 4 positional"),
+    ({"mask_mod": "causal"}, ValueError, "mask_mod to be a function"),
+])
+def test_bad_arguments_are_said_before_the_trace(kw, error, match):
+    """Head counts and head dims are positive ints; a mod FlexAttention could not call is
+    named with its form -- not a ZeroDivisionError from the scale or Python's TypeError
+    from inside the trace."""
+    args = {"d": D, **{k: v for k, v in kw.items() if k == "d"}}
+    rest = {k: v for k, v in kw.items() if k != "d"}
+    with pytest.raises(error, match=match):
+        ne.attention(B, 4, 8, 8, args["d"], "float32", **rest)

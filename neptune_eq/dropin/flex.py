@@ -22,7 +22,6 @@ the very scores the output was computed from.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
 import threading
 from dataclasses import dataclass, field
@@ -297,8 +296,6 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
     the tensors the mods captured (placeholder name -> tensor, in kernel order).
     ``sizes``: this call's B, L, S (None under torch.compile, where they are symbolic)."""
     from ..rules import loaded
-    _check_mod(score_mod, "score_mod", "(score, b, h, q_idx, kv_idx)")
-    _check_mod(mask_mod, "mask_mod", "(b, h, q_idx, kv_idx)")
     outputs, captured, both = _trace_once(spec, score_mod, mask_mod, SIZES, sizes)
     if both and spec.same_len:
         # A captured dim read at q_idx and at kv_idx (document ids in self-attention):
@@ -328,26 +325,6 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
                                                        {p.name: p.shape for p in prog.inputs},
                                                        program=prog))
     return st, captured
-
-
-def _check_mod(fn, name: str, form: str) -> None:
-    """A mod that cannot be called as FlexAttention calls it, as an error naming the form
-    -- not Python's TypeError from deep inside the trace.  Checked once per trace, not
-    per call (``inspect.signature`` costs more than a replay)."""
-    if fn is None:
-        return
-    if not callable(fn):
-        raise ValueError(f"Expected {name} to be a function {name}{form}, got "
-                         f"{type(fn).__name__}.")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: the call will tell
-        return
-    try:
-        sig.bind(*range(form.count(",") + 1))
-    except TypeError:
-        raise ValueError(f"Expected {name} to take {form.count(',') + 1} positional arguments "
-                         f"{form}, got a function with signature {sig}.") from None
 
 
 def _trace_once(spec: Spec, score_mod, mask_mod, extents: tuple, sizes) -> tuple:

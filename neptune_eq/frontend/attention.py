@@ -10,6 +10,7 @@ tensors the mods index become kernel inputs too, listed in ``out.captured``.
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 from . import dsl as ne
@@ -40,6 +41,12 @@ def attention(b: int, hq: int, s_q: int, s_kv: int, d: int, dtype: str = "float1
     ``dv`` is the value head dim when it differs from ``d`` (v is (b, kv_heads, s_kv, dv)
     and the output (b, hq, s_q, dv)), as FlexAttention's Ev."""
     from . import torch_mods  # on first use: `import neptune_eq` stays light
+    for name, n in (("hq", hq), ("d", d), ("kv_heads", kv_heads), ("dv", dv)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ne.ProgramError(f"Expected {name} to be a positive int (heads and head "
+                                  f"dims are fixed; batch and lengths may be named sizes), "
+                                  f"got {n!r}.")
+    check_mods(score_mod, mask_mod)
     kv_heads = kv_heads or hq
     if hq % kv_heads:
         raise ne.ProgramError(f"Expected q heads ({hq}) to be a multiple of kv heads "
@@ -50,6 +57,31 @@ def attention(b: int, hq: int, s_q: int, s_kv: int, d: int, dtype: str = "float1
                      dv=dv)
     out.captured = session.captured
     return out
+
+
+def check_mods(score_mod, mask_mod) -> None:
+    """Mods that cannot be called as FlexAttention calls them, as errors naming the form --
+    not Python's TypeError from deep inside the trace.  Checked once per trace, never per
+    call (``inspect.signature`` costs more than a replayed call)."""
+    _check_mod(score_mod, "score_mod", "(score, b, h, q_idx, kv_idx)")
+    _check_mod(mask_mod, "mask_mod", "(b, h, q_idx, kv_idx)")
+
+
+def _check_mod(fn, name: str, form: str) -> None:
+    if fn is None:
+        return
+    if not callable(fn):
+        raise ValueError(f"Expected {name} to be a function {name}{form}, got "
+                         f"{type(fn).__name__}.")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: the call will tell
+        return
+    try:
+        sig.bind(*range(form.count(",") + 1))
+    except TypeError:
+        raise ValueError(f"Expected {name} to take {form.count(',') + 1} positional arguments "
+                         f"{form}, got a function with signature {sig}.") from None
 
 
 def _build(b, hq, s_q, s_kv, d, dtype, group, kv_heads, scale, score_mod, mask_mod,
