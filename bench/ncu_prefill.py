@@ -1,4 +1,5 @@
-"""Ours and cuDNN's SDPA on one prefill setup, a few launches each, for Nsight Compute
+"""Ours and cuDNN's SDPA on one operator setup of ``neptune_ops`` (prefill or decode: the
+name is from its first use), a few launches each, for Nsight Compute
 (`ncu -k regex:NAME ... python bench/ncu_prefill.py OP S`): the kernel is built first
 (its cold choice times many launches, so run once without ncu to fill the cache)."""
 import sys
