@@ -357,3 +357,14 @@ def test_a_closure_made_inside_the_compiled_region():
     torch._dynamo.reset()
     got = torch.compile(InnerClosure(), backend="eager")(q, k, v)
     assert_close(got, torch_flex(q, k, v, make_softcap(20.0)))
+
+
+def test_empty_inputs_under_torch_compile():
+    """The empty case is torch ops only, so a compiled module runs it too (Dynamo
+    specialises sizes 0 and 1): an empty batch, and no keys (zeros)."""
+    f = torch.compile(lambda q, k, v: ne.flex_attention(q, k, v), fullgraph=True)
+    q, k, v = qkv(b=0)
+    assert f(q, k, v).shape == (0, 2, 24, 16)
+    q, k, v = qkv(s=0)
+    got = f(q, k, v)
+    assert got.shape == (2, 2, 24, 16) and (got == 0).all()
