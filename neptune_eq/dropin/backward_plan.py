@@ -77,17 +77,19 @@ class Step:
 
 
 class Recorder:
-    """What a general-path call ran, to be kept as a plan (``keep``)."""
+    """What a general-path call ran: each kernel, the arguments it was called on (the
+    signature its replay is kept at) and its ``Step`` less the replay (``keep`` finds it)."""
 
     def __init__(self):
-        self.calls = []
+        self.calls: list[tuple[object, list, Step]] = []
 
     def row_statistics(self, kern, names: list[str], args: list, stats) -> None:
-        self.calls.append((kern, names, args, tuple(stats), False, 0, {}))
+        self.calls.append((kern, args, Step(None, list(names), tuple(stats), False)))
 
     def gradients(self, kern, names: list[str], args: list, group, rows: int,
                   expanded: dict) -> None:
-        self.calls.append((kern, names, args, tuple(group), True, rows, dict(expanded)))
+        self.calls.append((kern, args, Step(None, list(names), tuple(group), True, rows,
+                                            dict(expanded))))
 
 
 class BackwardPlan:
@@ -123,12 +125,12 @@ def keep(key, rec: Recorder) -> None:
     if key is None or key in _PLANS:
         return
     steps = []
-    for kern, names, args, outs, grads, rows, expanded in rec.calls:
-        call = kern.replay_for(args)
-        if call is None:
+    for kern, args, step in rec.calls:
+        step.call = kern.replay_for(args)
+        if step.call is None:
             steps = None
             break
-        steps.append(Step(call, list(names), outs, grads, rows, expanded))
+        steps.append(step)
     with _LOCK:
         if len(_PLANS) >= KEEP:
             _PLANS.clear()
