@@ -1,4 +1,6 @@
 """Generated Triton kernels (interpreter on CPU) equal the fp64 reference interpreter."""
+import re
+
 import pytest
 from hypothesis import given, settings, strategies as st
 import torch
@@ -37,6 +39,35 @@ def test_attention_kernel_is_single_pass_and_correct(shape, dtype):
 
 def test_attention_large_scores_stay_finite():
     check_kernel(examples.attention(1, 1, 9, 21, 16, "float32"), scale=30.0)
+
+
+def test_a_row_max_of_scaled_scores_is_taken_before_the_scale(monkeypatch):
+    """max_j(s·c) = c·max_j(s) for c > 0, exactly: the kernels take each block's row max
+    over the raw scores and scale the row once, one multiply per score fewer (measured
+    +5-9% on the Gluon form at head dim 128, session 34), and the outputs are
+    bit-identical to the per-score form's -- fully masked rows and large scores too."""
+    from neptune_eq.lowering import codegen
+    shape = (1, 2, 20, 37, 64)  # head dim 64: the Gluon form exists too
+
+    def kernel():
+        return ne.superoptimize(ne.attention(*shape, "float16", mask_mod=lambda b, h, q, kv:
+                                             (q >= kv) & (q < 17)),
+                                target="interpreter", cache=False)
+    new = kernel()
+    for ks in (new.kernel_source.source, new.kernel_source.gluon.source):
+        maxes = re.findall(r"(\w+) = (?:tl|gl)\.max\((?:tl|gl)\.where\(mask_L\[None, :\], (\w+), "
+                           r"([-\d.e+]+)\), axis=1\)\n\s+\w+ = \1 \* ([\d.e-]+)\n", ks)
+        assert maxes and len(maxes) == ks.count(".max("), ks
+        for _, _, fill, c in maxes:  # the padding fill keeps the identity once scaled
+            assert float(fill) * float(c) == pytest.approx(-1e30)
+    monkeypatch.setattr(codegen, "MAX_BEFORE_SCALE", False)
+    old = kernel()
+    assert not re.search(r"\.max\(\w+\.where\(mask_L\[None, :\], qk,", old.kernel_source.gluon.source)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = ((torch.randn(s, generator=g) * 8).half() for s in ((1, 2, 20, 64), (1, 2, 37, 64),
+                                                                  (1, 2, 37, 64)))
+    a, b = new(q, k, v), old(q, k, v)
+    assert torch.equal(a, b) and (a[:, :, 17:] == 0).all() and a.isfinite().all()
 
 
 def test_plain_multi_pass_program_also_lowers_correctly():

@@ -9,7 +9,9 @@ directly (no timer's choice):
 * the Gluon form, causal scheduled-persistent (as generated), one program per tile, with
   every block's mask dropped (wrong output: the mask's cost), and global; both with the
   output stored from a row-major layout (session 28: ``coalesced store``);
-* cuDNN causal and global.
+* cuDNN causal and global;
+* session 34: ``raw max`` rows, the row max taken over raw scores and scaled once per row
+  (``codegen.MAX_BEFORE_SCALE``; every other row is built with it off, as before).
 
     python bench/gluon_probe/causal_overhead.py --out DIR
 """
@@ -23,7 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import gluon_validate as gv  # noqa: E402
-from neptune_eq.lowering import gluon_ws  # noqa: E402
+from neptune_eq.lowering import codegen, gluon_ws  # noqa: E402
 from neptune_eq.runtime.gluon_launch import make_launcher  # noqa: E402
 from neptune_eq.runtime.tile_configs import TileConfig  # noqa: E402
 
@@ -45,15 +47,17 @@ def timed(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
-def launcher(variant, b, h, s, d, kv, cfg, persistent=True):
-    """Build (plan -> source; ``gluon_ws.PERSISTENT`` as given), then the launcher."""
-    saved = gluon_ws.PERSISTENT
+def launcher(variant, b, h, s, d, kv, cfg, persistent=True, raw_max=False):
+    """Build (plan -> source; ``gluon_ws.PERSISTENT`` and ``codegen.MAX_BEFORE_SCALE`` as
+    given), then the launcher.  Rows are built as before session 34 (a row max over the
+    scaled scores) unless ``raw_max``: the max over raw scores, scaled once per row."""
+    saved = gluon_ws.PERSISTENT, codegen.MAX_BEFORE_SCALE
     try:
-        gluon_ws.PERSISTENT = persistent
+        gluon_ws.PERSISTENT, codegen.MAX_BEFORE_SCALE = persistent, raw_max
         prog, ks = gv.derive(variant, b, h, s, d, "bfloat16", kv)
         return make_launcher(prog, ks, "cuda", cfg)
     finally:
-        gluon_ws.PERSISTENT = saved
+        gluon_ws.PERSISTENT, codegen.MAX_BEFORE_SCALE = saved
 
 
 def coalesced_store(la, d):
@@ -192,6 +196,8 @@ def shape_rows(b, h, s, d, kv):
         cfg = TileConfig({"B_i": bi, "B_L": bl}, w, st)
         run("tl causal", "causal", cfg)
         run("tl global", "global", cfg)
+        run("tl causal raw max", "causal", cfg, raw_max=True)
+        run("tl global raw max", "global", cfg, raw_max=True)
     g = TileConfig({"B_i": 128, "B_L": 128}, 4, 2, gluon_ws=True)
     run("gluon causal", "causal", g)
     run("gluon causal single where", "causal", g, single_where=True)
@@ -202,6 +208,8 @@ def shape_rows(b, h, s, d, kv):
     run("gluon global", "global", g)
     run("gluon global releases together", "global", g, together=True)
     run("gluon causal releases together", "causal", g, together=True)
+    run("gluon causal raw max", "causal", g, raw_max=True)
+    run("gluon global raw max", "global", g, raw_max=True)
     return rows
 
 

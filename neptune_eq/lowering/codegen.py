@@ -12,6 +12,7 @@ structure (prologue, pass loops, split-k partials and combine, stores) is ``kern
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -21,6 +22,32 @@ from .lower import LoweringError, TilePlan
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
 POS = repr(-MASKED)
+# A row max/min of a scaled body is taken before the scale (``_positive_scale``); the
+# switch exists for A/B runs (NEPTUNE_EQ_MAX_BEFORE_SCALE=0 emits the scale per element).
+MAX_BEFORE_SCALE = os.environ.get("NEPTUNE_EQ_MAX_BEFORE_SCALE", "1") != "0"
+
+
+def _positive_scale(t: Term) -> tuple[Term, float] | None:
+    """(x, c) where ``t`` = x·c with a constant 1e-6 <= c <= 1e6 (a scale that a max or
+    min commutes with; the bounds keep the padding fill ``MASKED / c`` finite): ``t`` is
+    x·c or c·x, or a mask's select of one, where(p, x·c, d) = where(p, x, d/c)·c."""
+    if t.op == "where" and t.args[2].op == "flt":
+        inner = _positive_scale(t.args[1])
+        if inner is None:
+            return None
+        x, c = inner
+        d = t.args[2].val / c
+        if not abs(d) <= 1e37:  # a fill that would round to ±inf in fp32
+            return None
+        return Term("where", (t.args[0], x, Term("flt", (), d)), t.val), c
+    if t.op != "mul":
+        return None
+    for x, c in (t.args, t.args[::-1]):
+        if c.op == "flt" and 1e-6 <= c.val <= 1e6:
+            return x, c.val
+    return None
+
+
 LOOP = "L"        # tile axis of the current pass's loop
 ECOL = "C"        # tile axis of the epilogue's column loop
 SPLIT = "P"       # tile axis of a block of split-k partials in the combine kernel
@@ -299,19 +326,31 @@ class Emitter:
         return Tile(var, self.states.get(var, st).axes, "f32")  # split-k partials carry axis P
 
     def reduce_tile(self, op: str, body_term: Term, axis_var: str, kaxis: str, scope: int,
-                    extent: int) -> Tile:
-        """``op`` over kernel axis ``kaxis`` of ``body_term``, masking padding."""
+                    extent: int, fill: str | None = None) -> Tile:
+        """``op`` over kernel axis ``kaxis`` of ``body_term``, masking padding (with
+        ``fill``, else the operator's identity)."""
         op = "rollsum" if op == "splitk" else op  # a split fold's block update is a rolling one
         if op in ("sum", "rollsum") and body_term.op == "mul":
             dot = self._try_dot(body_term, kaxis, scope)
             if dot is not None:
                 return dot
+        scale = (_positive_scale(body_term) if MAX_BEFORE_SCALE and op in ("max", "rollmax", "min")
+                 else None)
+        if scale is not None and kaxis in self.expr(scale[0]).axes:
+            # max_j(x·c) = c·max_j(x) for c > 0, exactly (rounding is monotone): one
+            # multiply per row instead of one per element -- a score's row max no longer
+            # pays for its own scaled copy of the block.  The padding fill is divided by c
+            # so the scaled result keeps the identity's magnitude.
+            inner, c = scale
+            ident = MASKED if op != "min" else -MASKED
+            part = self.reduce_tile(op, inner, axis_var, kaxis, scope, extent, repr(ident / c))
+            return self.bind(f"{part.code} * {c!r}", part.axes, "f32", scope)
         body = self.f32(self.expr(body_term))
         if kaxis not in body.axes:
             if op in ("sum", "rollsum"):
                 return self.bind(f"{body.code} * {extent}.0", body.axes, "f32", scope)
             return body
-        ident = {"sum": "0.0", "rollsum": "0.0", "max": NEG, "rollmax": NEG, "min": POS}[op]
+        ident = fill or {"sum": "0.0", "rollsum": "0.0", "max": NEG, "rollmax": NEG, "min": POS}[op]
         pos = body.axes.index(kaxis)
         masked = f"tl.where({self.bcast(Tile(f'mask_{kaxis}', (kaxis,), 'bool'), body.axes)}, {body.code}, {ident})"
         fn = {"sum": "tl.sum", "rollsum": "tl.sum", "max": "tl.max", "rollmax": "tl.max",
