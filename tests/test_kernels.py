@@ -70,6 +70,27 @@ def test_a_row_max_of_scaled_scores_is_taken_before_the_scale(monkeypatch):
     assert torch.equal(a, b) and (a[:, :, 17:] == 0).all() and a.isfinite().all()
 
 
+@pytest.mark.parametrize("c, fill, taken", [
+    (0.125, -8e30, True),      # the softmax scale under a causal select
+    (1.0, -1e30, True),
+    (-0.5, -1e30, False),      # max(x·c) = c·min(x) for c < 0: not this identity
+    (1e-7, -1e30, False),      # MASKED / c would leave fp32's range
+    (1e-5, -1e33, False),      # the select's own fill over c would round to -inf
+    (1e6, -1e30, True),
+])
+def test_a_max_commutes_only_with_a_positive_scale_whose_fill_stays_finite(c, fill, taken):
+    from neptune_eq.ir import Term
+    from neptune_eq.lowering.codegen import _positive_scale
+    s, p = Term("var", (), "s"), Term("var", (), "p")
+    body = Term("where", (p, Term("mul", (s, Term("flt", (), c))), Term("flt", (), fill)))
+    got = _positive_scale(body)
+    assert (got is not None) == taken
+    if taken:
+        inner, scale = got
+        assert scale == c and inner.op == "where" and inner.args[1] == s
+        assert inner.args[2].val * c == pytest.approx(fill)
+
+
 def test_plain_multi_pass_program_also_lowers_correctly():
     from neptune_eq.egraph.rulefiles import shipped_rule_files
     files = [f for f in shipped_rule_files() if f.stem != "rolling"]
