@@ -64,9 +64,9 @@ def make_key(program, rule_files, target: str, device: str, options: dict) -> st
 
 def lowering_switches() -> dict:
     """The lowering's module switches (whether a row max is taken before its scale; how
-    Gluon tiles are walked, whether the consumers take turns).  The benches flip them to A/B a form in one process; a kernel chosen
-    under one setting is not the kernel the other emits, so a cache entry must not serve
-    both."""
+    Gluon tiles are walked, whether the consumers take turns).  The benches flip them to
+    A/B a form in one process; a kernel chosen under one setting is not the kernel the
+    other emits, so a cache entry must not serve both."""
     from ..lowering import codegen, gluon_sums, gluon_ws
     return {"max_before_scale": codegen.MAX_BEFORE_SCALE,
             "ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,

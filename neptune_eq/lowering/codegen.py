@@ -336,7 +336,7 @@ class Emitter:
                 return dot
         scale = (_positive_scale(body_term) if MAX_BEFORE_SCALE and op in ("max", "rollmax", "min")
                  else None)
-        if scale is not None and kaxis in self.expr(scale[0]).axes:
+        if scale is not None:
             # max_j(x·c) = c·max_j(x) for c > 0, exactly (rounding is monotone): one
             # multiply per row instead of one per element -- a score's row max no longer
             # pays for its own scaled copy of the block.  The padding fill is divided by c
