@@ -104,6 +104,28 @@ def const(v: float | int | bool) -> Term:
 MASKED = -1.0e30  # masked score / initial max: a large finite negative, never -inf
 
 
+def positive_scale(t: Term) -> tuple[Term, float] | None:
+    """(x, c) where ``t`` = x·c with a constant 1e-6 <= c <= 1e6, a scale a max or min
+    commutes with (max_j(x·c) = c·max_j(x), exactly: rounding is monotone); the bounds keep
+    a padding fill ``MASKED / c`` finite.  ``t`` is x·c or c·x, or a mask's select of
+    one: where(p, x·c, d) = where(p, x, d/c)·c."""
+    if t.op == "where" and t.args[2].op == "flt":
+        inner = positive_scale(t.args[1])
+        if inner is None:
+            return None
+        x, c = inner
+        d = t.args[2].val / c
+        if not abs(d) <= 1e37:  # a fill that would round to ±inf in fp32
+            return None
+        return Term("where", (t.args[0], x, Term("flt", (), d)), t.val), c
+    if t.op != "mul":
+        return None
+    for x, c in (t.args, t.args[::-1]):
+        if c.op == "flt" and 1e-6 <= c.val <= 1e6:
+            return x, c.val
+    return None
+
+
 def substitute(t: Term, m: dict[str, Term]) -> Term:
     """Replace index variables by terms (``m``: name -> term)."""
     if t.op == "var" and t.val in m:

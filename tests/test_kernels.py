@@ -46,7 +46,7 @@ def test_a_row_max_of_scaled_scores_is_taken_before_the_scale(monkeypatch):
     over the raw scores and scale the row once, one multiply per score fewer (measured
     +5-9% on the Gluon form at head dim 128, session 34), and the outputs are
     bit-identical to the per-score form's -- fully masked rows and large scores too."""
-    from neptune_eq.lowering import codegen
+    from neptune_eq.lowering import lower
     shape = (1, 2, 20, 37, 64)  # head dim 64: the Gluon form exists too
 
     def kernel():
@@ -60,8 +60,10 @@ def test_a_row_max_of_scaled_scores_is_taken_before_the_scale(monkeypatch):
         assert maxes and len(maxes) == ks.count(".max("), ks
         for _, _, fill, c in maxes:  # the padding fill keeps the identity once scaled
             assert float(fill) * float(c) == pytest.approx(-1e30)
-    monkeypatch.setattr(codegen, "MAX_BEFORE_SCALE", False)
+    assert "mx: each block's max/min over the unscaled body, scaled once per row" in new.explain()
+    monkeypatch.setattr(lower, "MAX_BEFORE_SCALE", False)
     old = kernel()
+    assert "scaled once per row" not in old.explain()
     assert not re.search(r"\.max\(\w+\.where\(mask_L\[None, :\], qk,", old.kernel_source.gluon.source)
     g = torch.Generator().manual_seed(0)
     q, k, v = ((torch.randn(s, generator=g) * 8).half() for s in ((1, 2, 20, 64), (1, 2, 37, 64),
@@ -80,10 +82,10 @@ def test_a_row_max_of_scaled_scores_is_taken_before_the_scale(monkeypatch):
 ])
 def test_a_max_commutes_only_with_a_positive_scale_whose_fill_stays_finite(c, fill, taken):
     from neptune_eq.ir import Term
-    from neptune_eq.lowering.codegen import _positive_scale
+    from neptune_eq.ir import positive_scale
     s, p = Term("var", (), "s"), Term("var", (), "p")
     body = Term("where", (p, Term("mul", (s, Term("flt", (), c))), Term("flt", (), fill)))
-    got = _positive_scale(body)
+    got = positive_scale(body)
     assert (got is not None) == taken
     if taken:
         inner, scale = got

@@ -11,7 +11,7 @@ directly (no timer's choice):
   output stored from a row-major layout (session 28: ``coalesced store``);
 * cuDNN causal and global;
 * session 34: ``raw max`` rows, the row max taken over raw scores and scaled once per row
-  (``codegen.MAX_BEFORE_SCALE``; every other row is built with it off, as before).
+  (``lower.MAX_BEFORE_SCALE``; every other row is built with it off, as before).
 
     python bench/gluon_probe/causal_overhead.py --out DIR
 """
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import gluon_validate as gv  # noqa: E402
-from neptune_eq.lowering import codegen, gluon_ws  # noqa: E402
+from neptune_eq.lowering import gluon_ws, lower  # noqa: E402
 from neptune_eq.runtime.gluon_launch import make_launcher  # noqa: E402
 from neptune_eq.runtime.tile_configs import TileConfig  # noqa: E402
 
@@ -48,16 +48,16 @@ def timed(fn):
 
 
 def launcher(variant, b, h, s, d, kv, cfg, persistent=True, raw_max=False):
-    """Build (plan -> source; ``gluon_ws.PERSISTENT`` and ``codegen.MAX_BEFORE_SCALE`` as
+    """Build (plan -> source; ``gluon_ws.PERSISTENT`` and ``lower.MAX_BEFORE_SCALE`` as
     given), then the launcher.  Rows are built as before session 34 (a row max over the
     scaled scores) unless ``raw_max``: the max over raw scores, scaled once per row."""
-    saved = gluon_ws.PERSISTENT, codegen.MAX_BEFORE_SCALE
+    saved = gluon_ws.PERSISTENT, lower.MAX_BEFORE_SCALE
     try:
-        gluon_ws.PERSISTENT, codegen.MAX_BEFORE_SCALE = persistent, raw_max
+        gluon_ws.PERSISTENT, lower.MAX_BEFORE_SCALE = persistent, raw_max
         prog, ks = gv.derive(variant, b, h, s, d, "bfloat16", kv)
         return make_launcher(prog, ks, "cuda", cfg)
     finally:
-        gluon_ws.PERSISTENT, codegen.MAX_BEFORE_SCALE = saved
+        gluon_ws.PERSISTENT, lower.MAX_BEFORE_SCALE = saved
 
 
 def coalesced_store(la, d):

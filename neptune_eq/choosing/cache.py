@@ -67,8 +67,8 @@ def lowering_switches() -> dict:
     Gluon tiles are walked, whether the consumers take turns).  The benches flip them to
     A/B a form in one process; a kernel chosen under one setting is not the kernel the
     other emits, so a cache entry must not serve both."""
-    from ..lowering import codegen, gluon_sums, gluon_ws
-    return {"max_before_scale": codegen.MAX_BEFORE_SCALE,
+    from ..lowering import gluon_sums, gluon_ws, lower
+    return {"max_before_scale": lower.MAX_BEFORE_SCALE,
             "ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,
             "ws_dynamic": gluon_ws.DYNAMIC, "ws_pingpong": gluon_ws.PINGPONG,
             "sums_persistent": gluon_sums.PERSISTENT}

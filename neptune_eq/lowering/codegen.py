@@ -12,42 +12,15 @@ structure (prologue, pass loops, split-k partials and combine, stores) is ``kern
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
-from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
-from . import descriptors
+from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes, positive_scale
+from . import descriptors, lower
 from .lower import LoweringError, TilePlan
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
 POS = repr(-MASKED)
-# A row max/min of a scaled body is taken before the scale (``_positive_scale``); the
-# switch exists for A/B runs (NEPTUNE_EQ_MAX_BEFORE_SCALE=0 emits the scale per element).
-MAX_BEFORE_SCALE = os.environ.get("NEPTUNE_EQ_MAX_BEFORE_SCALE", "1") != "0"
-
-
-def _positive_scale(t: Term) -> tuple[Term, float] | None:
-    """(x, c) where ``t`` = x·c with a constant 1e-6 <= c <= 1e6 (a scale that a max or
-    min commutes with; the bounds keep the padding fill ``MASKED / c`` finite): ``t`` is
-    x·c or c·x, or a mask's select of one, where(p, x·c, d) = where(p, x, d/c)·c."""
-    if t.op == "where" and t.args[2].op == "flt":
-        inner = _positive_scale(t.args[1])
-        if inner is None:
-            return None
-        x, c = inner
-        d = t.args[2].val / c
-        if not abs(d) <= 1e37:  # a fill that would round to ±inf in fp32
-            return None
-        return Term("where", (t.args[0], x, Term("flt", (), d)), t.val), c
-    if t.op != "mul":
-        return None
-    for x, c in (t.args, t.args[::-1]):
-        if c.op == "flt" and 1e-6 <= c.val <= 1e6:
-            return x, c.val
-    return None
-
-
 LOOP = "L"        # tile axis of the current pass's loop
 ECOL = "C"        # tile axis of the epilogue's column loop
 SPLIT = "P"       # tile axis of a block of split-k partials in the combine kernel
@@ -334,8 +307,8 @@ class Emitter:
             dot = self._try_dot(body_term, kaxis, scope)
             if dot is not None:
                 return dot
-        scale = (_positive_scale(body_term) if MAX_BEFORE_SCALE and op in ("max", "rollmax", "min")
-                 else None)
+        scale = (positive_scale(body_term) if lower.MAX_BEFORE_SCALE
+                 and op in ("max", "rollmax", "min") else None)
         if scale is not None:
             # max_j(x·c) = c·max_j(x) for c > 0, exactly (rounding is monotone): one
             # multiply per row instead of one per element -- a score's row max no longer

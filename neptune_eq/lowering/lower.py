@@ -24,15 +24,21 @@ The plan is derived from the IR, never from a per-operator template:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from ..ir import MASKED, Program, ProgramError, Term, accessed, free_axes, rename_axis
+from ..ir import (MASKED, Program, ProgramError, Term, accessed, free_axes, positive_scale,
+                  rename_axis)
 from . import scatter
 from .inline import loop_level, inline_derived
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
 INNER_CHUNK = 64      # chunk of a wider inner contraction, looped inside the pass
 PACK_ROWS_BELOW = 64  # pack GQA head groups into the row block when rows are this short
+# A max/min fold of a scaled body reduces the unscaled body and scales each row once
+# (``ir.positive_scale``; emitted by ``codegen``).  The switch is for A/B runs:
+# NEPTUNE_EQ_MAX_BEFORE_SCALE=0 emits the scale per element.
+MAX_BEFORE_SCALE = os.environ.get("NEPTUNE_EQ_MAX_BEFORE_SCALE", "1") != "0"
 
 
 class LoweringError(ProgramError):
@@ -159,6 +165,11 @@ class TilePlan:
                       "re-based by the fold's correction)" if self.block_rebase and any(
                           f.op in ("rollsum", "splitk") for f in p.folds) else "")
             lines.append(f"pass {k + 1}: loop over {p.extent}{skip}{how}{rebase} -> {fs}")
+            raw = [f.name for f in p.folds if MAX_BEFORE_SCALE and f.op in ("max", "rollmax", "min")
+                   and positive_scale(f.term.args[0])]
+            if raw:
+                lines.append(f"  {', '.join(raw)}: each block's max/min over the unscaled body, "
+                             "scaled once per row (max_j(s·c) = c·max_j(s), c > 0)")
             for sc in p.scattered:
                 lines.append(f"  + {sc.name}[{', '.join(sc.axes)}]: a sum over the rows; each "
                              f"program adds its row block's term atomically per step of the "
