@@ -81,8 +81,7 @@ def test_a_row_max_of_scaled_scores_is_taken_before_the_scale(monkeypatch):
     (1e6, -1e30, True),
 ])
 def test_a_max_commutes_only_with_a_positive_scale_whose_fill_stays_finite(c, fill, taken):
-    from neptune_eq.ir import Term
-    from neptune_eq.ir import positive_scale
+    from neptune_eq.ir import Term, positive_scale
     s, p = Term("var", (), "s"), Term("var", (), "p")
     body = Term("where", (p, Term("mul", (s, Term("flt", (), c))), Term("flt", (), fill)))
     got = positive_scale(body)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes, positive_scale
-from . import descriptors, lower
-from .lower import LoweringError, TilePlan
+from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
+from . import descriptors
+from .lower import LoweringError, TilePlan, max_before_scale
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
 POS = repr(-MASKED)
@@ -307,16 +307,15 @@ class Emitter:
             dot = self._try_dot(body_term, kaxis, scope)
             if dot is not None:
                 return dot
-        scale = (positive_scale(body_term) if lower.MAX_BEFORE_SCALE
-                 and op in ("max", "rollmax", "min") else None)
+        scale = max_before_scale(op, body_term)
         if scale is not None:
             # max_j(x·c) = c·max_j(x) for c > 0, exactly (rounding is monotone): one
             # multiply per row instead of one per element -- a score's row max no longer
             # pays for its own scaled copy of the block.  The padding fill is divided by c
             # so the scaled result keeps the identity's magnitude.
             inner, c = scale
-            ident = MASKED if op != "min" else -MASKED
-            part = self.reduce_tile(op, inner, axis_var, kaxis, scope, extent, repr(ident / c))
+            fill = repr(float(init_fill(op)) / c)
+            part = self.reduce_tile(op, inner, axis_var, kaxis, scope, extent, fill)
             return self.bind(f"{part.code} * {c!r}", part.axes, "f32", scope)
         body = self.f32(self.expr(body_term))
         if kaxis not in body.axes:

@@ -41,6 +41,13 @@ PACK_ROWS_BELOW = 64  # pack GQA head groups into the row block when rows are th
 MAX_BEFORE_SCALE = os.environ.get("NEPTUNE_EQ_MAX_BEFORE_SCALE", "1") != "0"
 
 
+def max_before_scale(op: str, body: Term) -> tuple[Term, float] | None:
+    """(unscaled body, c) where a ``op`` fold of ``body`` is reduced before its scale."""
+    if not MAX_BEFORE_SCALE or op not in ("max", "rollmax", "min"):
+        return None
+    return positive_scale(body)
+
+
 class LoweringError(ProgramError):
     """The program has a shape this lowering does not handle (yet)."""
 
@@ -165,8 +172,7 @@ class TilePlan:
                       "re-based by the fold's correction)" if self.block_rebase and any(
                           f.op in ("rollsum", "splitk") for f in p.folds) else "")
             lines.append(f"pass {k + 1}: loop over {p.extent}{skip}{how}{rebase} -> {fs}")
-            raw = [f.name for f in p.folds if MAX_BEFORE_SCALE and f.op in ("max", "rollmax", "min")
-                   and positive_scale(f.term.args[0])]
+            raw = [f.name for f in p.folds if max_before_scale(f.op, f.term.args[0])]
             if raw:
                 lines.append(f"  {', '.join(raw)}: each block's max/min over the unscaled body, "
                              "scaled once per row (max_j(s·c) = c·max_j(s), c > 0)")
