@@ -224,3 +224,51 @@ def test_runtime_size_launchers_share_checked_launches_by_tritons_class(monkeypa
         assert calls == expect, (n, calls)
         ref = (xs.double() - xs.double().amax(1, keepdim=True)).exp().sum(1)
         assert torch.allclose(out.double(), ref, rtol=1e-5)
+
+
+def test_an_index_difference_meeting_float_scores_is_built_in_fp32_exactly(monkeypatch):
+    """ALiBi's slope·(j − i): the int tile j − i would be converted once per score, and on
+    sm_90 that I2F issues on the pipe exp2 is bound by.  The kernels build j − i from fp32
+    offsets instead (``lowering.float_index``): the same integers, so the outputs are
+    bit-identical to the int form's, at several sizes of a symbolic S (the exactness
+    bound, |index| < 2^24, is a guard of the size bucket)."""
+    from neptune_eq.lowering import float_index
+    slopes = ne.placeholder((2,), "float32", "slopes")
+
+    def kernel():
+        out = ne.attention(1, 2, "S", "S", 64, "float16", score_mod=lambda s, b, h, i, j:
+                           s + slopes[h] * (j - (i + 3)), mask_mod=lambda b, h, i, j: j <= i)
+        return ne.superoptimize(out, target="interpreter", cache=False, sizes={"S": 40})
+    new = kernel()
+    for ks in (new.kernel_source.source, new.kernel_source.gluon.source):
+        assert "offsf_L = colsf_L + l0" in ks and not re.search(r"offs_L\[None, :\] - ", ks), ks
+    assert any("16777216" in b for b in new.buckets), new.buckets
+    monkeypatch.setattr(float_index, "FLOAT_INDEX", False)
+    old = kernel()
+    assert "offsf_L" not in old.source and "offs_L[None, :] - " in old.source
+    g = torch.Generator().manual_seed(1)
+    sl = torch.tensor([0.5, 0.0625])
+    for s in (40, 7, 130):
+        q, k, v = ((torch.randn(1, 2, s, 64, generator=g) * 4).half() for _ in range(3))
+        a, b = new(q, k, v, sl), old(q, k, v, sl)
+        ref = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * 0.125 + sl.double()[:, None, None]
+                            * (torch.arange(s)[None, :] - torch.arange(s)[:, None] - 3)
+                            + torch.where(torch.ones(s, s, dtype=torch.bool).tril(), 0.0, float("-inf")),
+                            dim=-1) @ v.double()
+        assert torch.equal(a, b) and (a.double() - ref).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("expr, bound", [
+    ("j - (i + 3)", 1024 + 10 + 1024 + 20 + 3),
+    ("2 * j", 2 * (1024 + 10)),
+    ("j * i", None),           # a product of two indices: not this rewrite
+    ("j // 2", None),
+])
+def test_the_fp32_index_form_is_taken_only_within_the_exact_range(expr, bound):
+    from neptune_eq.ir import Term
+    from neptune_eq.lowering.float_index import magnitude
+    v, n = (lambda x: Term("var", (), x)), (lambda c: Term("int", (), c))
+    terms = {"j - (i + 3)": Term("sub", (v("j"), Term("add", (v("i"), n(3))))),
+             "2 * j": Term("mul", (n(2), v("j"))), "j * i": Term("mul", (v("j"), v("i"))),
+             "j // 2": Term("floordiv", (v("j"), n(2)))}
+    assert magnitude(terms[expr], {"j": 10, "i": 20}.get) == bound
