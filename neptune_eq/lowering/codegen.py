@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
-from . import descriptors, float_index
+from . import descriptors
 from .lower import LoweringError, TilePlan, max_before_scale
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
@@ -90,7 +90,6 @@ class Emitter:
         # axis -> the constexpr sizing its tiles, where not B_<axis> (split-k's combine
         # takes the row block's real rows only: kernelgen.COMBINE_ROWS)
         self.block_sizes: dict[str, str] = {}
-        self.loop_arange = f"tl.arange(0, B_{LOOP})"  # a key block's column numbers
 
     # -- scopes --------------------------------------------------------------------------
     def push(self, indent: str):
@@ -208,7 +207,7 @@ class Emitter:
             y = self.plan.packed[0]
             return Tile(f"ax_{y}", (), "int") if op == "floordiv" else self.env[f"{y}%"]
         if op in _BINARY:
-            a, b = (self._operand(x, y, op) for x, y in (t.args, t.args[::-1]))
+            a, b = (self.expr(x) for x in t.args)
             if op in _ARITH or op in ("lt", "le", "gt", "ge", "eq", "ne"):
                 if "f32" in (a.kind, b.kind) or a.kind not in ("int", "bool") or b.kind not in ("int", "bool"):
                     a, b = self.f32(a), self.f32(b)
@@ -230,15 +229,6 @@ class Emitter:
         if t.kind == "reduce":
             return self._inner_reduce(t, scope)
         raise LoweringError(f"Codegen cannot emit {op!r} here (a fold nested in a fold?).")
-
-    def _operand(self, t: Term, other: Term, op: str) -> Tile:
-        """One operand of a binary op: an integer index expression over the key loop's
-        axis that meets a float is built in fp32 without a conversion per score
-        (``float_index``, exact)."""
-        if op in _ARITH and float_index.wanted(self, t, LOOP) and \
-                self.expr(other).kind not in ("int", "bool"):
-            return float_index.emit(self, t, LOOP, self.loop_arange)
-        return self.expr(t)
 
     def _load(self, t: Term, scope: int) -> Tile:
         same = self._same_load(t)

@@ -132,7 +132,6 @@ class GluonEmitter(Emitter):
         self.qk: tuple[Term, Term] | None = None   # the loads of the first contraction
         self.pv: Term | None = None                # the load of the second one's right side
         self.col = col                             # the rolling state's column axis
-        self.loop_arange = "cols"                  # the consumer's key-block columns
 
     def layout(self, axes: tuple[str, ...]) -> str:
         """The layout of a tile over ``axes``: the state's (``O_*``) where its column axis
