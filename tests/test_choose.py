@@ -285,6 +285,13 @@ def test_a_split_k_candidate_is_timed_only_where_rows_leave_sms_idle(monkeypatch
     fail = False
     best, rows = choice(1, 8192)                                # a decode: split-k is timed
     assert rows[0].kernel.split_extent and timed[0] == rows[0].kernel.split_extent
+    # 4 row blocks x 32 heads = 128 programs on 132 SMs: a split gains at most 132/128,
+    # less than it was ever measured to cost (SPLIT_LEAST_COST); at 2 row blocks it may
+    best, rows = choice(512, 512)
+    assert timed and not any(timed) and not best.kernel.split_extent
+    assert ch.rows_fill_gpu(next(r for r in rows if r.kernel.split_extent).kernel, 132)
+    best, rows = choice(256, 512)
+    assert not ch.rows_fill_gpu(next(r for r in rows if r.kernel.split_extent).kernel, 132)
 
 
 def test_fewest_launches_win_among_configs_within_the_tie():

@@ -99,17 +99,23 @@ def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) ->
     return out
 
 
+SPLIT_LEAST_COST = 1.11  # the least a prefill's split-k cost over its rolling candidate
+
+
 def rows_fill_gpu(ks: KernelSource, sms: int) -> bool:
     """Whether a kernel's row programs alone -- at the largest row block its GPU configs
-    offer -- give every SM one.  Then a split-k candidate splits nothing that was idle:
-    it does the rolling candidate's work, then writes and combines every row's fold
-    states.  In all 48 prefills measured with both timed (sessions 11-19, H100 and H200)
-    it took 1.11-1.69x the rolling candidate's time, where the cost model put it within
-    1.00-1.30x (``tile_configs.GRID_EVIDENCE``), so it is not compiled there."""
+    offer -- leave too few SMs idle for a split-k candidate to pay for itself.  A split
+    does the rolling candidate's work, then writes and combines every row's fold states:
+    in all 48 prefills measured with both timed and every SM busy (sessions 11-19, H100
+    and H200) it took 1.11-1.69x the rolling candidate's time, where the cost model put
+    it within 1.00-1.30x (``tile_configs.GRID_EVIDENCE``).  With p < sms programs it can
+    gain at most sms / p from the idle SMs, so below ``SPLIT_LEAST_COST`` it is not
+    compiled either: 128 programs on 132 SMs (softcap and window prefill at S=512, H200,
+    session 34) -- split-k 1.30x and 1.26x the rolling time, and 4-5 s of a cold build."""
     rows = f"B_{ks.block_axis}"
     largest = max(c.blocks.get(rows, ks.tunables.get(rows, 16))
                   for c in candidate_configs(ks, "cuda", sms))
-    return -(-ks.row_extent // largest) * ks.grid_size >= sms
+    return -(-ks.row_extent // largest) * ks.grid_size * SPLIT_LEAST_COST >= sms
 
 
 PRUNE_RATIO = 1.3  # candidates predicted slower than this times the best are not timed
