@@ -327,6 +327,17 @@ def write(out: Path, rows, acc_rows, meta, merge=False):
     (out / "neptune_ops.md").write_text("\n".join(md) + "\n")
 
 
+def process_warmup() -> float:
+    """Seconds of a first, tiny build: the CUDA context, Triton's and Gluon's first
+    compiles and imports, paid once per process.  Done before the table's rows, so each
+    row's ``cold_s`` is its operator's own cold build (its kernels compile from scratch:
+    their sources differ from the warm-up's)."""
+    t0 = time.perf_counter()
+    ne.superoptimize(ne.attention(1, 2, 128, 128, 64, "float16"), target="cuda", top_k=1,
+                     cache=False)
+    return round(time.perf_counter() - t0, 1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
@@ -340,8 +351,12 @@ def main():
     import os
     import tempfile
     os.environ["NEPTUNE_EQ_CACHE"] = tempfile.mkdtemp(prefix="neptune_eq_bench_")  # cold = miss
+    # ... and no Triton compile from an earlier run on this machine is reused (a warm
+    # machine's cache made a cold build look 3.7 s where it is 12.6, session 35)
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_bench_")
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
+            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+            "process_warmup_s": process_warmup()}
     rows, acc_rows = [], []
     for S in a.seqs:
         for op in a.ops:
