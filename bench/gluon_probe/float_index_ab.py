@@ -1,15 +1,21 @@
-"""Probe (session 35): ALiBi prefill with its index difference j − i built in fp32 from
-fp32 offsets (``lowering.float_index``) against the int form converted once per score
-(the I2F issues on sm_90's XU pipe, which exp2 is bound by).
+"""Probe (session 35): what ALiBi's block math costs in the Gluon prefill kernel.
+
+* ``fp32 index``: ALiBi's ``j − i`` built from fp32 offsets (the key block's columns
+  converted once, plus ``l0``) instead of the int tile the lowering emits, which the
+  multiply by the slope converts (``I2F``, on sm_90's XU pipe beside exp2).  Measured
+  slower: the compiler already converts only a thread's 34 distinct differences per 64
+  scores; in fp32 it cannot merge them (session 35 in bench/results/README.md).  The
+  lowering that emitted this form (commit 8d3da3b) was reverted; here it is a source edit.
+* ``scores in exp2 units``: the softmax scale and the slope times log2 e, the row max
+  over those scores, so exp2's argument loses a multiply per score.
 
 One process, same inputs, each kernel built from the product's own plan at one config
-(no timer's choice), the switch flipped between builds; the old form is built and timed
-again last to show any drift of the machine.  Beside them: the global Gluon kernel of the
-same shape (ALiBi's ceiling: the same work without the bias), cuDNN global and
-FlexAttention with the same ALiBi score_mod.  Outputs of the two forms are compared bit
-for bit and against an fp32 reference.
+(no timer's choice); the generated form is built and timed again last to show any drift.
+Beside them: the global Gluon kernel of the same shape (ALiBi's ceiling: the same work
+without the bias), cuDNN global and FlexAttention with the same ALiBi score_mod; every
+ALiBi row's error against an fp32 reference.
 
-    python bench/gluon_probe/float_index_ab.py --out DIR
+    python bench/gluon_probe/float_index_ab.py --out DIR [--shapes 0 3 2]
 """
 import argparse
 import json
@@ -22,7 +28,6 @@ import triton  # noqa: E402
 
 import gluon_validate as gv  # noqa: E402
 import neptune_eq as ne  # noqa: E402
-from neptune_eq.lowering import float_index  # noqa: E402
 from neptune_eq.runtime.gluon_launch import make_launcher  # noqa: E402
 from neptune_eq.runtime.tile_configs import TileConfig  # noqa: E402
 
@@ -41,16 +46,27 @@ def slopes_of(h):
     return torch.tensor([2.0 ** (-8.0 * (k + 1) / h) for k in range(h)], device="cuda")
 
 
-def build(b, h, s, d, dtype, cfg, fp32_index, alibi=True):
-    saved = float_index.FLOAT_INDEX
-    try:
-        float_index.FLOAT_INDEX = fp32_index
-        sl = ne.placeholder((h,), "float32", "slopes")
-        mods = {"score_mod": lambda x, bb, hh, i, j: x + sl[hh] * (j - i)} if alibi else {}
-        prog, ks = gv.derive("global", b, h, s, d, dtype, None, mods)
-        return make_launcher(prog, ks, "cuda", cfg)
-    finally:
-        float_index.FLOAT_INDEX = saved
+def build(b, h, s, d, dtype, cfg, alibi=True):
+    sl = ne.placeholder((h,), "float32", "slopes")
+    mods = {"score_mod": lambda x, bb, hh, i, j: x + sl[hh] * (j - i)} if alibi else {}
+    prog, ks = gv.derive("global", b, h, s, d, dtype, None, mods)
+    return make_launcher(prog, ks, "cuda", cfg)
+
+
+def fp32_index(la):
+    """``la`` (an ALiBi Gluon kernel) rebuilt with ``j − i`` made of fp32 offsets: the
+    key block's column numbers converted once per consumer, plus the block's start."""
+    from dataclasses import replace
+    form = la.ks.gluon
+    src = form.source
+    cols = "    cols = gl.arange(0, B_L, S_COLS)\n"
+    n = src.count("offs_L[None, :] - offs_i[:, None]")
+    assert cols in src and n >= 3, "no int index difference found"
+    src = src.replace(cols, cols + "    colsf = cols.to(gl.float32)\n")
+    src = src.replace("offs_L[None, :] - offs_i[:, None]",
+                      "(colsf + l0)[None, :] - offs_i.to(gl.float32)[:, None]")
+    ks = replace(la.ks, gluon=replace(form, source=src))
+    return make_launcher(la.program, ks, "cuda", la.config)
 
 
 def log2_units(la):
@@ -96,9 +112,9 @@ def shape_rows(b, h, s, d, dtype):
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    def ours(name, cfg, fp32_index, alibi=True, edit=None):
+    def ours(name, cfg, alibi=True, edit=None):
         try:
-            la = build(b, h, s, d, dtype, cfg, fp32_index, alibi)
+            la = build(b, h, s, d, dtype, cfg, alibi)
             la = edit(la) if edit else la
         except Exception as e:  # noqa: BLE001
             rows.append({**base, "kernel": name, "error": repr(e)[-400:]})
@@ -125,20 +141,12 @@ def shape_rows(b, h, s, d, dtype):
     bi, bl, w, st = TL[d]
     g = TileConfig({"B_i": 128, "B_L": 128}, 4, 2, gluon_ws=True)
     tl_cfg = TileConfig({"B_i": bi, "B_L": bl}, w, st)
-    ours("gluon global", g, True, alibi=False)
-    ours("gluon alibi int index", g, False)
-    ours("gluon alibi fp32 index", g, True)
-    ours("gluon alibi int index, exp2 units", g, False, edit=log2_units)
-    ours("tl alibi int index", tl_cfg, False)
-    ours("tl alibi fp32 index", tl_cfg, True)
-    ours("gluon alibi int index again", g, False)
-    for form in ("gluon", "tl"):
-        a, c = outs.get(f"{form} alibi fp32 index"), outs.get(f"{form} alibi int index")
-        if a is not None and c is not None:
-            rows.append({**base, "kernel": f"{form}: fp32 index == int index",
-                         "bit_identical": bool(torch.equal(a, c)),
-                         "max_diff": (a.float() - c.float()).abs().max().item()})
-            print(json.dumps(rows[-1]), flush=True)
+    ours("gluon global", g, alibi=False)
+    ours("gluon alibi int index", g)
+    ours("gluon alibi fp32 index", g, edit=fp32_index)
+    ours("gluon alibi int index, exp2 units", g, edit=log2_units)
+    ours("tl alibi int index", tl_cfg)
+    ours("gluon alibi int index again", g)
     return rows
 
 
