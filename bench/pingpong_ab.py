@@ -1,6 +1,6 @@
 """Ping-pong A/B of the Gluon forward (``lowering/gluon_ws.PINGPONG``), one process.
 
-    python bench/pingpong_ab.py --out DIR [--rounds 3] [--quick]
+    python bench/pingpong_ab.py --out DIR [--rounds 3] [--quick | --math-heavy | --causal-walks]
 
 With ping-pong the two consumer warpgroups issue their products in turn
 (``gluon_tiles.pingpong_turns``), FlashAttention-3's inter-warpgroup overlap: one
@@ -56,6 +56,14 @@ QUICK = {0, 4, 6, 9, 10}
 CAUSAL_WALKS = (("causal", 1, 32, 2048, 128, None, "float16", False, True),
                 ("causal", 1, 32, 8192, 128, None, "float16", False, True),
                 ("causal", 1, 32, 32768, 128, None, "float16", False, True))
+# --math-heavy (session 35): variants whose block math is longer than global's (ALiBi's
+# bias, softcap's tanh), where one warpgroup's softmax has more to hide behind the other's
+# products; global at the same shape as the control
+MATH_HEAVY = (("alibi", 1, 32, 8192, 128, None, "float16", False, True),
+              ("alibi", 1, 32, 2048, 128, None, "float16", False, True),
+              ("alibi", 4, 16, 4096, 64, None, "bfloat16", False, True),
+              ("softcap", 1, 32, 8192, 128, None, "float16", False, True),
+              ("global", 1, 32, 8192, 128, None, "float16", False, True))
 
 
 def forms(variant, b, h, s, d, dtype, kv, mods):
@@ -136,10 +144,13 @@ def main():
     ap.add_argument("--untimed", action="store_true", help="only the bit-identity checks")
     ap.add_argument("--causal-walks", action="store_true",
                     help="only causal D=128 at S=2048/8192/32768, both walks")
+    ap.add_argument("--math-heavy", action="store_true",
+                    help="only ALiBi and softcap (and global as the control)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     cases, walks = (CAUSAL_WALKS, (False, True)) if args.causal_walks else (CASES, (False,))
+    cases = MATH_HEAVY if args.math_heavy else cases
     for i, c in enumerate(cases):
         if (args.quick and i not in QUICK) or (args.untimed and c[-1]):
             continue
