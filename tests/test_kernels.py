@@ -224,3 +224,62 @@ def test_runtime_size_launchers_share_checked_launches_by_tritons_class(monkeypa
         assert calls == expect, (n, calls)
         ref = (xs.double() - xs.double().amax(1, keepdim=True)).exp().sum(1)
         assert torch.allclose(out.double(), ref, rtol=1e-5)
+
+
+_SLOPED = {  # score mods linear in the key index (ALiBi and its relatives)
+    "alibi causal, rows that see nothing": (
+        lambda sl: lambda s, b, h, i, j: s + sl[h] * (j - i),
+        lambda b, h, i, j: (j <= i) & (i >= 5)),
+    "offset, reversed sign": (lambda sl: lambda s, b, h, i, j: s + sl[h] * ((i + 3) - j), None),
+    "the key index alone": (lambda sl: lambda s, b, h, i, j: s - sl[h] * j, None),
+}
+
+
+@pytest.mark.parametrize("name", list(_SLOPED))
+def test_a_score_term_linear_in_the_key_index_leaves_the_block_as_a_shift(name, tmp_path):
+    """slope·(j − i) = slope·(c − r) + slope·(l0 − m0): the lane part is made once before
+    the loops, the block's part joins the row max and exp2's row term (``block_shift``:
+    one fused multiply-add per score instead of a subtract, a conversion and a multiply).
+    Right against fp64 in the interpreter (odd lengths, rows that see nothing, scores x8,
+    the slope large and small); the Gluon form takes the split too and compiles for sm_90
+    (its outputs are checked on the GPU: bench/gluon_probe/float_index_ab.py)."""
+    score, mask = _SLOPED[name]
+    sl = ne.placeholder((2,), "float32", "slopes")
+    kern = check_kernel(ne.attention(1, 2, 21, 37, 64, "float16", score_mod=score(sl),
+                                     mask_mod=mask), scale=8.0, cache=False)
+    consumer = kern.kernel_source.gluon.source.split("def _consumer")[1]
+    for ks, loop in ((kern.kernel_source.source, "for l0 in"), (consumer, "for jb in")):
+        lanes = re.search(r"\* \(-?\(\((tl\.arange\(0, B_L\)|cols)\)", ks)
+        assert lanes and lanes.start() < ks.index(loop), ks  # made before the key loops
+        assert "offs_L[None, :] - " not in ks and re.search(r"\(\(l0\)", ks), ks
+    if name.startswith("alibi"):
+        from sm90_compile import compile_for_sm90
+        from neptune_eq.runtime.gluon_launch import sm90_spec
+        path = tmp_path / "alibi.py"
+        path.write_text(kern.kernel_source.gluon.source)
+        res = compile_for_sm90(path, kern.kernel_source.gluon.name,
+                               sm90_spec(kern.program, kern.kernel_source))
+        assert res["ok"] and res["wgmma"], res
+
+
+def test_the_block_shift_agrees_with_the_plain_form_in_decode_and_at_every_size(monkeypatch):
+    """The split-k decode takes the shift too; the outputs match the plain form's to
+    rounding at several sizes of a symbolic key length."""
+    from neptune_eq.lowering import block_shift
+    sl = ne.placeholder((2,), "float32", "slopes")
+
+    def kernel():
+        out = ne.attention(1, 2, 1, "T", 64, "float32", score_mod=lambda s, b, h, i, j:
+                           s + sl[h] * (j - (i + 40)))
+        return ne.superoptimize(out, target="interpreter", cache=False, sizes={"T": 40})
+    new = kernel()
+    assert "tl.arange(0, B_L))[None, :]" in new.source or "(tl.arange(0, B_L))" in new.source
+    monkeypatch.setattr(block_shift, "ENABLED", False)
+    old = kernel()
+    assert "offs_L[None, :] - " in old.source or "offs_L" in old.source
+    g = torch.Generator().manual_seed(2)
+    slopes = torch.tensor([1.0, 0.03125])
+    for t in (40, 7, 300):
+        q, k, v = (torch.randn(1, 2, n, 64, generator=g) * 3 for n in (1, t, t))
+        a, b = new(q, k, v, slopes), old(q, k, v, slopes)
+        assert (a - b).abs().max() < 1e-5, t

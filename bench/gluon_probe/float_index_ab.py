@@ -6,6 +6,9 @@
   slower: the compiler already converts only a thread's 34 distinct differences per 64
   scores; in fp32 it cannot merge them (session 35 in bench/results/README.md).  The
   lowering that emitted this form (commit 8d3da3b) was reverted; here it is a source edit.
+* ``block shift`` (the lowering's form since session 35, ``lowering.block_shift``): the
+  bias split into a loop-invariant tile and a per-block shift that joins the row max and
+  exp2's row term; the ``int index`` rows are the form before it.
 * ``scores in exp2 units``: the softmax scale and the slope times log2 e, the row max
   over those scores, so exp2's argument loses a multiply per score.
 
@@ -28,6 +31,7 @@ import triton  # noqa: E402
 
 import gluon_validate as gv  # noqa: E402
 import neptune_eq as ne  # noqa: E402
+from neptune_eq.lowering import block_shift  # noqa: E402
 from neptune_eq.runtime.gluon_launch import make_launcher  # noqa: E402
 from neptune_eq.runtime.tile_configs import TileConfig  # noqa: E402
 
@@ -46,11 +50,18 @@ def slopes_of(h):
     return torch.tensor([2.0 ** (-8.0 * (k + 1) / h) for k in range(h)], device="cuda")
 
 
-def build(b, h, s, d, dtype, cfg, alibi=True):
-    sl = ne.placeholder((h,), "float32", "slopes")
-    mods = {"score_mod": lambda x, bb, hh, i, j: x + sl[hh] * (j - i)} if alibi else {}
-    prog, ks = gv.derive("global", b, h, s, d, dtype, None, mods)
-    return make_launcher(prog, ks, "cuda", cfg)
+def build(b, h, s, d, dtype, cfg, alibi=True, shift=False):
+    """The kernel as the lowering makes it, the bias split into a loop-invariant tile and
+    a per-block shift (``lowering.block_shift``) or not (``shift``)."""
+    saved = block_shift.ENABLED
+    try:
+        block_shift.ENABLED = shift
+        sl = ne.placeholder((h,), "float32", "slopes")
+        mods = {"score_mod": lambda x, bb, hh, i, j: x + sl[hh] * (j - i)} if alibi else {}
+        prog, ks = gv.derive("global", b, h, s, d, dtype, None, mods)
+        return make_launcher(prog, ks, "cuda", cfg)
+    finally:
+        block_shift.ENABLED = saved
 
 
 def fp32_index(la):
@@ -112,9 +123,9 @@ def shape_rows(b, h, s, d, dtype):
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    def ours(name, cfg, alibi=True, edit=None):
+    def ours(name, cfg, alibi=True, edit=None, shift=False):
         try:
-            la = build(b, h, s, d, dtype, cfg, alibi)
+            la = build(b, h, s, d, dtype, cfg, alibi, shift)
             la = edit(la) if edit else la
         except Exception as e:  # noqa: BLE001
             rows.append({**base, "kernel": name, "error": repr(e)[-400:]})
@@ -143,10 +154,13 @@ def shape_rows(b, h, s, d, dtype):
     tl_cfg = TileConfig({"B_i": bi, "B_L": bl}, w, st)
     ours("gluon global", g, alibi=False)
     ours("gluon alibi int index", g)
+    ours("gluon alibi block shift", g, shift=True)
     ours("gluon alibi fp32 index", g, edit=fp32_index)
     ours("gluon alibi int index, exp2 units", g, edit=log2_units)
     ours("tl alibi int index", tl_cfg)
+    ours("tl alibi block shift", tl_cfg, shift=True)
     ours("gluon alibi int index again", g)
+    ours("gluon alibi block shift again", g, shift=True)
     return rows
 
 

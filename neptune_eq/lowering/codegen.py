@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
-from . import descriptors
+from . import block_shift, descriptors
 from .lower import LoweringError, TilePlan, max_before_scale
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
@@ -68,6 +68,9 @@ class Tile:
     code: str                 # a variable name or literal
     axes: tuple[str, ...]     # kernel axes, canonical order
     kind: str                 # "f32", "int", "bool", or a storage dtype of a raw load
+    # a per-block row tile still to be added (``block_shift``); only ``Emitter.lazy``
+    # hands out such tiles, ``Emitter.expr`` adds the shift in
+    shift: "Tile | None" = None
 
 
 class Emitter:
@@ -90,6 +93,9 @@ class Emitter:
         # axis -> the constexpr sizing its tiles, where not B_<axis> (split-k's combine
         # takes the row block's real rows only: kernelgen.COMBINE_ROWS)
         self.block_sizes: dict[str, str] = {}
+        # axis -> (its tile's start, its lane numbers): offs_<axis> = start + lanes, where a
+        # kernel form emits them so (``block_shift`` splits a term linear in the key index)
+        self.aranges: dict[str, tuple[str, str]] = {}
 
     # -- scopes --------------------------------------------------------------------------
     def push(self, indent: str):
@@ -145,6 +151,11 @@ class Emitter:
 
     # -- expressions ---------------------------------------------------------------------
     def expr(self, t: Term) -> Tile:
+        return self.plain(self.lazy(t))
+
+    def lazy(self, t: Term) -> Tile:
+        """``t``'s tile, which may carry a per-block shift (``block_shift``): for the ops
+        that pass one on (+, −, ·, where, a row max); every other reader takes ``expr``."""
         key = t
         for lines, cache, _ in reversed(self.scopes):
             if key in cache:
@@ -152,6 +163,19 @@ class Emitter:
         scope = self._scope_for(t)
         tile = self._expr(t, scope)
         self.scopes[scope][1][key] = tile
+        return tile
+
+    def plain(self, t: Tile) -> Tile:
+        """``t`` with its shift added in (once per scope)."""
+        if t.shift is None:
+            return t
+        key = ("plain", t.code, t.shift.code)
+        for _, cache, _ in reversed(self.scopes):
+            if key in cache:
+                return cache[key]
+        axes = self.canon(t.axes + t.shift.axes)
+        tile = self.bind(f"{self.bcast(t, axes)} + {self.bcast(t.shift, axes)}", axes, "f32", -1)
+        self.scopes[-1][1][key] = tile
         return tile
 
     def _scope_for(self, t: Term) -> int:
@@ -206,6 +230,10 @@ class Emitter:
             # packed heads: y // G is the program's KV head, y % G the row's head in the group
             y = self.plan.packed[0]
             return Tile(f"ax_{y}", (), "int") if op == "floordiv" else self.env[f"{y}%"]
+        if op in ("add", "sub", "mul") and block_shift.ENABLED:
+            shifted = self._shifted_binary(t, scope)
+            if shifted is not None:
+                return shifted
         if op in _BINARY:
             a, b = (self.expr(x) for x in t.args)
             if op in _ARITH or op in ("lt", "le", "gt", "ge", "eq", "ne"):
@@ -221,6 +249,13 @@ class Emitter:
             code = _BINARY[op].format(self.bcast(a, axes), self.bcast(b, axes))
             return self.bind(code, axes, kind, scope)
         if op == "where":
+            if block_shift.ENABLED:
+                x = self.lazy(t.args[1])
+                if x.shift is not None:
+                    p, d = self.expr(t.args[0]), self.f32(self.expr(t.args[2]))
+                    shifted = block_shift.where(self, p, x, d, LOOP, scope)
+                    if shifted is not None:
+                        return shifted
             c, a, b = (self.expr(x) for x in t.args)
             a, b = self.f32(a), self.f32(b)
             axes = self.canon(c.axes + a.axes + b.axes)
@@ -229,6 +264,21 @@ class Emitter:
         if t.kind == "reduce":
             return self._inner_reduce(t, scope)
         raise LoweringError(f"Codegen cannot emit {op!r} here (a fold nested in a fold?).")
+
+    def _shifted_binary(self, t: Term, scope: int) -> Tile | None:
+        """+, −, · where a term linear in the key index splits off a per-block shift, or
+        an operand carries one (``block_shift``); None: the plain form."""
+        if t.op == "mul":
+            src = block_shift.source(self, t, LOOP)
+            if src is not None:
+                return src
+        a, b = (self.lazy(x) for x in t.args)
+        if a.shift is None and b.shift is None:
+            return None
+        a, b = (x if x.shift is not None else self.f32(x) for x in (a, b))
+        if any(x.kind != "f32" for x in (a, b)):
+            return None
+        return block_shift.combine(self, t.op, a, b, LOOP, scope)
 
     def _load(self, t: Term, scope: int) -> Tile:
         same = self._same_load(t)
@@ -317,11 +367,24 @@ class Emitter:
             fill = repr(float(init_fill(op)) / c)
             part = self.reduce_tile(op, inner, axis_var, kaxis, scope, extent, fill)
             return self.bind(f"{part.code} * {c!r}", part.axes, "f32", scope)
+        lazy = self.lazy(body_term) if op in ("max", "rollmax", "min") else None
+        if lazy is not None and lazy.shift is not None and kaxis in lazy.axes \
+                and kaxis not in lazy.shift.axes:
+            # max_j(x + t) = max_j(x) + t: the block's shift joins each row once
+            part = self.reduce_tile_of(op, Tile(lazy.code, lazy.axes, "f32"), kaxis, scope, fill)
+            axes = self.canon(part.axes + lazy.shift.axes)
+            return self.bind(f"{self.bcast(part, axes)} + {self.bcast(lazy.shift, axes)}", axes,
+                             "f32", scope)
         body = self.f32(self.expr(body_term))
         if kaxis not in body.axes:
             if op in ("sum", "rollsum"):
                 return self.bind(f"{body.code} * {extent}.0", body.axes, "f32", scope)
             return body
+        return self.reduce_tile_of(op, body, kaxis, scope, fill)
+
+    def reduce_tile_of(self, op: str, body: Tile, kaxis: str, scope: int,
+                       fill: str | None = None) -> Tile:
+        """``op`` over kernel axis ``kaxis`` of the tile ``body``, padding masked."""
         ident = fill or {"sum": "0.0", "rollsum": "0.0", "max": NEG, "rollmax": NEG, "min": POS}[op]
         pos = body.axes.index(kaxis)
         masked = f"tl.where({self.bcast(Tile(f'mask_{kaxis}', (kaxis,), 'bool'), body.axes)}, {body.code}, {ident})"

@@ -217,6 +217,7 @@ def consumer_axes(em: Emitter) -> None:
         em.env[a] = f"ax_{a}"
     em.env[ba] = ba
     em.emit(f"offs_{ba} = my_first + gl.arange(0, {ROWS}, S_ROWS)")
+    em.aranges[ba] = ("my_first", f"gl.arange(0, {ROWS}, S_ROWS)")
     em.emit(f"mask_{ba} = offs_{ba} < {plan.row_extent}")
     for a, n in plan.whole_axes.items():
         em.env.setdefault(a, a)
@@ -231,6 +232,7 @@ def block_fragment(em: Emitter, known: frozenset, whole: bool = False) -> list[s
     block when the extent is a multiple of the block)."""
     em.push("        ")
     em.emit(f"offs_{LOOP} = l0 + cols")
+    em.aranges[LOOP] = ("l0", "cols")
     em.emit(f"mask_{LOOP} = (offs_{LOOP} < {em.plan.passes[0].extent}) | "
             + ("True  # a whole block" if whole else "EVEN_L"))
     loop_body(em, 0, "loop0", known)

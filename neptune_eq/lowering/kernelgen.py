@@ -118,6 +118,7 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
     em.emit(f"mask_{ba} = (offs_{ba} < {plan.row_extent}) | EVEN_{ba}")
     if not plan.packed:
         em.ranges[ba] = (f"pid_block * B_{ba}", f"{plan.row_extent}")
+        em.aranges[ba] = (f"pid_block * B_{ba}", f"tl.arange(0, {em.block(ba)})")
     if plan.packed:  # row r of the block is head (y % G) = r // S, query i = r % S
         y, g = plan.packed
         s = p.extents[ba]
@@ -247,6 +248,7 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = 
     inner = parent[2] + "    "
     em.push(inner)
     em.emit(f"offs_{LOOP} = l0 + tl.arange(0, B_{LOOP})")
+    em.aranges[LOOP] = ("l0", f"tl.arange(0, B_{LOOP})")
     em.emit(f"mask_{LOOP} = (offs_{LOOP} < {ps.extent}) | "
             + (f"({WHOLE_ONLY})  # whole blocks" if whole else f"EVEN_{LOOP}"))
     # One loop variable for every fold of the pass, so shared subterms (the score

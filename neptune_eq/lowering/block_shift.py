@@ -1,0 +1,179 @@
+"""A score term linear in the key index, split into a loop-invariant tile and a shift
+per key block that leaves the score tile.
+
+ALiBi's bias ``a·(j − i)`` (``a`` free of the key index ``j``; ``i`` the row) costs the
+block math, per score, an integer subtract, a conversion and a multiply before the add
+(sm_90 SASS of the Gluon prefill: 695 instructions per thread and 64-score block against
+global attention's 470; bench/results/README.md, session 35).  With the key index as the
+block's start plus the lane's column, ``j = l0 + c``, and the row as the row tile's start
+plus its lane row, ``i = m0 + r``:
+
+    a·(j − i) = a·(c − r) + a·(l0 − m0)
+
+The first term is the same tile for every key block: it is made once, before the loops.
+The second is one value per row (one per program where ``a`` is) and per block: a
+**shift**, carried beside the score tile instead of added to every score, because the
+block math it meets passes it on exactly in real arithmetic --
+
+* x + y, x − y, x·c and where(p, x, d): onto the other operand's row values, where
+  those do not vary along the key block (y − t, d − t, t·c), else into the tile;
+* a row max or min: max_j(x + t) = max_j(x) + t, one add per row;
+* anything else (exp2, a sum, a product's operand, a store): the tile and the shift are
+  added there, one add per score -- no more than before.
+
+So softmax's exp2((s − m)·log2 e) becomes one fused multiply-add per score on the
+invariant-plus-scores tile, with (t − m)·log2 e per row.  The terms stay small where the
+weight is (|c − r| is under two blocks), so the rounding is that of the unsplit form's
+magnitudes.  The split needs the axes' offsets as start + lane numbers, which each kernel
+form registers (``Emitter.aranges``); a form that does not (packed heads, the backward's)
+keeps the plain form.
+
+``ENABLED`` is the A/B switch (environment ``NEPTUNE_EQ_BLOCK_SHIFT=0`` keeps the plain
+form); it is part of the disk cache key.
+"""
+from __future__ import annotations
+
+import os
+
+from ..ir import Term
+
+ENABLED = os.environ.get("NEPTUNE_EQ_BLOCK_SHIFT", "1") != "0"
+_LINEAR = ("add", "sub", "neg", "mul", "var", "int")
+
+
+def linear(t: Term) -> "tuple[dict[str, int], int] | None":
+    """``t`` as Σ coef·var + const over index variables, or None."""
+    if t.op == "var":
+        return {t.val: 1}, 0
+    if t.op == "int":
+        return {}, int(t.val)
+    if t.op not in _LINEAR:
+        return None
+    if t.op == "neg":
+        inner = linear(t.args[0])
+        return None if inner is None else ({v: -c for v, c in inner[0].items()}, -inner[1])
+    a, b = (linear(x) for x in t.args)
+    if a is None or b is None:
+        return None
+    if t.op == "mul":  # only a product by a literal stays linear
+        if not a[0]:
+            a, b = b, a
+        if b[0]:
+            return None
+        return {v: c * b[1] for v, c in a[0].items()}, a[1] * b[1]
+    sign = 1 if t.op == "add" else -1
+    coefs = dict(a[0])
+    for v, c in b[0].items():
+        coefs[v] = coefs.get(v, 0) + sign * c
+    return {v: c for v, c in coefs.items() if c}, a[1] + sign * b[1]
+
+
+def source(em, t: Term, loop: str):
+    """``t`` = a·idx (or idx·a) split into (the invariant tile, its shift), or None:
+    ``idx`` is σ·(j − i) + k or σ·j + k (σ = ±1; ``j`` the key loop's variable, ``i`` the
+    row block's, k an integer of program axes and literals), ``a`` is a float that reads
+    neither the key index nor a fold state."""
+    if not ENABLED or t.op != "mul":
+        return None
+    for a_term, idx in (t.args, t.args[::-1]):
+        form = linear(idx)
+        if form is None or a_term.op in ("int", "var"):
+            continue
+        coefs, k = form
+        jv = [v for v in coefs if em.env.get(v) == loop]
+        if len(jv) != 1 or coefs[jv[0]] not in (1, -1) or loop not in em.aranges:
+            continue
+        sigma, ba = coefs.pop(jv[0]), em.plan.block_axis
+        iv = [v for v in coefs if em.env.get(v) == ba]
+        if iv and (coefs[iv[0]] != -sigma or ba not in em.aranges):
+            continue
+        for v in iv:
+            coefs.pop(v)
+        scalars = [(v, c) for v, c in coefs.items()]  # must be program axes (ax_y ...)
+        if any(not isinstance(em.env.get(v), str) or em.env.get(v) in em.order for v, _ in scalars):
+            continue
+        if any(n.kind == "access" and n.op != "load" for n in a_term.walk()) or \
+                any(em.env.get(n.val) == loop for n in a_term.walk() if n.op == "var"):
+            continue
+        a = em.f32(em.expr(a_term))
+        if a.kind != "f32" or not set(a.axes) <= {ba}:
+            continue
+        return _split(em, a, sigma, bool(iv), scalars, k, loop)
+    return None
+
+
+def _split(em, a, sigma: int, rows: bool, scalars, k: int, loop: str):
+    from .codegen import Tile
+    ba = em.plan.block_axis
+    (l0, cols), (m0, lanes) = em.aranges[loop], em.aranges.get(ba, (None, None))
+    axes = em.canon((ba, loop) if rows else (loop,))
+    lane_diff = f"({cols})[None, :] - ({lanes})[:, None]" if rows else f"({cols})"
+    sgn = "" if sigma == 1 else "-"
+    inv_axes = em.canon(a.axes + axes)
+    code = f"{em.bcast(a, inv_axes)} * ({sgn}({lane_diff})).to(tl.float32)"
+    first = em.scopes[0][1]  # made once before the loops, shared by every key loop
+    if ("invariant", code) not in first:
+        first[("invariant", code)] = em.bind(code, inv_axes, "f32", 0)
+    inv = first[("invariant", code)]
+    start = f"({l0}) - ({m0})" if rows else f"({l0})"
+    extra = "".join(f" + {c} * {em.env[v]}" for v, c in scalars) + (f" + {k}" if k else "")
+    shift = em.bind(f"{a.code} * ({sgn}({start}){extra})", a.axes, "f32", -1)
+    return Tile(inv.code, inv.axes, "f32", shift)
+
+
+def spans(tile, loop: str) -> bool:
+    return loop in tile.axes
+
+
+def combine(em, op: str, a, b, loop: str, scope: int):
+    """``a op b`` (+, −, ·) where either carries a shift; None where the result cannot
+    carry one (a product with a tile along the key block)."""
+    from .codegen import Tile
+    if op == "mul":
+        if a.shift is None:
+            a, b = b, a
+        if b.shift is not None or spans(b, loop):
+            return None
+        base = Tile(a.code, a.axes, "f32")
+        tile = em.bind(_bin(em, base, b, "*"), em.canon(a.axes + b.axes), "f32", scope)
+        shift = em.bind(_bin(em, a.shift, b, "*"), em.canon(a.shift.axes + b.axes), "f32", -1)
+        return Tile(tile.code, tile.axes, "f32", shift)
+    sym = "+" if op == "add" else "-"
+    ta, tb = Tile(a.code, a.axes, "f32"), Tile(b.code, b.axes, "f32")
+    if b.shift is None and not spans(tb, loop):   # (x + t) ± y = x + (t ± y)
+        return Tile(ta.code, ta.axes, "f32", _join(em, a.shift, tb, sym))
+    if a.shift is None and not spans(ta, loop):   # y ± (x + t) = ±x + (y ± t)
+        shift = _join(em, ta, b.shift, sym)
+        base = tb if op == "add" else em.bind(f"-({tb.code})", tb.axes, "f32", scope)
+        return Tile(base.code, base.axes, "f32", shift)
+    # both along the key block: the tiles combine per score, the shifts per row
+    if a.shift is None:
+        shift = b.shift if op == "add" else em.bind(f"-({b.shift.code})", b.shift.axes, "f32", -1)
+    elif b.shift is None:
+        shift = a.shift
+    else:
+        shift = _join(em, a.shift, b.shift, sym)
+    tile = em.bind(_bin(em, ta, tb, sym), em.canon(ta.axes + tb.axes), "f32", scope)
+    return Tile(tile.code, tile.axes, "f32", shift)
+
+
+def _join(em, x, y, sym: str):
+    return em.bind(_bin(em, x, y, sym), em.canon(x.axes + y.axes), "f32", -1)
+
+
+def _bin(em, x, y, sym: str) -> str:
+    axes = em.canon(x.axes + y.axes)
+    return f"{em.bcast(x, axes)} {sym} {em.bcast(y, axes)}"
+
+
+def where(em, p, x, d, loop: str, scope: int):
+    """where(p, x + t, d) = where(p, x, d − t) + t, for ``d`` not along the key block."""
+    from .codegen import Tile
+    if x.shift is None or spans(d, loop):
+        return None
+    fill = _join(em, Tile(d.code, d.axes, "f32"), x.shift, "-")
+    axes = em.canon(p.axes + x.axes + fill.axes)
+    code = (f"tl.where({em.bcast(p, axes)}, {em.bcast(Tile(x.code, x.axes, 'f32'), axes)}, "
+            f"{em.bcast(fill, axes)})")
+    tile = em.bind(code, axes, "f32", scope)
+    return Tile(tile.code, tile.axes, "f32", x.shift)
