@@ -232,6 +232,8 @@ _SLOPED = {  # score mods linear in the key index (ALiBi and its relatives)
         lambda b, h, i, j: (j <= i) & (i >= 5)),
     "offset, reversed sign": (lambda sl: lambda s, b, h, i, j: s + sl[h] * ((i + 3) - j), None),
     "the key index alone": (lambda sl: lambda s, b, h, i, j: s - sl[h] * j, None),
+    "a slope from the head index": (  # (j − i)·(h + 1)·c = (j − i)·((h + 1)·c)
+        lambda sl: lambda s, b, h, i, j: s + (j - i) * (h + 1) * -0.0625, None),
 }
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 
 from ..ir import Term
+from .tile import Tile
 
 ENABLED = os.environ.get("NEPTUNE_EQ_BLOCK_SHIFT", "1") != "0"
 _LINEAR = ("add", "sub", "neg", "mul", "var", "int")
@@ -68,42 +69,84 @@ def linear(t: Term) -> "tuple[dict[str, int], int] | None":
     return {v: c for v, c in coefs.items() if c}, a[1] + sign * b[1]
 
 
-def source(em, t: Term, loop: str):
-    """``t`` = a·idx (or idx·a) split into (the invariant tile, its shift), or None:
-    ``idx`` is σ·(j − i) + k or σ·j + k (σ = ±1; ``j`` the key loop's variable, ``i`` the
-    row block's, k an integer of program axes and literals), ``a`` is a float that reads
-    neither the key index nor a fold state."""
-    if not ENABLED or t.op != "mul":
+def sloped(t: Term, is_key, is_row, is_scalar):
+    """(a, σ, whether the row appears, [(program axis, coef)], k) where ``t`` = a·idx (or
+    idx·a) with ``idx`` = σ·(j − i) + Σ coef·axis + k or σ·j + ... (σ = ±1; ``is_key``,
+    ``is_row``, ``is_scalar``: which variables are the key index, the row, program axes)
+    and ``a`` reads neither the key index nor a fold state; else None."""
+    if t.op != "mul":
         return None
-    for a_term, idx in (t.args, t.args[::-1]):
+    factors = _factors(t)
+    for n, idx in enumerate(factors):
+        rest = factors[:n] + factors[n + 1:]
         form = linear(idx)
-        if form is None or a_term.op in ("int", "var"):
+        if form is None or all(f.op in ("int", "var") for f in rest):
             continue
+        a_term = rest[0]
+        for f in rest[1:]:  # (idx·b)·c = idx·(b·c): the factors but the index, as one a
+            a_term = Term("mul", (a_term, f))
         coefs, k = form
-        jv = [v for v in coefs if em.env.get(v) == loop]
-        if len(jv) != 1 or coefs[jv[0]] not in (1, -1) or loop not in em.aranges:
+        jv = [v for v in coefs if is_key(v)]
+        if len(jv) != 1 or coefs[jv[0]] not in (1, -1):
             continue
-        sigma, ba = coefs.pop(jv[0]), em.plan.block_axis
-        iv = [v for v in coefs if em.env.get(v) == ba]
-        if iv and (coefs[iv[0]] != -sigma or ba not in em.aranges):
+        sigma = coefs.pop(jv[0])
+        iv = [v for v in coefs if is_row(v)]
+        if iv and coefs[iv[0]] != -sigma:
             continue
         for v in iv:
             coefs.pop(v)
-        scalars = [(v, c) for v, c in coefs.items()]  # must be program axes (ax_y ...)
-        if any(not isinstance(em.env.get(v), str) or em.env.get(v) in em.order for v, _ in scalars):
+        if not all(is_scalar(v) for v in coefs):
             continue
         if any(n.kind == "access" and n.op != "load" for n in a_term.walk()) or \
-                any(em.env.get(n.val) == loop for n in a_term.walk() if n.op == "var"):
+                any(is_key(n.val) for n in a_term.walk() if n.op == "var"):
             continue
-        a = em.f32(em.expr(a_term))
-        if a.kind != "f32" or not set(a.axes) <= {ba}:
-            continue
-        return _split(em, a, sigma, bool(iv), scalars, k, loop)
+        return a_term, sigma, bool(iv), list(coefs.items()), k
     return None
 
 
+def _factors(t: Term) -> list[Term]:
+    return [*_factors(t.args[0]), *_factors(t.args[1])] if t.op == "mul" else [t]
+
+
+def source(em, t: Term, loop: str):
+    """``t`` = a·idx split into (the invariant tile, its shift) -- ``sloped``, where the
+    kernel form registered its key and row offsets (``em.aranges``) and ``a`` is a float
+    per row or per program -- or None."""
+    if not ENABLED or loop not in em.aranges:
+        return None
+    ba = em.plan.block_axis
+    form = sloped(t, lambda v: em.env.get(v) == loop, lambda v: em.env.get(v) == ba,
+                  lambda v: isinstance(em.env.get(v), str) and em.env.get(v) not in em.order)
+    if form is None or (form[2] and ba not in em.aranges):
+        return None
+    a_term, sigma, rows, scalars, k = form
+    a = em.f32(em.expr(a_term))
+    if a.kind != "f32" or not set(a.axes) <= {ba}:
+        return None
+    return _split(em, a, sigma, rows, scalars, k, loop)
+
+
+def in_plan(plan, term: Term, key: str) -> bool:
+    """Whether a fold body ``term`` over key variable ``key`` holds a term the kernels
+    split (for the plan's description; the emitter decides on the same ``sloped``)."""
+    if not ENABLED or plan.packed:
+        return False
+    for n in term.walk():
+        form = sloped(n, lambda v: v == key, lambda v: v == plan.block_axis,
+                      lambda v: v in plan.grid_axes)
+        if form is not None and _is_float(form[0], plan.program):
+            return True
+    return False
+
+
+def _is_float(t: Term, program) -> bool:
+    """Whether ``t`` computes in floats (a float literal or a float input in it): an
+    integer ``a`` keeps the plain form (the emitter's test is the tile's kind)."""
+    return any(n.op == "flt" or (n.op == "load" and program.dtype_of(n.val).startswith(("float", "bfloat")))
+               or (n.op == "cast" and str(n.val).startswith(("float", "bfloat"))) for n in t.walk())
+
+
 def _split(em, a, sigma: int, rows: bool, scalars, k: int, loop: str):
-    from .codegen import Tile
     ba = em.plan.block_axis
     (l0, cols), (m0, lanes) = em.aranges[loop], em.aranges.get(ba, (None, None))
     axes = em.canon((ba, loop) if rows else (loop,))
@@ -128,7 +171,6 @@ def spans(tile, loop: str) -> bool:
 def combine(em, op: str, a, b, loop: str, scope: int):
     """``a op b`` (+, −, ·) where either carries a shift; None where the result cannot
     carry one (a product with a tile along the key block)."""
-    from .codegen import Tile
     if op == "mul":
         if a.shift is None:
             a, b = b, a
@@ -168,7 +210,6 @@ def _bin(em, x, y, sym: str) -> str:
 
 def where(em, p, x, d, loop: str, scope: int):
     """where(p, x + t, d) = where(p, x, d − t) + t, for ``d`` not along the key block."""
-    from .codegen import Tile
     if x.shift is None or spans(d, loop):
         return None
     fill = _join(em, Tile(d.code, d.axes, "f32"), x.shift, "-")

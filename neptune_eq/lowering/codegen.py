@@ -13,10 +13,10 @@ structure (prologue, pass loops, split-k partials and combine, stores) is ``kern
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
 from . import block_shift, descriptors
+from .tile import Tile
 from .lower import LoweringError, TilePlan, max_before_scale
 
 NEG = repr(MASKED)   # masked / initial max: a large finite negative, never -inf
@@ -61,16 +61,6 @@ def grid_decode(plan: TilePlan) -> list[str]:
         lines += [f"ax_{a} = {rest} % {n}", f"{rest}_{a} = {rest} // {n}"]
         rest = f"{rest}_{a}"
     return lines
-
-
-@dataclass(frozen=True)
-class Tile:
-    code: str                 # a variable name or literal
-    axes: tuple[str, ...]     # kernel axes, canonical order
-    kind: str                 # "f32", "int", "bool", or a storage dtype of a raw load
-    # a per-block row tile still to be added (``block_shift``); only ``Emitter.lazy``
-    # hands out such tiles, ``Emitter.expr`` adds the shift in
-    shift: "Tile | None" = None
 
 
 class Emitter:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ..ir import (MASKED, Program, ProgramError, Term, accessed, free_axes, positive_scale,
                   rename_axis)
-from . import scatter
+from . import block_shift, scatter
 from .inline import loop_level, inline_derived
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
@@ -176,6 +176,9 @@ class TilePlan:
             if raw:
                 lines.append(f"  {', '.join(raw)}: each block's max/min over the unscaled body, "
                              "scaled once per row (max_j(s·c) = c·max_j(s), c > 0)")
+            if any(block_shift.in_plan(self, f.term.args[0], f.axis) for f in p.folds):
+                lines.append("  a·(j − i) in the scores: a lane tile made once, a shift per block "
+                             "that joins the row max (a·(j − i) = a·(c − r) + a·(l0 − m0))")
             for sc in p.scattered:
                 lines.append(f"  + {sc.name}[{', '.join(sc.axes)}]: a sum over the rows; each "
                              f"program adds its row block's term atomically per step of the "
