@@ -286,3 +286,4 @@ def test_the_block_shift_agrees_with_the_plain_form_in_decode_and_at_every_size(
         q, k, v = (torch.randn(1, 2, n, 64, generator=g) * 3 for n in (1, t, t))
         a, b = new(q, k, v, slopes), old(q, k, v, slopes)
         assert (a - b).abs().max() < 1e-5, t
+

@@ -29,7 +29,8 @@ form registers (``Emitter.aranges``); a form that does not (packed heads, the ba
 keeps the plain form.
 
 ``ENABLED`` is the A/B switch (environment ``NEPTUNE_EQ_BLOCK_SHIFT=0`` keeps the plain
-form); it is part of the disk cache key.
+form); a plan records it when made (``TilePlan.shift_split``: its kernels and its
+``explain`` agree however the switch moves later), and it is part of the disk cache key.
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def source(em, t: Term, loop: str):
     """``t`` = a·idx split into (the invariant tile, its shift) -- ``sloped``, where the
     kernel form registered its key and row offsets (``em.aranges``) and ``a`` is a float
     per row or per program -- or None."""
-    if not ENABLED or loop not in em.aranges:
+    if not em.plan.shift_split or loop not in em.aranges:
         return None
     ba = em.plan.block_axis
     form = sloped(t, lambda v: em.env.get(v) == loop, lambda v: em.env.get(v) == ba,
@@ -129,7 +130,7 @@ def source(em, t: Term, loop: str):
 def in_plan(plan, term: Term, key: str) -> bool:
     """Whether a fold body ``term`` over key variable ``key`` holds a term the kernels
     split (for the plan's description; the emitter decides on the same ``sloped``)."""
-    if not ENABLED or plan.packed:
+    if not plan.shift_split or plan.packed:
         return False
     for n in term.walk():
         form = sloped(n, lambda v: v == key, lambda v: v == plan.block_axis,

@@ -220,7 +220,7 @@ class Emitter:
             # packed heads: y // G is the program's KV head, y % G the row's head in the group
             y = self.plan.packed[0]
             return Tile(f"ax_{y}", (), "int") if op == "floordiv" else self.env[f"{y}%"]
-        if op in ("add", "sub", "mul") and block_shift.ENABLED:
+        if op in ("add", "sub", "mul") and self.plan.shift_split:
             shifted = self._shifted_binary(t, scope)
             if shifted is not None:
                 return shifted
@@ -239,7 +239,7 @@ class Emitter:
             code = _BINARY[op].format(self.bcast(a, axes), self.bcast(b, axes))
             return self.bind(code, axes, kind, scope)
         if op == "where":
-            if block_shift.ENABLED:
+            if self.plan.shift_split:
                 x = self.lazy(t.args[1])
                 if x.shift is not None:
                     p, d = self.expr(t.args[0]), self.f32(self.expr(t.args[2]))

@@ -118,6 +118,7 @@ class TilePlan:
     # inner contraction axes too wide for registers: looped over in chunks of
     # whole_axes[axis] inside the pass that needs them (logits x·W over K per tile of V)
     chunked: frozenset = frozenset()
+    shift_split: bool = field(default_factory=lambda: block_shift.ENABLED)  # as planned
 
     @property
     def split(self) -> bool:
