@@ -78,8 +78,8 @@ def sloped(t: Term, is_key, is_row, is_scalar):
     if t.op != "mul":
         return None
     factors = _factors(t)
-    for n, idx in enumerate(factors):
-        rest = factors[:n] + factors[n + 1:]
+    for at, idx in enumerate(factors):
+        rest = factors[:at] + factors[at + 1:]
         form = linear(idx)
         if form is None or all(f.op in ("int", "var") for f in rest):
             continue
@@ -98,8 +98,8 @@ def sloped(t: Term, is_key, is_row, is_scalar):
             coefs.pop(v)
         if not all(is_scalar(v) for v in coefs):
             continue
-        if any(n.kind == "access" and n.op != "load" for n in a_term.walk()) or \
-                any(is_key(n.val) for n in a_term.walk() if n.op == "var"):
+        if any(x.kind == "access" and x.op != "load" for x in a_term.walk()) or \
+                any(is_key(x.val) for x in a_term.walk() if x.op == "var"):
             continue
         return a_term, sigma, bool(iv), list(coefs.items()), k
     return None
