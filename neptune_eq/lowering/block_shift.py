@@ -25,8 +25,8 @@ So softmax's exp2((s − m)·log2 e) becomes one fused multiply-add per score on
 invariant-plus-scores tile, with (t − m)·log2 e per row.  The terms stay small where the
 weight is (|c − r| is under two blocks), so the rounding is that of the unsplit form's
 magnitudes.  The split needs the axes' offsets as start + lane numbers, which each kernel
-form registers (``Emitter.aranges``); a form that does not (packed heads, the backward's)
-keeps the plain form.
+form registers (``Emitter.aranges``: the ``tl`` kernels and the Gluon consumers, forward
+and backward); packed GQA rows (a row is a head and a query) keep the plain form.
 
 ``ENABLED`` is the A/B switch (environment ``NEPTUNE_EQ_BLOCK_SHIFT=0`` keeps the plain
 form); a plan records it when made (``TilePlan.shift_split``: its kernels and its
