@@ -287,3 +287,17 @@ def test_the_block_shift_agrees_with_the_plain_form_in_decode_and_at_every_size(
         a, b = new(q, k, v, slopes), old(q, k, v, slopes)
         assert (a - b).abs().max() < 1e-5, t
 
+
+
+def test_a_plan_without_a_row_max_keeps_the_bias_in_the_scores():
+    """The split pays where a row max takes the shift; a pass of sums only (a backward's)
+    keeps a·(j − i) per element: there the lane tile's registers cost more than the adds
+    it saves (ALiBi's backward alone 458-463 vs 485 TFLOP/s, H200, session 35)."""
+    from neptune_eq.lowering import block_shift
+    x = ne.placeholder((9, 30), "float32", "x")
+    a = ne.placeholder((1,), "float32", "a")
+    j = ne.reduce_axis(30, "j")
+    y = ne.compute((9,), lambda i: ne.sum(x[i, j] * (a[0] * (j - i)), axis=j), "y")
+    kern = check_kernel(y, cache=False)
+    assert not block_shift.active(kern.plan) and "shift per block" not in kern.explain()
+    assert "(tl.arange(0, B_L))" not in kern.source

@@ -25,8 +25,9 @@ So softmax's exp2((s − m)·log2 e) becomes one fused multiply-add per score on
 invariant-plus-scores tile, with (t − m)·log2 e per row.  The terms stay small where the
 weight is (|c − r| is under two blocks), so the rounding is that of the unsplit form's
 magnitudes.  The split needs the axes' offsets as start + lane numbers, which each kernel
-form registers (``Emitter.aranges``: the ``tl`` kernels and the Gluon consumers, forward
-and backward); packed GQA rows (a row is a head and a query) keep the plain form.
+form registers (``Emitter.aranges``: the ``tl`` kernels and the Gluon consumers); packed
+GQA rows (a row is a head and a query) keep the plain form, and so does a plan with no
+row max to take the shift (``active``: a backward's).
 
 ``ENABLED`` is the A/B switch (environment ``NEPTUNE_EQ_BLOCK_SHIFT=0`` keeps the plain
 form); a plan records it when made (``TilePlan.shift_split``: its kernels and its
@@ -41,6 +42,16 @@ from .tile import Tile
 
 ENABLED = os.environ.get("NEPTUNE_EQ_BLOCK_SHIFT", "1") != "0"
 _LINEAR = ("add", "sub", "neg", "mul", "var", "int")
+
+
+def active(plan) -> bool:
+    """Whether ``plan``'s kernels split: where a row max takes the shift (the forward's
+    softmax and its split-k decode: +3-6% in one process).  A backward's passes hold only
+    sums, where the lane tile's registers cost more than the adds it saves: the ALiBi
+    backward alone ran at 458-463 TFLOP/s with the split against 485 without (bf16 S=8192,
+    H200, two processes each, same fwd+bwd time against Flex; session 35)."""
+    return plan.shift_split and any(f.op in ("max", "rollmax", "min")
+                                    for p in plan.passes for f in p.folds)
 
 
 def linear(t: Term) -> "tuple[dict[str, int], int] | None":
@@ -113,7 +124,7 @@ def source(em, t: Term, loop: str):
     """``t`` = a·idx split into (the invariant tile, its shift) -- ``sloped``, where the
     kernel form registered its key and row offsets (``em.aranges``) and ``a`` is a float
     per row or per program -- or None."""
-    if not em.plan.shift_split or loop not in em.aranges:
+    if not em.shift_active or loop not in em.aranges:
         return None
     ba = em.plan.block_axis
     form = sloped(t, lambda v: em.env.get(v) == loop, lambda v: em.env.get(v) == ba,
@@ -130,7 +141,7 @@ def source(em, t: Term, loop: str):
 def in_plan(plan, term: Term, key: str) -> bool:
     """Whether a fold body ``term`` over key variable ``key`` holds a term the kernels
     split (for the plan's description; the emitter decides on the same ``sloped``)."""
-    if not plan.shift_split or plan.packed:
+    if not active(plan) or plan.packed:
         return False
     for n in term.walk():
         form = sloped(n, lambda v: v == key, lambda v: v == plan.block_axis,

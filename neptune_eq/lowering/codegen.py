@@ -86,6 +86,7 @@ class Emitter:
         # axis -> (its tile's start, its lane numbers): offs_<axis> = start + lanes, where a
         # kernel form emits them so (``block_shift`` splits a term linear in the key index)
         self.aranges: dict[str, tuple[str, str]] = {}
+        self.shift_active = block_shift.active(plan)
 
     # -- scopes --------------------------------------------------------------------------
     def push(self, indent: str):
@@ -220,7 +221,7 @@ class Emitter:
             # packed heads: y // G is the program's KV head, y % G the row's head in the group
             y = self.plan.packed[0]
             return Tile(f"ax_{y}", (), "int") if op == "floordiv" else self.env[f"{y}%"]
-        if op in ("add", "sub", "mul") and self.plan.shift_split:
+        if op in ("add", "sub", "mul") and self.shift_active:
             shifted = self._shifted_binary(t, scope)
             if shifted is not None:
                 return shifted
@@ -239,7 +240,7 @@ class Emitter:
             code = _BINARY[op].format(self.bcast(a, axes), self.bcast(b, axes))
             return self.bind(code, axes, kind, scope)
         if op == "where":
-            if self.plan.shift_split:
+            if self.shift_active:
                 x = self.lazy(t.args[1])
                 if x.shift is not None:
                     p, d = self.expr(t.args[0]), self.f32(self.expr(t.args[2]))
