@@ -151,10 +151,16 @@ def in_plan(plan, term: Term, key: str) -> bool:
     return False
 
 
+# ops whose result codegen makes fp32 whatever their operands (a division of ints too)
+_FLOAT_OPS = ("flt", "div", "exp", "exp2", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "erf")
+
+
 def _is_float(t: Term, program) -> bool:
-    """Whether ``t`` computes in floats (a float literal or a float input in it): an
-    integer ``a`` keeps the plain form (the emitter's test is the tile's kind)."""
-    return any(n.op == "flt" or (n.op == "load" and program.dtype_of(n.val).startswith(("float", "bfloat")))
+    """Whether ``t`` computes in floats, as the emitter types it (a float literal, input,
+    cast or float-valued op in it): an integer ``a`` keeps the plain form (the emitter's
+    test is the tile's kind)."""
+    return any(n.op in _FLOAT_OPS
+               or (n.op == "load" and program.dtype_of(n.val).startswith(("float", "bfloat")))
                or (n.op == "cast" and str(n.val).startswith(("float", "bfloat"))) for n in t.walk())
 
 
