@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import neptune_eq  # noqa: F401 - chooses the Triton interpreter before triton is imported
 from neptune_eq.lowering.block_predicate import SummarySpec
-from neptune_eq.lowering.summary_kernel import prepass_source
+from neptune_eq.lowering.summary_kernel import CHUNK, NUM_WARPS, prepass_source
 from neptune_eq.runtime.block_summary import SummaryPrepass, summarize
 from neptune_eq.runtime.triton_mode import enable_interpreter
 
@@ -85,6 +85,24 @@ def test_document_summaries_match_torch(n, dtype, tmp_path_factory):
     check(doc_specs(), {"doc": shuffled}, {"B_i": 128, "B_L": 16}, tmp_path_factory)
 
 
+@pytest.mark.parametrize("n", [CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3])
+def test_global_walk_over_several_steps(n, tmp_path_factory):
+    """The whole-tensor walk loads step k+1 before it reduces step k: every step's min,
+    max and order count, and so does the pair across each step's boundary -- one
+    descent placed exactly there, or at the very end, turns the flag off."""
+    ids = torch.arange(n, dtype=torch.int32) // 97
+    spec = [SummarySpec("bs_doc_all", "doc", None, None)]
+    check(spec, {"doc": ids}, {}, tmp_path_factory)
+    for at in sorted({CHUNK, n - 1} & set(range(1, n))):
+        down = ids.clone()
+        down[at] = down[at - 1] - 1
+        got = run(*compile_prepass(spec, {"doc": "int32"}, {"doc": 1}, tmp_path_factory)[:2],
+                  {"doc": down}, {})["bs_doc_all"]
+        assert got.tolist() == summarize(down, None, 1).tolist() and got[2] == 0, (at, got)
+    wide = torch.randint(-50, 50, (3, CHUNK // 2 + 5), dtype=torch.int64).t()  # 2-D, strided
+    check([SummarySpec("bs_w_all", "w", None, None)], {"w": wide}, {}, tmp_path_factory)
+
+
 def test_float_summaries_propagate_nan_and_keep_inf(tmp_path_factory):
     x = torch.linspace(-3, 3, 77)
     x[5] = float("nan")
@@ -153,6 +171,6 @@ def test_prepass_with_several_summaries_compiles_for_sm90(tmp_path):
     names = [p.strip().split(":")[0] for p in params.split(",") if p.strip()]
     spec = {"dtypes": {n: "*i32" for n in names if n.endswith("_ptr")},
             "constexprs": {n: 32 for n in names if "constexpr" in params.split(n, 1)[1].split(",")[0]},
-            "num_warps": 4, "num_stages": 1}
+            "num_warps": NUM_WARPS, "num_stages": 1}
     res = compile_for_sm90(path, "t_summaries", spec, timeout=300)
     assert res["ok"], res

@@ -26,6 +26,7 @@ from the mask's terms, nothing document-specific.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..ir import Term
@@ -35,6 +36,11 @@ from .codegen import LOOP, Emitter
 from .lower import Pass
 
 _CMP = ("lt", "le", "gt", "ge", "eq")
+# The ``tl`` form's three loops each fill and drain Triton's software pipeline, which a
+# short row block (a document of a few blocks) pays for three times.  ``ONE_LOOP`` runs the
+# may-range as one loop with the mask on every block instead (an A/B switch:
+# NEPTUNE_EQ_DATA_ONE_LOOP=1; the Gluon form keeps its loops, its ring is explicit).
+ONE_LOOP = os.environ.get("NEPTUNE_EQ_DATA_ONE_LOOP", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -252,9 +258,12 @@ def range_loops(em: Emitter, k: int, lo: str, hi: str, split: bool, rng: DataRan
         bi = f"((row_first + ({ps.hi_offset})) // {B}) * {B}"
     em.emit(f"{c} = tl.minimum(tl.maximum(tl.maximum({ai}, {rng.must[0]}), {a}), {b})")
     em.emit(f"{d} = tl.maximum(tl.minimum(tl.minimum({bi}, {rng.must[1]}), {b}), {c})")
-    loop(em, k, a, c, frozenset(), False)
-    loop(em, k, c, d, ps.bound_atoms | rng.atoms, False)
-    loop(em, k, d, b, frozenset(), False)
+    if ONE_LOOP:
+        loop(em, k, a, b, frozenset(), False)
+    else:
+        loop(em, k, a, c, frozenset(), False)
+        loop(em, k, c, d, ps.bound_atoms | rng.atoms, False)
+        loop(em, k, d, b, frozenset(), False)
     if rng.mono is not None:
         em.scopes[-2][0].extend(em.pop())
         em.emit("else:  # unsorted: test each key block")

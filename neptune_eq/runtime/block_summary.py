@@ -16,6 +16,7 @@ torch: the reference the pre-pass is tested against, bit for bit.
 """
 from __future__ import annotations
 
+from ..lowering.summary_kernel import NUM_WARPS
 from .launch import FastLaunch, written_outputs
 
 
@@ -60,7 +61,7 @@ class SummaryPrepass:
         self.consts = {b: consts[b] for b in blocks}
         self.consts.update({f"G_{k}": g for k, g in enumerate(groups) if g})
         self.block_consts = consts
-        self.options = options or {"num_warps": 4, "num_stages": 1}
+        self.options = options or {"num_warps": NUM_WARPS, "num_stages": 1}
         self._plans: dict[tuple, tuple] = {}
 
     def _plan(self, shapes: tuple, dtypes: tuple) -> tuple:
