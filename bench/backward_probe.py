@@ -124,7 +124,7 @@ def call_args(fn, tensors: dict, S: int, cfg, tma: bool):
             consts[p] = False
         elif p == "LOOP_STAGES":
             consts[p] = st
-        elif p == "VDOT":
+        elif p in ("VDOT", "ONE_LOOP"):
             consts[p] = False
         else:
             raise KeyError(p)

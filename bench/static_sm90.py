@@ -61,7 +61,8 @@ def gpu_source(kern):
 def compile_one(prog, ks, cfg, work: Path) -> dict:
     consts = {**ks.tunables, **cfg.blocks, **{f: False for f in ks.even_flags},
               "TMA": cfg.tma, "WS": cfg.tma and cfg.warp_specialize,
-              "LOOP_STAGES": cfg.loop_stages or cfg.num_stages, "VDOT": cfg.vector_dot}
+              "LOOP_STAGES": cfg.loop_stages or cfg.num_stages, "VDOT": cfg.vector_dot,
+              "ONE_LOOP": cfg.one_loop}
     # Contiguous inputs: the last dim's stride is 1, which Triton specialises into a
     # constant at launch (its address arithmetic then folds); the same here.
     inputs = {ph.name: ph for ph in prog.inputs}

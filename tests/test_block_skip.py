@@ -37,10 +37,20 @@ def branch_free_loops(src: str) -> int:
 
 
 def run_against_reference(kern, tensors: dict, atol=1e-4):
+    """The kernel against the fp64 reference -- and, where its data-mask key range has the
+    one-loop form (``TileConfig.one_loop``, a GPU config), that form too, launched here."""
     got = kern(**tensors)
     ref = evaluate(kern.input_program, tensors)["o"]
     assert torch.isfinite(got).all()
     assert torch.allclose(got.double(), ref, atol=atol, rtol=atol), (got.double() - ref).abs().max()
+    if kern.kernel_source.one_loop:
+        from dataclasses import replace
+        from neptune_eq.runtime.launcher import Launcher
+        one = torch.empty_like(got)
+        Launcher(kern.program, kern.kernel_source, "interpreter",
+                 replace(kern.config, one_loop=True))({**tensors, "o": one})
+        assert torch.isfinite(one).all()
+        assert torch.allclose(one.double(), ref, atol=atol, rtol=atol), (one.double() - ref).abs().max()
     return got
 
 
@@ -106,7 +116,13 @@ def test_prefix_lm_with_a_per_sample_prefix():
     # no per-block test and no summaries at all
     assert "bs_prefix_all_ptr" not in kern.source and "(else: skipped)" not in kern.source
     assert kern.launches == ["neptune_o"]
-    assert branch_free_loops(kern.source) == len(key_loops(kern.source)) == 3
+    # masked, unmasked, masked -- and the one-loop form a config may take (ONE_LOOP)
+    assert branch_free_loops(kern.source) == len(key_loops(kern.source)) == 4
+    assert kern.kernel_source.one_loop
+    from neptune_eq.runtime.tile_configs import ONE_LOOP_SHAPES, candidate_configs
+    ones = [c for c in candidate_configs(kern.kernel_source, "cuda") if c.one_loop]
+    assert ones and all((c.blocks["B_i"], c.blocks["B_L"], c.num_warps) in ONE_LOOP_SHAPES
+                        for c in ones)
     q, k, v = qkv(2, 1, 45, 45, 4)
     lens = torch.tensor([20, 3], dtype=torch.int32)
     run_against_reference(kern, dict(q=q, k=k, v=v, prefix=lens))
@@ -193,9 +209,10 @@ def test_sorted_document_ids_become_loop_bounds():
     kern = ne.superoptimize(out, target="interpreter")
     src = kern.source
     assert "if mono0_" in src and "else:  # unsorted: test each key block" in src
-    loops = key_loops(src)
+    loops = key_loops(src)[1:]  # (the first: the one-loop form, every block masked)
+    assert "doc_ptr" in " ".join(key_loops(src)[0])
     # + the tested fallback loop and its ragged last key block (``if not (EVEN_L or WS)``)
-    assert len(loops) == 5 and branch_free_loops(src) == 3
+    assert len(loops) == 5 and branch_free_loops(src) == 4
     assert [len(b) > 0 for b in loops[:3]] == [True] * 3
     assert "t" in " ".join(loops[1]) and "doc_ptr" not in " ".join(loops[1])  # unmasked
     assert all("doc_ptr" in " ".join(b) for b in (loops[0], loops[2]))      # boundary

@@ -68,9 +68,8 @@ def lowering_switches() -> dict:
     tiles are walked, whether the consumers take turns).  The benches flip them to
     A/B a form in one process; a kernel chosen under one setting is not the kernel the
     other emits, so a cache entry must not serve both."""
-    from ..lowering import block_ranges, block_shift, gluon_sums, gluon_ws, lower
+    from ..lowering import block_shift, gluon_sums, gluon_ws, lower
     return {"max_before_scale": lower.MAX_BEFORE_SCALE, "block_shift": block_shift.ENABLED,
-            "data_one_loop": block_ranges.ONE_LOOP,
             "ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,
             "ws_dynamic": gluon_ws.DYNAMIC, "ws_pingpong": gluon_ws.PINGPONG,
             "sums_persistent": gluon_sums.PERSISTENT}

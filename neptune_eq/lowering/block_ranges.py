@@ -26,7 +26,6 @@ from the mask's terms, nothing document-specific.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ..ir import Term
@@ -37,10 +36,14 @@ from .lower import Pass
 
 _CMP = ("lt", "le", "gt", "ge", "eq")
 # The ``tl`` form's three loops each fill and drain Triton's software pipeline, which a
-# short row block (a document of a few blocks) pays for three times.  ``ONE_LOOP`` runs the
-# may-range as one loop with the mask on every block instead (an A/B switch:
-# NEPTUNE_EQ_DATA_ONE_LOOP=1; the Gluon form keeps its loops, its ring is explicit).
-ONE_LOOP = os.environ.get("NEPTUNE_EQ_DATA_ONE_LOOP", "0") == "1"
+# row block whose ranges are a few blocks long (documents of ~128 keys) pays three times
+# over; one loop with the mask on every block pays the mask instead.  Which is faster
+# depends on the data (H200, fp16 H=16 D=128, 64x64 tiles: 64 documents in 8192 keys
+# 0.094 -> 0.080 ms with one loop; 13 documents 0.149 -> 0.151, at 32768 1.35 -> 1.63),
+# so it is a launch constant, ``ONE_LOOP``, of a timed config
+# (``TileConfig.one_loop``).  Choosing per row block at run time compiled both loop sets
+# into one kernel and ran every case 1.5-1.7x slower (bench/results/README.md, session 36).
+ONE_LOOP_FLAG = "ONE_LOOP"
 
 
 @dataclass(frozen=True)
@@ -258,12 +261,19 @@ def range_loops(em: Emitter, k: int, lo: str, hi: str, split: bool, rng: DataRan
         bi = f"((row_first + ({ps.hi_offset})) // {B}) * {B}"
     em.emit(f"{c} = tl.minimum(tl.maximum(tl.maximum({ai}, {rng.must[0]}), {a}), {b})")
     em.emit(f"{d} = tl.maximum(tl.minimum(tl.minimum({bi}, {rng.must[1]}), {b}), {c})")
-    if ONE_LOOP:
-        loop(em, k, a, b, frozenset(), False)
-    else:
-        loop(em, k, a, c, frozenset(), False)
-        loop(em, k, c, d, ps.bound_atoms | rng.atoms, False)
-        loop(em, k, d, b, frozenset(), False)
+
+    at = em.scopes[-1][2]
+    em.one_loop_form = True
+    em.emit(f"if {ONE_LOOP_FLAG}:  # (a config's constant) one pipelined loop, every block masked")
+    em.push(at + "    ")
+    loop(em, k, a, b, frozenset(), False)
+    em.scopes[-2][0].extend(em.pop())
+    em.emit("else:  # masked edge, unmasked interior, masked edge")
+    em.push(at + "    ")
+    loop(em, k, a, c, frozenset(), False)
+    loop(em, k, c, d, ps.bound_atoms | rng.atoms, False)
+    loop(em, k, d, b, frozenset(), False)
+    em.scopes[-2][0].extend(em.pop())
     if rng.mono is not None:
         em.scopes[-2][0].extend(em.pop())
         em.emit("else:  # unsorted: test each key block")

@@ -80,6 +80,7 @@ class Emitter:
         self.ranges: dict[str, tuple[str, str]] = {}
         self.desc = descriptors.DescriptorState()
         self.vector_dots = 0  # contractions with a CUDA-core form (``VDOT``)
+        self.one_loop_form = False  # a data-mask key range with a one-loop form (ONE_LOOP)
         # axis -> the constexpr sizing its tiles, where not B_<axis> (split-k's combine
         # takes the row block's real rows only: kernelgen.COMBINE_ROWS)
         self.block_sizes: dict[str, str] = {}

@@ -22,7 +22,7 @@ from . import descriptors
 from .codegen import (ECOL, LOOP, NEG, POS, SPLIT, VDOT_FLAG, Emitter, Tile, grid_decode,
                       init_fill)
 from ..ir import accessed
-from .block_ranges import data_ranges, range_loops
+from .block_ranges import ONE_LOOP_FLAG, data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
 from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
 from . import gluon_sums, gluon_ws
@@ -62,6 +62,7 @@ class KernelSource:
     gluon: object = None              # gluon_ws.GluonForm: the warp-specialised form, if any
     gluon_why: str = ""               # ... else why the plan has none
     vector_dot: bool = False          # its contractions have a CUDA-core form (codegen.VDOT)
+    one_loop: bool = False            # its data-mask key range has a one-loop form (ONE_LOOP)
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -490,7 +491,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     if f"B_{ECOL}" in tunables:
         even[f"EVEN_{ECOL}"] = (f"B_{ECOL}", [p.extents[a] for e in plan.epilogue for a in e.loop_axes])
     flags = [descriptors.TMA_FLAG, descriptors.WS_FLAG, descriptors.STAGES_FLAG,  # per config
-             VDOT_FLAG]
+             VDOT_FLAG, ONE_LOOP_FLAG]
     consts = [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even) + flags]
     ptrs = [f"{t}_ptr" for t in tensors]
     # Symbolic sizes are runtime ints after the strides (Triton specialises == 1 and % 16).
@@ -521,6 +522,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
         form, why = _gluon_form(plan, name)
         return KernelSource(name, "\n".join(text) + "\n" + pre_text, **common,
                             gluon=form, gluon_why=why, vector_dot=em.vector_dots > 0,
+                            one_loop=em.one_loop_form,
                             descriptors=descriptors.collect([em.desc]), scattered=scattered,
                             warp_specializable=() if scattered else descriptors.warp_specializable(
                                 em.desc, plan, bool(summaries), has_dot))

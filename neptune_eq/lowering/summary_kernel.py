@@ -33,12 +33,10 @@ from .codegen import _TL_DTYPE
 TILE = 2048    # elements one per-block program reads (G_k blocks of B)
 # Elements per step of a global summary's walk.  That walk is one program, so it is the
 # pre-pass's critical path: its device time grew with S (6.6 us at S=8192, 24 us at 32768
-# on an H100 with 1024 a step; at 4096, 3.3 us at 8192 and 10.6 us at 32768 on an H200,
-# bench/results/s34/, each step a dependent round trip to memory).  So a step is 8192
-# elements (32 a thread at ``NUM_WARPS``: 128 registers, no spill, ptxas for sm_90) and
-# the walk loads step k+1 before it reduces step k: the round trips overlap.
-CHUNK = 8192
-NUM_WARPS = 8  # the pre-pass's warps (a block summary's program reads TILE elements)
+# on an H100 with 1024); at 4096 a step is 32 elements a thread, 128 registers, no spill
+# (ptxas for sm_90), and S=8192 takes 2 steps instead of 8.
+CHUNK = 4096
+NUM_WARPS = 4  # the pre-pass's warps
 
 
 @dataclass(frozen=True)
@@ -185,29 +183,10 @@ def _block_body(k: int, s: SummarySpec, rank: int, dtype: str) -> list[str]:
 
 
 def _global_body(s: SummarySpec, rank: int, dtype: str) -> list[str]:
-    """One program walks the whole tensor (flat index, last dim fastest), a step of
-    ``CHUNK`` elements loaded one step ahead of its reduction."""
+    """One program walks the whole tensor (flat index, last dim fastest)."""
     t, out = s.tensor, s.name
     total = " * ".join(f"x_{t}_n{q}" for q in range(rank))
     out_dt = "tl.int32" if dtype == "bool" else _TL_DTYPE[dtype]
-
-    def step(at: str) -> list[str]:
-        """``v`` (and for a 1-D tensor ``prev``, each element's predecessor) of the step
-        starting at ``at``; a position past the end reads ``first``."""
-        lines = [f"f = {at} + tl.arange(0, {CHUNK})", "ok = f < total"]
-        if rank == 1:  # the common case (ids, offsets): no index arithmetic
-            lines += [f"off = f * x_{t}_s0"]
-        else:
-            lines += ["rem = f", "off = f * 0"]
-            for q in reversed(range(rank)):
-                lines += [f"off += (rem % x_{t}_n{q}) * x_{t}_s{q}", f"rem = rem // x_{t}_n{q}"]
-        lines += [f"v = {_value(f'tl.where(ok, tl.load(x_{t}_ptr + off, mask=ok), first)', dtype)}"]
-        if rank == 1:
-            lines += ["back = ok & (f > 0)",
-                      f"prev = {_value(f'tl.where(back, tl.load(x_{t}_ptr + (f - 1) * x_{t}_s0, mask=back), first)', dtype)}"]
-        return lines
-
-    carried = ("v", "prev") if rank == 1 else ("v",)
     lines = [f"total = {total}",
              f"first = {_value(f'tl.load(x_{t}_ptr)', dtype)}",
              "lo = first",
@@ -215,22 +194,26 @@ def _global_body(s: SummarySpec, rank: int, dtype: str) -> list[str]:
              # bad: 1 once some x[k] > x[k+1] (or a NaN) is seen; only a 1-D tensor may be
              # flagged nondecreasing
              f"bad = pid * 0{'' if rank == 1 else ' + 1'}",
-             *step("0"),
-             f"for start in range({CHUNK}, total + {CHUNK}, {CHUNK}):",
-             *[f"    {c}_cur = {c}" for c in carried],
-             "    ok_cur = ok",
-             "    f_cur = f",
-             # the next step's loads go out before this step's reductions (the last
-             # iteration's are all masked off)
-             *["    " + ln for ln in step("start")]]
-    if _is_int(dtype):
-        lines += ["    lo = tl.minimum(lo, tl.min(v_cur, axis=0))",
-                  "    hi = tl.maximum(hi, tl.max(v_cur, axis=0))"]
+             f"for start in range(0, total, {CHUNK}):",
+             f"    f = start + tl.arange(0, {CHUNK})",
+             "    ok = f < total"]
+    if rank == 1:  # the common case (ids, offsets): no index arithmetic
+        lines += [f"    off = f * x_{t}_s0"]
     else:
-        lines += [f"    lo = _nan_min(lo, {_reduce('min', 'v_cur', 0, dtype)})",
-                  f"    hi = _nan_max(hi, {_reduce('max', 'v_cur', 0, dtype)})"]
+        lines += ["    rem = f", "    off = f * 0"]
+        for q in reversed(range(rank)):
+            lines += [f"    off += (rem % x_{t}_n{q}) * x_{t}_s{q}", f"    rem = rem // x_{t}_n{q}"]
+    lines += [f"    v = {_value(f'tl.where(ok, tl.load(x_{t}_ptr + off, mask=ok), first)', dtype)}"]
+    if _is_int(dtype):
+        lines += ["    lo = tl.minimum(lo, tl.min(v, axis=0))",
+                  "    hi = tl.maximum(hi, tl.max(v, axis=0))"]
+    else:
+        lines += [f"    lo = _nan_min(lo, {_reduce('min', 'v', 0, dtype)})",
+                  f"    hi = _nan_max(hi, {_reduce('max', 'v', 0, dtype)})"]
     if rank == 1:  # (a NaN compares false: not nondecreasing, as in torch)
-        lines += ["    down = tl.where(ok_cur & (f_cur > 0), tl.where(v_cur >= prev_cur, 0, 1), 0)",
+        lines += ["    back = ok & (f > 0)",
+                  f"    prev = {_value(f'tl.where(back, tl.load(x_{t}_ptr + (f - 1) * x_{t}_s0, mask=back), first)', dtype)}",
+                  "    down = tl.where(back, tl.where(v >= prev, 0, 1), 0)",
                   "    bad = tl.maximum(bad, tl.max(down, axis=0))"]
     lines += [f"tl.store({out}_ptr, lo)",
               f"tl.store({out}_ptr + {out}_s0, hi)",

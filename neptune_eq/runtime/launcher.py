@@ -145,7 +145,8 @@ class Launcher:
                              "CUDA-core form (it has more than codegen.VDOT_ROWS rows).")
         consts.update(TMA=tma, WS=tma and self.config.warp_specialize,
                       LOOP_STAGES=self.config.loop_stages or self.config.num_stages,
-                      VDOT=self.config.vector_dot)
+                      VDOT=self.config.vector_dot,
+                      ONE_LOOP=self.config.one_loop and getattr(self.ks, "one_loop", False))
         self.consts = consts
         self.tma = tma
         self._pointer_twin = None  # the pointer form, for calls whose tensors TMA cannot take

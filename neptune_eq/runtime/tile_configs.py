@@ -34,6 +34,7 @@ class TileConfig:
     vector_dot: bool = False  # contractions on the CUDA cores, not tl.dot (codegen.VDOT)
     per_tile: bool = False   # a persistent Gluon form launched one program per tile
     #                          (``gluon_launch.GluonLauncher``: the walk is a launch choice)
+    one_loop: bool = False   # a data mask's key range as one masked loop (block_ranges)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
@@ -45,6 +46,7 @@ class TileConfig:
         sp += " gluon-ws" if self.gluon_ws else ""
         sp += " cuda-cores" if self.vector_dot else ""
         sp += " one-program-per-tile" if self.per_tile else ""
+        sp += " one-loop" if self.one_loop else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
 
     def at(self, values: dict) -> "TileConfig":
@@ -58,7 +60,7 @@ class TileConfig:
                 "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused,
                 "tma": self.tma, "warp_specialize": self.warp_specialize,
                 "loop_stages": self.loop_stages, "gluon_ws": self.gluon_ws,
-                "vector_dot": self.vector_dot, "per_tile": self.per_tile}
+                "vector_dot": self.vector_dot, "per_tile": self.per_tile, "one_loop": self.one_loop}
 
     @property
     def pointer_form(self) -> "TileConfig":
@@ -119,7 +121,24 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
     # A decode's loads are a few rows and a stream of keys: with tensor descriptors it was
     # at most 0.91x the best of its case (GRID_EVIDENCE), so the variants are not offered
     variants = [] if decode else lowering_variants(ks, out)
-    return out + variants + gluon_configs(ks) + vector_dot_configs(ks, sms)
+    return out + one_loop_configs(ks, out) + variants + gluon_configs(ks) + vector_dot_configs(ks, sms)
+
+
+# The tile shapes whose one-loop form is timed (``TileConfig.one_loop``): 64x64 was the
+# fastest form of 64 documents in 8192 keys (0.080 ms against its three loops' 0.094, H200
+# fp16 H=16 D=128), 128x64 the next (0.106); the others lost to these with either form.
+ONE_LOOP_SHAPES = ((64, 64, 4), (128, 64, 8))
+
+
+def one_loop_configs(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
+    """The one-loop form of a data mask's key range (``lowering.block_ranges``) at the
+    ``ONE_LOOP_SHAPES`` pointer configs, where the kernel has that form."""
+    if not getattr(ks, "one_loop", False):
+        return []
+    rows, keys = f"B_{ks.block_axis}", "B_L"
+    return [replace(c, one_loop=True) for c in pointer_configs
+            if (c.blocks.get(rows), c.blocks.get(keys), c.num_warps) in ONE_LOOP_SHAPES
+            and not c.splits]
 
 
 # Where the decode grid above was pruned from: every decode config timed cold (K/V from
