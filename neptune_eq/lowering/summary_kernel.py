@@ -31,12 +31,15 @@ from .block_predicate import SummarySpec
 from .codegen import _TL_DTYPE
 
 TILE = 2048    # elements one per-block program reads (G_k blocks of B)
-# Elements per step of a global summary's walk.  That walk is one program, so it is the
-# pre-pass's critical path: its device time grew with S (6.6 us at S=8192, 24 us at 32768
-# on an H100 with 1024); at 4096 a step is 32 elements a thread, 128 registers, no spill
-# (ptxas for sm_90), and S=8192 takes 2 steps instead of 8.
-CHUNK = 4096
-NUM_WARPS = 4  # the pre-pass's warps
+# Elements per step of a global summary's walk, and the pre-pass's warps.  That walk is
+# one program, so it is the pre-pass's critical path, and its time is the instructions
+# each thread issues per step (a masked-off element costs them too): H200, the pre-pass of
+# a document mask at S = 8192 / 32768 (``python bench/prepass_ab.py``, same process)
+# 3.14 / 9.90 us at 4096 a step on 4 warps, 2.37 / 6.65 at 8192 on 32 warps (8 elements a
+# thread); a jagged mask's (a 14-entry walk) 2.03 / 2.10 -> 2.00 / 2.05.  Loading the next
+# step before reducing this one measured slower (session 36).
+CHUNK = 8192
+NUM_WARPS = 32
 
 
 @dataclass(frozen=True)
