@@ -226,6 +226,15 @@ def test_sorted_document_ids_become_loop_bounds():
     assert torch.isfinite(got[:, :, 16:48]).all()   # rows of document 1 never loop there
     shuffled = ids[torch.randperm(64, generator=torch.Generator().manual_seed(0))]
     run_against_reference(kern, dict(q=q, k=k, v=v, doc=shuffled))
+    # the range form needs only the key blocks' [min, max] in order, checked in the count
+    # pass itself -- no whole-tensor walk in the pre-pass; ids shuffled inside each key
+    # block keep it, and stay exact
+    assert "bs_doc_all_ptr" not in src and "bs_nd" in src
+    g = torch.Generator().manual_seed(1)
+    ragged = torch.tensor([0] * 10 + [1] * 30 + [2] * 24, dtype=torch.int32)  # cuts inside blocks
+    inside = torch.cat([blk[torch.randperm(len(blk), generator=g)] for blk in ragged.split(16)])
+    assert not torch.equal(inside, ragged)
+    run_against_reference(kern, dict(q=q, k=k, v=v, doc=inside))
 
 
 @pytest.mark.parametrize("seed", range(4))

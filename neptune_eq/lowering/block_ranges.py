@@ -5,8 +5,9 @@ A mask atom ``K cmp E`` (``cmp`` one of < <= > >= ==) whose key side ``K`` is th
 index ``j`` or a 1-D captured tensor read at it (``doc[j]``), and whose other side ``E``
 does not move with the key (bounded over the row block by ``block_predicate``:
 ``doc[i]``, ``offsets[doc[i]]``, ``prefix[b]``, ``i``), holds on the key blocks of one
-interval when ``K`` is nondecreasing in ``j`` -- always for ``j``, for ``X[j]`` when ``X``
-is (the flag of its global summary, computed on the data each call).  For every atom
+interval when ``K`` is nondecreasing in ``j`` -- always for ``j``; for ``X[j]`` it is
+enough that the key blocks' minima and maxima are (checked on the data each call, in the
+same pass over X's key-block summary that counts the ranges).  For every atom
 that gives two key ranges: ``may`` (outside it no pair is visible: skipped) and ``must``
 (block-aligned; every pair of a block inside is visible: no elementwise mask).  They
 compose over ``&`` (intersection) and ``|`` (hull for may; union for must when the two
@@ -205,8 +206,6 @@ class _Ctx:
         key-block summary ([min, max] per block, both nondecreasing then)."""
         em, plan = self.em, self.em.plan
         spec = _spec(plan, key.val, (0, "loop"))
-        flag = _spec(plan, key.val, None)
-        self.flags.append(f"tl.load({flag.name}_ptr + 2 * {flag.name}_s0) != 0")
         nb = f"(({self.ext} + B_{LOOP} - 1) // B_{LOOP})"
         mx, mn = f"{spec.name}_s1", "0"
         ext = self.ext
@@ -223,7 +222,9 @@ class _Ctx:
         else:
             form = (((mx, ">=", elo), (mn, ">", ehi)), ((mn, ">=", ehi), (mx, ">", elo)))
         queries = [x for rng in form for x in rng if isinstance(x, tuple)]
-        found = iter(_count_failing(em, spec, nb, queries))
+        counts, ordered = _count_failing(em, spec, nb, queries)
+        self.flags.append(ordered)  # the counts hold where the blocks' [min, max] are ordered
+        found = iter(counts)
         return tuple(tuple(f"{next(found)} * B_{LOOP}" if isinstance(x, tuple) else x
                            for x in rng) for rng in form)
 
