@@ -55,13 +55,6 @@ def summary_specs(plan: TilePlan) -> list[SummarySpec]:
     return list(specs.values())
 
 
-def _comparisons(t: Term) -> list[Term]:
-    """The comparisons an atom combines by ``&`` / ``|`` (``block_ranges`` bounds each)."""
-    if t.op in ("and", "or"):
-        return [c for a in t.args for c in _comparisons(a)]
-    return [t]
-
-
 def _spec(plan: TilePlan, tensor: str, hit) -> SummarySpec:
     if hit is None:
         return SummarySpec(f"bs_{tensor}_all", tensor, None, None)

@@ -31,13 +31,15 @@ from .block_predicate import SummarySpec
 from .codegen import _TL_DTYPE
 
 TILE = 2048    # elements one per-block program reads (G_k blocks of B)
-# Elements per step of a global summary's walk, and the pre-pass's warps.  That walk is
-# one program, so it is the pre-pass's critical path, and its time is the instructions
-# each thread issues per step (a masked-off element costs them too): H200, the pre-pass of
-# a document mask at S = 8192 / 32768 (``python bench/prepass_ab.py``, same process)
-# 3.14 / 9.90 us at 4096 a step on 4 warps, 2.37 / 6.65 at 8192 on 32 warps (8 elements a
-# thread); a jagged mask's (a 14-entry walk) 2.03 / 2.10 -> 2.00 / 2.05.  Loading the next
-# step before reducing this one measured slower (session 36).
+# Elements per step of a global summary's walk, and the pre-pass's warps.  A walk is one
+# program, so it is the pre-pass's critical path, and its time is the instructions each
+# thread issues per step (a masked-off element costs them too).  H200, ``python
+# bench/prepass_ab.py`` (same process): a walk over 8192 / 32768 document ids took
+# 3.14 / 9.90 us at 4096 a step on 4 warps, 2.37 / 6.65 at 8192 on 32 warps (8 elements
+# a thread); a jagged mask's pre-pass (a 14-entry walk over its offsets) 2.03 -> 2.00 us.
+# Loading the next step before reducing this one measured slower (session 36).  Sorted ids
+# searched at the key index need no walk now (``block_skip._count_failing`` checks their
+# order); walks remain for tables read at a computed index (``offsets[doc[i]]``).
 CHUNK = 8192
 NUM_WARPS = 32
 
