@@ -202,8 +202,9 @@ class _Ctx:
         return (f"tl.maximum({elo}, 0)", f"({ehi}) + 1"), (up(ehi), down(f"({elo}) + 1"))
 
     def _search(self, key: Term, cmp: str, elo, ehi):
-        """``X[j] cmp E`` with X nondecreasing: first blocks by counting over X's
-        key-block summary ([min, max] per block, both nondecreasing then)."""
+        """``X[j] cmp E``: first blocks by counting over X's key-block summary ([min, max]
+        per block), right where both columns are nondecreasing -- the flag the count
+        pass returns, which the ranges then need (``mono``)."""
         em, plan = self.em, self.em.plan
         spec = _spec(plan, key.val, (0, "loop"))
         nb = f"(({self.ext} + B_{LOOP} - 1) // B_{LOOP})"
@@ -240,12 +241,12 @@ def range_loops(em: Emitter, k: int, lo: str, hi: str, split: bool, rng: DataRan
                 loop, fallback) -> None:
     """The pass's loops over [lo, hi) (the affine bounds) cut by the data ranges: masked,
     unmasked, masked -- under ``if mono:`` with ``fallback()`` (the per-block test form)
-    in the ``else`` when the ranges need a nondecreasing tensor.  ``loop(em, k, lo, hi,
+    in the ``else`` when the ranges need ordered key-block summaries.  ``loop(em, k, lo, hi,
     known, test)`` emits one loop."""
     ps = em.plan.passes[k]
     outer = em.scopes[-1][2]
     if rng.mono is not None:
-        em.emit(f"if {rng.mono}:  # nondecreasing data: the visible keys are one range")
+        em.emit(f"if {rng.mono}:  # ordered data: the visible keys are one range")
         em.push(outer + "    ")
     B = f"B_{LOOP}"
     a, b = f"j_ra{k}", f"j_rb{k}"

@@ -204,8 +204,8 @@ def _key_side(atom: Term, roles: dict, grid: set) -> tuple[Term, str, Term] | No
 def data_loop_bounds(em: Emitter, ps: Pass, k: int) -> tuple[str | None, str | None]:
     """Key-loop bounds from data atoms ``K cmp E`` (emitted in the pass's scope): E is
     bounded over the row block by ``block_predicate``; K = j gives the bound directly,
-    K = X[j] with X nondecreasing (its summary's flag, checked per call) gives it by a
-    count over X's key-block summary -- sorted document ids make a row block's
+    K = X[j] gives it by a count over X's key-block summary where the blocks' [min, max]
+    are in order (checked per call in the same pass) -- sorted document ids make a row block's
     visible keys one contiguous range.  Returns (lo, hi) code, block-aligned lo."""
     plan = em.plan
     atoms = data_atoms(plan, ps)

@@ -23,11 +23,11 @@ consumer warpgroups each issuing its own wgmma -- is written in Gluon
   branch.
 * A mask over captured tensors (``doc[i] == doc[j]``, ``j >= offsets[doc[i]]``) narrows
   the program's key range before the warpgroups start, from the per-block summaries the
-  pre-pass builds per call (``block_ranges``: nondecreasing data makes a row block's
-  visible keys one range, and the keys it sees whole another); the blocks seen whole
-  run the interior body, the others evaluate the mask per element.  Unsorted data
-  (the flag is read on the device) keeps the affine range with every block masked:
-  right, never skipping.
+  pre-pass builds per call (``block_ranges``: data whose key blocks' [min, max] are in
+  order makes a row block's visible keys one range, and the keys it sees whole
+  another); the blocks seen whole run the interior body, the others evaluate the mask
+  per element.  Unsorted data (checked on the device) keeps the affine range with every
+  block masked: right, never skipping.
 * Without a data mask the program is persistent: one per SM walks the (row block,
   head) tiles -- round robin where every tile has the same work, else in the balanced
   order the launcher passes (``runtime.tile_order``) -- and the producer fills the ring
