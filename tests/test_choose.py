@@ -308,3 +308,40 @@ def test_fewest_launches_win_among_configs_within_the_tie():
     assert fastest([(two, 1.00), (one, 1.00 * LAUNCH_TIE * 0.999)], ks)[0] == one
     assert fastest([(two, 1.00), (one, 1.00 * LAUNCH_TIE * 1.01)], ks)[0] == two
     assert fastest([(one, 2.0), (two, 1.0)], ks) == (two, 1.0)
+
+
+def test_near_ties_are_timed_again_and_ranked_by_median(monkeypatch):
+    """One timing per config can misorder forms this close (jagged at S=32768 on an H200:
+    Gluon 1.84-1.95 ms over three rounds, the tl tiles 2.06-2.12, and a cold choice took
+    the tl tiles).  Configs within ``RETIME_SPREAD`` of the fastest are timed
+    ``RETIME_ROUNDS`` more times and ranked by median; a config standing alone is not
+    timed again; a Gluon config timed again runs after a tl one (its outputs are checked
+    against it)."""
+    from types import SimpleNamespace
+    from neptune_eq.choosing import choose as ch
+    from neptune_eq.runtime.tile_configs import TileConfig
+    tl_a = TileConfig({"B_i": 64, "B_L": 64}, 4, 3)
+    tl_b = TileConfig({"B_i": 128, "B_L": 64}, 8, 3)
+    gl = TileConfig({"B_i": 128, "B_L": 128}, 4, 2, gluon_ws=True)
+    tl_c = TileConfig({"B_i": 128, "B_L": 128}, 8, 2)  # the Gluon row's own tl form
+    script = {id(tl_a): [2.10, 2.12], id(gl): [1.84, 1.86]}  # the re-timed rounds
+    calls = []
+
+    def fake_time(program, ks, target, tensors, configs, values=None, host=False):
+        calls.append([c for c in configs])
+        return [(c, script[id(c)].pop(0) if id(c) in script else 3.0, "ok") for c in configs]
+    monkeypatch.setattr(ch, "time_configs", fake_time)
+    ks = SimpleNamespace(launched=lambda fused: ["k"])
+    tl_row = SimpleNamespace(program=None, kernel=ks, timings=[(tl_a, 1.90, "ok"), (tl_b, 2.5, "ok")])
+    gl_row = SimpleNamespace(program=None, kernel=ks, timings=[(tl_c, 2.6, "ok"), (gl, 1.95, "ok")])
+    ch._retime_near_ties([tl_row, gl_row], "cuda", None, None, True)
+    # the first pass put tl_a ahead (1.90 < 1.95); the medians put Gluon ahead
+    assert dict((id(c), ms) for c, ms, _ in tl_row.timings) == {id(tl_a): 2.10, id(tl_b): 2.5}
+    assert gl_row.timings[1][1] == 1.86 and gl_row.timings[0][1] == 2.6
+    assert len(calls) == 2 * ch.RETIME_ROUNDS
+    assert all(cs == [tl_a] for cs in calls[0::2])            # tl_b (2.5) is not near
+    assert all(cs == [tl_c, gl] for cs in calls[1::2])  # a tl run before the Gluon one
+    calls.clear()
+    lone = SimpleNamespace(program=None, kernel=ks, timings=[(tl_a, 1.0, "ok"), (tl_b, 1.5, "ok")])
+    ch._retime_near_ties([lone], "cuda", None, None, True)
+    assert calls == [] and lone.timings[0][1] == 1.0
