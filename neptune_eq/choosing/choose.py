@@ -165,9 +165,12 @@ LAUNCH_TIE = 1.03  # configs within 3% of the fastest GPU time: the fewest launc
 # S=32768 (H200, fp16 H=16 D=128) timed the Gluon form 1.84 / 1.94 / 1.95 ms in three
 # alternated rounds and the tl 64x64 tiles 2.06-2.12, and one cold choice took the tl
 # tiles (bench/results/README.md, session 36).  So the configs within ``RETIME_SPREAD``
-# of the fastest are timed ``RETIME_ROUNDS`` more times, alternating, and ranked by median.
+# of the fastest (at most ``RETIME_MAX`` of them, the fastest first) are timed
+# ``RETIME_ROUNDS`` more times, alternating, and ranked by median.  It costs a cold choice
+# up to 2 x 3 more timings (+0.4-3 s on the document masks at 8192-32768 before the cap).
 RETIME_SPREAD = 1.08
 RETIME_ROUNDS = 2
+RETIME_MAX = 3
 
 
 def fastest(timed: list[tuple[TileConfig, float]], ks: KernelSource) -> tuple[TileConfig, float]:
@@ -256,16 +259,20 @@ def _time_candidates(timed: list[CandidateRow], target: str, tensors: dict | Non
 
 def _retime_near_ties(rows: list[CandidateRow], target: str, tensors: dict | None,
                       values: dict | None, host: bool) -> None:
-    """Time the configs within ``RETIME_SPREAD`` of the fastest (over every row) again,
-    ``RETIME_ROUNDS`` rounds alternating between them, and put each one's median time in
-    its row's ``timings``.  Nothing to do where one config stands alone."""
+    """Time the configs within ``RETIME_SPREAD`` of the fastest (over every row; the
+    ``RETIME_MAX`` fastest of them) again, ``RETIME_ROUNDS`` rounds alternating between
+    them, and put each one's median time in its row's ``timings``.  Nothing to do where
+    one config stands alone."""
     times = [ms for r in rows for _, ms, _ in r.timings if ms is not None]
     if not times:
         return
     cut = RETIME_SPREAD * min(times)
-    near = {id(r): [c for c, ms, _ in r.timings if ms is not None and ms <= cut] for r in rows}
-    if sum(len(cs) for cs in near.values()) < 2:
+    ranked = sorted((ms, n, id(c)) for n, r in enumerate(rows) for c, ms, _ in r.timings
+                    if ms is not None and ms <= cut)[:RETIME_MAX]
+    if len(ranked) < 2:
         return
+    keep = {(n, cid) for _, n, cid in ranked}
+    near = {id(r): [c for c, ms, _ in r.timings if (n, id(c)) in keep] for n, r in enumerate(rows)}
     runs = {}
     for r in rows:
         cs = sorted(near[id(r)], key=lambda c: c.gluon_ws)  # a Gluon config is checked
