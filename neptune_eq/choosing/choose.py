@@ -167,7 +167,8 @@ LAUNCH_TIE = 1.03  # configs within 3% of the fastest GPU time: the fewest launc
 # tiles (bench/results/README.md, session 36).  So the configs within ``RETIME_SPREAD``
 # of the fastest (at most ``RETIME_MAX`` of them, the fastest first) are timed
 # ``RETIME_ROUNDS`` more times, alternating, and ranked by median.  It costs a cold choice
-# up to 2 x 3 more timings (+0.4-3 s on the document masks at 8192-32768 before the cap).
+# up to 2 x 3 more timings: the document masks' first calls took 0.2-3.3 s longer across
+# runs, and window prefill still builds in 13.7 / 14.6 s at S = 8192 / 32768.
 RETIME_SPREAD = 1.08
 RETIME_ROUNDS = 2
 RETIME_MAX = 3
