@@ -7,7 +7,7 @@ Triton compiles for a named target without a driver (``triton.compile`` with a
 tensor descriptors, warp-specialised loops -- is checked for structure on CPU.  It must
 run without ``TRITON_INTERPRET`` (which turns ``@triton.jit`` into the interpreter), hence
 a subprocess.  JSON_SPEC: {"dtypes": {param: "*fp16" | "i32"}, "constexprs": {...},
-"num_warps": 4, "num_stages": 3}.  Prints one JSON line: ok, error, and what the PTX
+"num_warps": 4, "num_stages": 3, "options": {more of Triton's options, e.g. maxnreg}}.  Prints one JSON line: ok, error, and what the PTX
 uses; with ``"resources": true`` in the spec also registers per thread and spill bytes,
 from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).
 This is the newest Triton's compiler, not the GPU machine's 3.6: the GPU run of
@@ -56,7 +56,8 @@ def main():
         src = ASTSource(fn, signature=sig, constexprs=spec["constexprs"])
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+                            options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
+                                     **spec.get("options", {})})
     except Exception as e:  # noqa: BLE001 - reported to the test
         msg = [x for x in str(e).strip().splitlines() if x.strip()]
         # the last lines: Triton's compile errors end with the source line and a caret

@@ -54,20 +54,20 @@ def gl_main(lines: list[str]) -> list[str]:
     return [re.sub(r"gl\.arange\(0, (\w+)\)", r"gl.arange(0, \1, R1)", ln) for ln in gl_lines(lines)]
 
 
-def key_range(plan: TilePlan, name: str, data: bool) -> list[str]:
+def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS) -> list[str]:
     """The ``tl`` lines fixing a tile's key range ``[j_lo, j_lo + n_blocks·B_L)`` from
     ``row_block`` (and the grid axes) and, with a data mask (``data``), ``dm_lo``..``dm_hi``:
-    the keys every row of the tile sees whole."""
+    the keys every row of the tile sees whole.  ``rows``: the tile's rows (the program's)."""
     ps = plan.passes[0]
-    rng = [f"row_first = row_block * {CTA_ROWS}", f"row_last = row_first + {CTA_ROWS - 1}",
+    rng = [f"row_first = row_block * {rows}", f"row_last = row_first + {rows - 1}",
            "j_lo = 0", f"j_hi = {ps.extent}"]
     if ps.lo_offset is not None:  # the affine bounds of the pass over the tile's rows
         rng.append(f"j_lo = (tl.maximum(row_first + ({ps.lo_offset}), 0) // B_L) * B_L")
     if ps.hi_offset is not None:
         rng.append(f"j_hi = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
     if data:
-        # block_ranges' code over the tile's 128 rows (the launcher builds the row
-        # summaries at B_<row axis> = 128): the may / must key ranges and the flag they need
+        # block_ranges' code over the tile's rows (the launcher builds the row summaries
+        # at B_<row axis> = the tile's rows): the may / must key ranges and the flag they need
         em = Emitter(plan, name)
         em.push("")
         em.push("")
@@ -98,11 +98,11 @@ def affine_walk(ps) -> str:
     return "round_robin" if (ps.lo_offset is None) == (ps.hi_offset is None) else "scheduled"
 
 
-def persistent_place(plan: TilePlan) -> list[str]:
+def persistent_place(plan: TilePlan, rows: int = CTA_ROWS) -> list[str]:
     """A persistent program's lines before its partitions split: the row blocks per grid
     index and the number of tiles its walk draws from."""
     grid_n = " * ".join(f"({plan.grid_extent(a)})" for a in plan.grid_axes) or "1"
-    return [f"    n_rb = gl.cdiv({plan.row_extent}, {CTA_ROWS})", f"    num_tiles = n_rb * {grid_n}"]
+    return [f"    n_rb = gl.cdiv({plan.row_extent}, {rows})", f"    num_tiles = n_rb * {grid_n}"]
 
 
 def sched_size(num_tiles: int, programs: int) -> int:
@@ -116,7 +116,8 @@ def _tile_of(t: str) -> list[str]:
     return [f"pid_grid = {t} // n_rb", f"row_block = n_rb - 1 - {t} % n_rb"]
 
 
-def ranges_kernel(plan: TilePlan, name: str, args: list[str]) -> tuple[str, str]:
+def ranges_kernel(plan: TilePlan, name: str, args: list[str],
+                  rows: int = CTA_ROWS) -> tuple[str, str]:
     """(kernel name, ``tl`` module) of the ranges kernel of a dynamic walk: grid (row
     blocks, grid size), each program writes its tile's ``RANGE_FIELDS`` into ``tile_sched``;
     program (0, 0) zeroes the tile counter.  ``args``: the main kernel's parameters after
@@ -132,20 +133,21 @@ def ranges_kernel(plan: TilePlan, name: str, args: list[str]) -> tuple[str, str]
            "    pid_grid = tl.program_id(1)",
            "    n_rb = tl.num_programs(0)",
            *["    " + ln for ln in grid_decode(plan)],
-           *["    " + ln for ln in key_range(plan, name, data=True)],
+           *["    " + ln for ln in key_range(plan, name, data=True, rows=rows)],
            *[f"    tl.store({at} + {k}, {f})" for k, f in enumerate(RANGE_FIELDS)],
            "    tl.store(tile_sched_ptr, 0, mask=(row_block == 0) & (pid_grid == 0))"]
     return kname, "\n".join(src) + "\n"
 
 
-def tile_lines(mode: str, rng: list[str], role: str = "producer") -> list[str]:
+def tile_lines(mode: str, rng: list[str], role: str = "producer",
+               rows: int = CTA_ROWS) -> list[str]:
     """A walking program's lines placing tile ``t`` (Gluon): its place, then its key range
     -- ``rng`` (``gl_main(key_range(..))``) recomputed, or read from ``tile_sched`` (by a
     dynamic walk's consumers one tile ahead, see ``walk``)."""
     grid, row = _tile_of("t")
     if mode != "dynamic":
         return [grid, row + "  # long rows first", *rng]
-    place = [grid, row, f"row_first = row_block * {CTA_ROWS}"]
+    place = [grid, row, f"row_first = row_block * {rows}"]
     if role == "consumer":
         return place + [f"{f} = next_{f}" for f in RANGE_FIELDS]
     return place + _range_loads("t", "", maybe_past_end=False)

@@ -57,7 +57,7 @@ from .block_ranges import data_range_form
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Emitter, Tile, grid_decode, init_fill
 from .fold_body import epilogue, loop_body
-from .gluon_tiles import (CTA_ROWS, ROWS, affine_walk, gl_lines as _gl, gl_main, key_range,
+from .gluon_tiles import (ROWS, affine_walk, gl_lines as _gl, gl_main, key_range,
                           persistent_place, pingpong_turns, ranges_kernel, tile_lines,
                           walk)
 from .lower import LoweringError, TilePlan
@@ -70,6 +70,7 @@ DYNAMIC = False    # ... tiles of a data mask too, taken from a counter (see gen
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
 KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
 SMEM_BYTES = 224 * 1024  # row tiles + ring: Hopper's 227 KiB per program, less barriers
+SM_SMEM, SM_REGS = 228 * 1024, 65536  # an SM's shared memory and register file (sm_90)
 # The two consumers issue their products in turn (FlashAttention-3's ping-pong): one
 # warpgroup's softmax runs while the other's products hold the tensor cores (see
 # ``gluon_tiles.pingpong_turns``).  Off: measured never past the best walk without it
@@ -92,6 +93,52 @@ class GluonForm:
     scheduled: bool = False          # persistent, in the order of the ``tile_order`` argument
     key_offsets: tuple = (None, None)  # the pass's affine key range [i + lo, i + hi)
     ranges: tuple[str, str] | None = None  # dynamic walk: (kernel, tl module) of the ranges
+    consumers: int = 2               # consumer warpgroups per program, ROWS rows each
+    solo: "GluonForm | None" = None  # the one-consumer form of the same plan (see generate)
+    heads_first_ok: bool = False     # one program per tile, on either grid order (see
+    #                                  ``grid_order``): ``TileConfig.heads_first`` runs
+
+    @property
+    def rows(self) -> int:
+        """Rows per program (a tile): ROWS per consumer warpgroup."""
+        return ROWS * self.consumers
+
+    def programs_per_sm(self, key_block: int, stages: int = 2) -> int:
+        """Programs an SM holds at once: 1 for two consumers; for one, as many as shared
+        memory and registers allow, at most 3, each consumer keeping the registers its
+        tiles need (``options``)."""
+        if self.consumers == 2:
+            return 1
+        fit = min(3, SM_SMEM // (self.ring_bytes(key_block, stages) + 1024))
+        # a consumer thread holds its share of the score tile (B_L/2 fp32), of the state
+        # (cols/2 fp32) and of P (B_L/4), plus ~56 for addresses and row vectors
+        # (ptxas, sm_90: head dim 64 at 64-key blocks compiles at 136, at 128 keys not)
+        need = key_block * 3 // 4 + self.widths[1] // 2 + 56
+        while fit > 1 and self._consumer_regs(fit) < need:
+            fit -= 1
+        return max(fit, 1)
+
+    @staticmethod
+    def _consumer_regs(programs: int) -> int:
+        """The consumer warpgroup's registers a thread with ``programs`` programs per SM:
+        each launches with 256 threads at ``maxnreg`` and the producer's warpgroup gives
+        back all but 24 (``setmaxnreg``)."""
+        maxnreg = SM_REGS // (programs * 256) // 8 * 8
+        return min(2 * maxnreg - 24, 256) // 8 * 8
+
+    def options(self, key_block: int, stages: int = 2) -> dict:
+        """Triton's launch options of the form at a key block.  A one-consumer program runs
+        8 warps (the producer warp is padded to a warpgroup); at Triton's default it
+        launches with 256 registers a thread, which is the SM's whole file, so one program
+        per SM.  ``maxnreg`` at the file's share of ``programs_per_sm`` lets them fit."""
+        if self.consumers == 2:
+            return {"num_warps": 4}
+        programs = self.programs_per_sm(key_block, stages)
+        return {"num_warps": 4, "maxnreg": SM_REGS // (programs * 256) // 8 * 8}
+
+    def form_for(self, rows: int) -> "GluonForm | None":
+        """This form or its one-consumer form, whichever runs ``rows``-row programs."""
+        return next((f for f in (self, self.solo) if f is not None and f.rows == rows), None)
 
     def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
         """(input, rows, width) of the TMA tile each descriptor loads: a warpgroup's rows of
@@ -102,7 +149,7 @@ class GluonForm:
     def ring_bytes(self, key_block: int, stages: int) -> int:
         """Shared memory of the row tiles and a ``stages``-deep ring of key blocks."""
         (width, cols), size = self.widths, 2  # 16-bit inputs
-        return size * (CTA_ROWS * width + stages * key_block * (width + cols))
+        return size * (self.rows * width + stages * key_block * (width + cols))
 
     @property
     def default_key_block(self) -> int:
@@ -281,6 +328,24 @@ def check_scope(plan: TilePlan, scattered_ok: bool = False) -> None:
                                 f"warp-specialised form takes widths {WIDTHS}.")
 
 
+def grid_order(plan: TilePlan, rows: int) -> list[str]:
+    """A one-program-per-tile kernel's lines placing its tile: the grid is (row blocks,
+    grid size) or, heads first, (grid size, row blocks) -- a launch choice the timer
+    weighs (``TileConfig.heads_first``), read off the grid's shape, so one compiled
+    kernel runs both.  Row-major, the hardware dispatches one head's tiles, long rows
+    first, then the next head's: programs in flight share a head's keys in L2.  Heads
+    first, it dispatches every head's last row block, then every head's one before: on
+    short documents 5-13% faster, on long key ranges (prefix-LM, 4 documents at S=32768)
+    7-35% slower (H100, fp16 H=16 D=128, ``bench/gluon_probe/solo_form.py
+    --heads-first``).  Where the two extents are equal either decode visits every tile
+    once."""
+    return [f"    n_rb = gl.cdiv({plan.row_extent}, {rows})",
+            "    hf = (gl.num_programs(0) != n_rb).to(gl.int32)  # heads first",
+            "    row_block = n_rb - 1 - (gl.program_id(0) + hf * (gl.program_id(1) - "
+            "gl.program_id(0)))  # long rows first",
+            "    pid_grid = gl.program_id(1) + hf * (gl.program_id(0) - gl.program_id(1))"]
+
+
 def _interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool,
                     first: int = 1) -> list[str]:
     """Blocks ``first``.. of a warpgroup (the forward's block 0 runs apart: it has no
@@ -330,9 +395,23 @@ def _interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: boo
     return out + ["    if not EVEN_L:", *["    " + ln for ln in ragged]]
 
 
-def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
-    """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope."""
+def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2) -> GluonForm:
+    """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope.
+
+    ``consumers``: consumer warpgroups per program (2: FlashAttention-3's 128-row program,
+    the two sharing each key block; 1: a 64-row program).  The two-consumer form comes with
+    its one-consumer form (``GluonForm.solo``), a lowering choice the timer weighs: a
+    64-row program's ring fits twice in an SM's shared memory, so the hardware runs two
+    programs per SM whose tiles are independent -- one's pipeline fill and epilogue run
+    under the other's products -- at the price of loading each key block once per 64
+    rows instead of 128.  Tiles of a few key blocks (document masks, narrow windows,
+    head dim 64) pay a fixed cost per tile that one 128-row program per SM leaves
+    exposed (bench/results/README.md, session 36).  The one-consumer form runs one
+    program per tile and leaves the packing to the hardware's block scheduler."""
+    if consumers not in (1, 2):
+        raise ValueError(f"generate: consumers is 1 or 2, got {consumers}")
     check_scope(plan)
+    rows = ROWS * consumers
     ps = plan.passes[0]
     p = plan.program
     ba = plan.block_axis
@@ -366,7 +445,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # (``TileConfig.per_tile``: the same kernel, ``runtime.tile_order.one_tile_per_program``).
     atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
     data = bool(atoms)
-    if not PERSISTENT:
+    if not PERSISTENT or consumers == 1:
         mode = "single"
     elif data:
         mode = "dynamic" if DYNAMIC else "single"
@@ -444,14 +523,14 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     epi = em.pop()
     prologue = em.pop()
 
-    rng = gl_main(key_range(plan, name, data))
+    rng = gl_main(key_range(plan, name, data, rows))
     dm = ["dm_lo", "dm_hi"] if data and not persistent else []  # (a walk reads them per tile)
     em.push("    ")
     a_row, b_row, c_row = (_row_base(em, ld) for ld in (em.qk[0], em.qk[1], em.pv))
     bases = [*_gl(em.pop()), f"    a_row = {a_row} + row_first", f"    b_row = {b_row}",
              f"    c_row = {c_row}"]
     # a tile's place and key range (the consumers' prologue decodes the grid axes itself)
-    tile = tile_lines(mode, rng, "producer")
+    tile = tile_lines(mode, rng, "producer", rows)
 
     sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
     where = ["num_tiles", "n_rb"] if persistent else ["pid_grid", "row_block", "j_lo", "n_blocks"]
@@ -464,9 +543,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
                                  else ["a_row", "b_row", "c_row", "j_lo", "n_blocks"])])
     producer = [
         "    mbarrier.wait(q_empty, (it & 1) ^ 1)  # the consumers are done with the last rows",
-        "    mbarrier.expect(a_bar, 2 * a_desc.block_type.nbytes)",
-        "    tma_load(a_desc, [a_row, 0], a_bar, a_smem.index(0))",
-        f"    tma_load(a_desc, [a_row + {ROWS}, 0], a_bar, a_smem.index(1))",
+        f"    mbarrier.expect(a_bar, {consumers} * a_desc.block_type.nbytes)",
+        *[f"    tma_load(a_desc, [a_row + {k * ROWS}, 0], a_bar, a_smem.index({k}))"
+          for k in range(consumers)],
         "    for jb in range(n_blocks):",
         "        s = (base + jb) % STAGES",
         "        ph = ((base + jb) // STAGES) & 1",
@@ -477,7 +556,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "        mbarrier.expect(c_ready.index(s), c_desc.block_type.nbytes)",
         "        tma_load(c_desc, [c_row + j_lo + jb * B_L, 0], c_ready.index(s), c_bufs.index(s))"]
     consumer = [
-        f"    my_first = row_block * {CTA_ROWS} + WHICH * {ROWS}",
+        f"    my_first = row_block * {rows} + WHICH * {ROWS}",
         *_gl(prologue), *_gl(prologue_tail),
         "    mbarrier.wait(a_bar, it & 1)",
         "    # block 0: the first contraction and the block's math; its P·c is issued next block",
@@ -502,10 +581,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    mbarrier.arrive(c_empty.index(last), count=1)",
         *_gl(epi)]
     if persistent:
-        place = persistent_place(plan)
+        place = persistent_place(plan, rows)
     else:
-        place = ["    row_block = gl.num_programs(0) - 1 - gl.program_id(0)  # long rows first",
-                 "    pid_grid = gl.program_id(1)",
+        place = [*grid_order(plan, rows),
                  "    R1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])",
                  *["    " + ln for ln in _gl(grid_decode(plan))],
                  *["    " + ln for ln in rng], *bases]
@@ -538,7 +616,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         f"    zero_s = gl.zeros([{ROWS}, B_L], gl.float32, S_LAYOUT)",
         "    q_tile = a_smem.index(WHICH)",
         *turn_first,
-        *walk(mode, "consumer", consumer, tile_lines(mode, rng, "consumer"),
+        *walk(mode, "consumer", consumer, tile_lines(mode, rng, "consumer", rows),
               released=consumer.index(RELEASE) + 1),
         "", "",
         "@gluon.jit",
@@ -546,7 +624,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    DTYPE: gl.constexpr = a_desc.dtype",
         "    D: gl.constexpr = a_desc.block_type.shape[1]",
         *place,
-        f"    a_smem = gl.allocate_shared_memory(DTYPE, [2, {ROWS}, D], a_desc.layout)",
+        f"    a_smem = gl.allocate_shared_memory(DTYPE, [{consumers}, {ROWS}, D], a_desc.layout)",
         "    b_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, D], b_desc.layout)",
         "    c_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, c_desc.block_type.shape[1]], "
         "c_desc.layout)",
@@ -555,7 +633,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         *[f"    {b} = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
           for b in ("b_ready", "b_empty", "c_ready", "c_empty")],
         "    mbarrier.init(a_bar, count=1)",
-        "    mbarrier.init(q_empty, count=2)  # both consumers release the row tiles",
+        f"    mbarrier.init(q_empty, count={consumers})  # every consumer releases the row tiles",
         *turn_setup,
         *(["    t_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
            "    mbarrier.init(t_ready.index(0), count=1)  # the producer posts each tile",
@@ -563,13 +641,14 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
         "    for i in gl.static_range(STAGES):",
         "        mbarrier.init(b_ready.index(i), count=1)",
         "        mbarrier.init(c_ready.index(i), count=1)",
-        "        mbarrier.init(b_empty.index(i), count=2)  # both consumers read every tile",
-        "        mbarrier.init(c_empty.index(i), count=2)",
+        f"        mbarrier.init(b_empty.index(i), count={consumers})  # every consumer reads "
+        "every block",
+        f"        mbarrier.init(c_empty.index(i), count={consumers})",
         "    gl.warp_specialize([",
-        f"        (_consumer, ({shared}, 0, B_L, DTYPE, EVEN_L)),",
-        f"        (_consumer, ({shared}, 1, B_L, DTYPE, EVEN_L)),",
+        *[f"        (_consumer, ({shared}, {k}, B_L, DTYPE, EVEN_L))," for k in range(consumers)],
         f"        (_producer, ({producer_args}, B_L)),",
-        "    ], [4, 1], [232, 24])",
+        # the extra consumer takes the registers the producer warp gives back
+        f"    ], [{'4, ' * (consumers - 1)}1], [{'232, ' * (consumers - 1)}24])",
     ]
     # Key blocks worth timing (H200, the Gluon form alone, bench/gluon_validate.py
     # --only-key-blocks): 128 keys won wherever every row block sees a long key range --
@@ -577,8 +656,15 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonForm:
     # and causal at S=4096 9% and 8% -- and 64 keys won where the range is narrow: a
     # window of 256 at S=8192 0.186 vs 0.251 ms, documents 0.263 vs 0.317, jagged 0.231
     # vs 0.285.  So 64 is offered only with a key range bounded below or a data mask.
-    narrow = ps.lo_offset is not None or data
+    # (the one-consumer form: its point is a ring that fits twice, so 64 keys at width 128)
+    narrow = ps.lo_offset is not None or data or consumers == 1
     return GluonForm(name, "\n".join(src) + "\n", streamed, widths, dts.pop(),
                      [f"{t}_ptr" for t in tensors], persistent,
                      KEY_BLOCKS if narrow else (128,), scheduled, (ps.lo_offset, ps.hi_offset),
-                     ranges_kernel(plan, name, args) if mode == "dynamic" else None)
+                     ranges_kernel(plan, name, args, rows) if mode == "dynamic" else None,
+                     consumers,
+                     # the one-consumer form, for data masks only: it won there (jagged at
+                     # S=8192, heads first, 8% past the tl form) and never elsewhere, where
+                     # its compile would only lengthen a cold build (generate's docstring)
+                     generate(plan, f"{name}_solo", 1) if consumers == 2 and data else None,
+                     not persistent)

@@ -8,7 +8,7 @@ contiguous; a call whose tensors are not runs the ``tl`` form of the same tiles 
 (slower, never wrong).  Keys past a head's end that a tile reads belong to the next head or
 are zero-filled by TMA; the kernel masks them by the key extent.  A kernel whose mask
 reads captured tensors takes their block summaries too, rebuilt per call by the tl
-module's pre-pass (``runtime.block_summary``) at the form's 128-row, ``B_L``-key blocks.
+module's pre-pass (``runtime.block_summary``) at the form's row and ``B_L``-key blocks.
 The key block is the config's (``gluon_ws.KEY_BLOCKS``), not fixed by the form.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import replace
 
 from ..ir import Program
 from ..lowering.gluon_tiles import sched_size
-from ..lowering.gluon_ws import CTA_ROWS, KEY_BLOCKS, GluonForm
+from ..lowering.gluon_tiles import CTA_ROWS
+from ..lowering.gluon_ws import KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
@@ -74,15 +75,21 @@ class GluonLauncher:
                              f"here: {why}. Use a tl config (gluon_ws=False).")
         rows = config.blocks.get(f"B_{ks.block_axis}", CTA_ROWS)
         key_block = config.blocks.get("B_L", form.default_key_block)
-        if rows != CTA_ROWS or key_block not in KEY_BLOCKS:
-            raise ValueError(f"Config {config}: the Gluon form runs {CTA_ROWS}-row programs with "
-                             f"key blocks of {' or '.join(map(str, KEY_BLOCKS))}, got "
-                             f"{config.blocks}.")
+        form = form.form_for(rows)  # two consumer warpgroups per program, or one
+        if form is None or key_block not in KEY_BLOCKS:
+            runs = sorted({f.rows for f in (ks.gluon, ks.gluon.solo) if f is not None})
+            raise ValueError(f"Config {config}: the Gluon form runs programs of "
+                             f"{' or '.join(map(str, runs))} rows with key blocks of "
+                             f"{' or '.join(map(str, KEY_BLOCKS))}, got {config.blocks}.")
+        if config.heads_first and not form.heads_first_ok:
+            raise ValueError(f"Config {config}: heads first is a launch order of a Gluon form "
+                             "that runs one program per tile and reads its tile off either "
+                             "grid; this form does not.")
         self.program, self.ks, self.target, self.config = program, ks, target, config
         self.size_args = tuple(size_args)
         self.form = form
         self.fn = load_gluon(form)
-        tiles = (-(-ks.row_extent // CTA_ROWS), ks.grid_size)
+        tiles = (-(-ks.row_extent // rows), ks.grid_size)
         self._order: list[int] = []   # the tile order of a scheduled form (host copy)
         self._order_on: dict = {}      # ... on each device it ran on
         if form.persistent:  # one program per SM (at most one per tile) walks the tiles
@@ -93,22 +100,22 @@ class GluonLauncher:
             self.grid = (n_tiles if config.per_tile else min(sms, n_tiles), 1)
             if form.scheduled:  # tiles of unequal work: the balanced order, once
                 keys = [n for n in _key_extents(ks) if isinstance(n, int)]
-                work = tile_work(tiles[0], CTA_ROWS, max(keys, default=ks.row_extent), key_block,
+                work = tile_work(tiles[0], rows, max(keys, default=ks.row_extent), key_block,
                                  *form.key_offsets)
                 self._order = (one_tile_per_program(work, tiles[1]) if config.per_tile
                                else tile_order(work, tiles[1], self.grid[0]))
         elif config.per_tile:
             raise ValueError(f"Config {config}: one program per tile is a launch choice of a "
                              "persistent Gluon form; this form already runs one per tile.")
-        else:
-            self.grid = tiles
+        else:  # (heads first: the kernel reads the order off the grid, gluon_ws.grid_order)
+            self.grid = tiles[::-1] if config.heads_first else tiles
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
         self.consts = dict(B_L=key_block, STAGES=config.num_stages,
                            EVEN_L=_even_keys(ks, key_block))
         self._pre = None
         if ks.summaries:  # the tl module's pre-pass, at this form's blocks
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
-            self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": CTA_ROWS,
+            self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": rows,
                                                     "B_L": key_block}, pre_fn)
         self._ranges, self._sched_n = None, 0
         if form.ranges:  # a dynamic walk: each tile's key range, after the summaries
@@ -125,7 +132,8 @@ class GluonLauncher:
         # Triton's own launch re-binds ~30 arguments per call (tens of µs, longer than a
         # short prefill runs): after one checked launch per key, ``FastLaunch`` calls the
         # compiled kernel directly, as the tl kernels' ``Launcher`` does
-        self._launch = FastLaunch(self.fn, self.grid, self.consts, {"num_warps": 4})
+        self.options = form.options(key_block, config.num_stages)
+        self._launch = FastLaunch(self.fn, self.grid, self.consts, self.options)
         self._checked: dict = {}
         self._described: dict = {}  # descriptor slot -> (signature, its fields but the base)
         self._encoded: dict = {}  # id(compiled kernel) -> (it, its EncodedLaunch or None)
@@ -287,7 +295,7 @@ class GluonLauncher:
         if not gluon_inputs_ok(self.ks, tensors):
             return self._tl_twin().compile(tensors)
         args = self._args(self._summarised(tensors)[0])[0]
-        self.fn.warmup(*args, grid=self.grid, **self.consts, num_warps=4)
+        self.fn.warmup(*args, grid=self.grid, **self.consts, **self.options)
         if self._ranges is not None:
             self._ranges.fn.warmup(*args[len(self.form.descs):], grid=self._ranges.grid,
                                    **self._ranges.consts, **self._ranges.options)
@@ -338,12 +346,13 @@ class GluonBoundCall:
 
 
 def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
-              key_block: int | None = None) -> dict:
+              key_block: int | None = None, form: GluonForm | None = None) -> dict:
     """The form's kernel signature for an offline sm_90 compile (``tests/sm90_compile.py``
     compiles it without a GPU: the interpreter cannot run Gluon, so this is how the CPU
     tests check every emitted form): pointer dtypes, descriptor tiles (rows, width, dtype),
-    constexprs; every other argument is an i32."""
-    form = ks.gluon
+    constexprs; every other argument is an i32.  ``form``: the plan's form (default) or
+    its one-consumer form."""
+    form = form or ks.gluon
     key_block = key_block or form.default_key_block
     short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32",
              "int64": "i64", "bool": "i1"}
@@ -356,7 +365,9 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
         dtypes["tile_order_ptr"] = "*i32"
     if form.ranges:
         dtypes["tile_sched_ptr"] = "*i32"
-    return {"gluon": True, "num_warps": 4, "num_stages": 1, "dtypes": dtypes,
+    return {"gluon": True, "num_warps": 4, "num_stages": 1,
+            "options": form.options(key_block, stages),
+            "dtypes": dtypes,
             "descs": {d: [rows, width, form.dtype]
                       for d, (_, rows, width) in zip(form.descs, form.tiles(key_block))},
             "constexprs": {"B_L": key_block, "STAGES": stages,

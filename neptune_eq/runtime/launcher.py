@@ -12,6 +12,7 @@ import itertools
 import os
 import sys
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,24 +73,34 @@ def _import_kernel(ks: KernelSource, interpret: bool) -> list:
 
 def import_source(source: str, name: str, kernel_names: list[str], interpret: bool) -> list:
     """The named kernels of a generated module, imported from a file in the cache folder
-    (Triton and Gluon read a kernel's source from its file)."""
+    (Triton and Gluon read a kernel's source from its file).  Thread-safe: the timer
+    compiles configs on a thread pool, and two configs of one module (ring depths, key
+    blocks) must neither share a temporary file nor see a module half executed."""
     digest = hashlib.sha256((source + str(interpret)).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"{name}_{digest}.py"
-    if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)
     modname = f"neptune_eq_generated_{digest}"
-    if modname in sys.modules:
-        return [getattr(sys.modules[modname], n) for n in kernel_names]
-    if interpret:
-        enable_interpreter()
-        check_interpreter_importable()
-    spec = importlib.util.spec_from_file_location(modname, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = mod
-    spec.loader.exec_module(mod)
-    return [getattr(mod, n) for n in kernel_names]
+    with _IMPORT_LOCK:
+        if modname in sys.modules:
+            return [getattr(sys.modules[modname], n) for n in kernel_names]
+        path = _cache_dir() / f"{name}_{digest}.py"
+        if not path.exists():  # (another process may write it too: each its own file)
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(source)
+            os.replace(tmp, path)
+        if interpret:
+            enable_interpreter()
+            check_interpreter_importable()
+        spec = importlib.util.spec_from_file_location(modname, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[modname]  # (never half a module for the next caller)
+            raise
+        return [getattr(mod, n) for n in kernel_names]
+
+
+_IMPORT_LOCK = threading.Lock()
 
 
 def same_outputs(ks: KernelSource, want: dict, got: dict, names) -> bool:

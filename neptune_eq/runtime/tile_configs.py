@@ -35,6 +35,8 @@ class TileConfig:
     per_tile: bool = False   # a persistent Gluon form launched one program per tile
     #                          (``gluon_launch.GluonLauncher``: the walk is a launch choice)
     one_loop: bool = False   # a data mask's key range as one masked loop (block_ranges)
+    heads_first: bool = False  # a Gluon form's programs, one per tile, dispatched heads
+    #                            first (``gluon_ws.grid_order``: a launch choice)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
@@ -47,6 +49,7 @@ class TileConfig:
         sp += " cuda-cores" if self.vector_dot else ""
         sp += " one-program-per-tile" if self.per_tile else ""
         sp += " one-loop" if self.one_loop else ""
+        sp += " heads-first" if self.heads_first else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
 
     def at(self, values: dict) -> "TileConfig":
@@ -60,7 +63,8 @@ class TileConfig:
                 "num_stages": self.num_stages, "splits": self.splits, "fused": self.fused,
                 "tma": self.tma, "warp_specialize": self.warp_specialize,
                 "loop_stages": self.loop_stages, "gluon_ws": self.gluon_ws,
-                "vector_dot": self.vector_dot, "per_tile": self.per_tile, "one_loop": self.one_loop}
+                "vector_dot": self.vector_dot, "per_tile": self.per_tile, "one_loop": self.one_loop,
+                "heads_first": self.heads_first}
 
     @property
     def pointer_form(self) -> "TileConfig":
@@ -198,10 +202,32 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
     if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
         return []
     walks = (False, True) if form.persistent else (False,)
-    return [TileConfig({f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True,
-                       per_tile=per_tile)
-            for bl in form.key_blocks for ring in form.rings(bl)
-            if form.ring_bytes(bl, ring) <= SMEM_BYTES for per_tile in walks]
+    out = [TileConfig({f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True,
+                      per_tile=per_tile)
+           for bl in form.key_blocks for ring in form.rings(bl)
+           if form.ring_bytes(bl, ring) <= SMEM_BYTES for per_tile in walks]
+    return with_orders(form, out) + solo_configs(ks)
+
+
+def with_orders(form, configs: list[TileConfig]) -> list[TileConfig]:
+    """``configs`` and, where the form runs one program per tile off either grid order
+    (``GluonForm.heads_first_ok``), each launched heads first too: a launch choice of
+    the same compiled kernel (``gluon_ws.grid_order``), so timed without a compile."""
+    if not form.heads_first_ok:
+        return configs
+    return [c2 for c in configs for c2 in (c, replace(c, heads_first=True))]
+
+
+def solo_configs(ks: KernelSource) -> list[TileConfig]:
+    """The one-consumer Gluon form's configs (``gluon_ws.generate``): 64-row programs with
+    a ring 2 deep, at the key blocks where an SM holds two or more of them -- the form's
+    point (``GluonForm.programs_per_sm``)."""
+    solo = getattr(ks.gluon, "solo", None)
+    if solo is None:
+        return []
+    return with_orders(solo, [TileConfig({f"B_{ks.block_axis}": solo.rows, "B_L": bl}, 4, 2,
+                                         gluon_ws=True)
+                              for bl in solo.key_blocks if solo.programs_per_sm(bl, 2) >= 2])
 
 
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:

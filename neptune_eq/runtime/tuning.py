@@ -46,11 +46,14 @@ def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], ta
     if target != "cuda" or threads == 1 or len(jobs) < 2:
         return
     values = values or {}
-    # a persistent Gluon form launched one program per tile is the same kernel: its
-    # persistent twin compiles it (on two threads at once each compiled it anew: window
-    # prefill's cold build took 18.8-19.5 s against 14.5, H100, session 29)
-    jobs = [(p, ks, cfg) for p, ks, cfg in jobs if not cfg.per_tile or not any(
-        k is ks and c == replace(cfg, per_tile=False) for _, k, c in jobs)]
+    # a persistent Gluon form launched one program per tile, or a form's programs launched
+    # heads first, is the same kernel: its twin compiles it (on two threads at once each
+    # compiled it anew: window prefill's cold build took 18.8-19.5 s against 14.5, H100,
+    # session 29)
+    jobs = [(p, ks, cfg) for p, ks, cfg in jobs
+            if not (cfg.per_tile or cfg.heads_first) or not any(
+                k is ks and c == replace(cfg, per_tile=False, heads_first=False)
+                for _, k, c in jobs)]
 
     def one(job):
         program, ks, cfg = job
