@@ -23,6 +23,7 @@ from ..lowering.gluon_ws import KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
+from .bound_call import _FRESH, _kept
 from .tile_order import one_tile_per_program, tile_order, tile_work
 from .launch import FastLaunch, current_stream, int_classes, launch_hooks, written_outputs
 from .tma_launch import EncodedLaunch
@@ -311,22 +312,33 @@ class GluonBoundCall:
     general call left a fwd+bwd on the Gluon forms host-bound (1016 us of host per step
     for 401 us of kernels, ``bench/backward_gpu.py --host-profile``).  The descriptors
     are made per call (they hold the data pointers); a call whose key was not checked
-    (a first call, a pointer off 16-byte alignment) takes the launcher's own path.  A
-    form with a per-call pre-pass (summaries, a dynamic walk's tile ranges) keeps the
-    general call."""
+    (a first call, a pointer off 16-byte alignment) takes the launcher's own path.  A data
+    mask's summary pre-pass is launched per call ahead of the form, its plan fixed by the
+    signature and its summaries kept per stream as ``bound_call.BoundCall`` keeps them:
+    without the replay a short call was host-bound -- jagged sequences at S=8192 on the
+    one-consumer form, 0.140 ms on the device, took 0.347 ms a call (148 us of host,
+    H100, session 37).  A dynamic walk's ranges kernel keeps the general call."""
 
     def __init__(self, launcher: GluonLauncher, names: list[str], tensors: dict,
                  outputs: list[str]):
-        if launcher.ks.summaries or launcher.ks.gluon.ranges:
-            raise ValueError("a Gluon form with a pre-pass (summaries, tile ranges) is not "
-                             "replayed")
+        if launcher.form.ranges:
+            raise ValueError("a Gluon form with a dynamic walk's ranges kernel is not replayed")
         if not gluon_inputs_ok(launcher.ks, tensors):
             raise ValueError("inputs the descriptors cannot stream run the tl twin")
         self.launcher, self.names, self.outputs = launcher, list(names), list(outputs)
         self.device = tensors[self.names[0]].device
         self.out_specs = [(tuple(tensors[n].shape), tensors[n].dtype) for n in self.outputs]
         self.zeroed = [k for k, n in enumerate(self.outputs) if n in launcher.ks.scattered]
-        self.integers = launcher.integer_args(tensors)
+        example = dict(tensors)
+        self.pre = None  # (captured tensors' names, summaries, launch, its int arguments)
+        if launcher._pre is not None:  # the summaries' strides are the signature's too
+            xs, (outs, tail, launch) = launcher._pre.plan_for(example)
+            ints = [v for x in xs for v in (*x.shape, *x.stride())] + tail
+            self.pre = ([t for t, _ in launcher._pre.pre.tensors], outs, launch, ints,
+                        int_classes(ints))
+            example.update(launcher._pre.prepare(example)[0])
+        self._summaries: dict = {}  # (stream, thread) -> this signature's summaries
+        self.integers = launcher.integer_args(example)
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
@@ -334,12 +346,26 @@ class GluonBoundCall:
         tensors = {**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))}
         la = self.launcher
         if la.fast_ok:
-            rest, key = la._rest(tensors, self.integers)
-            ck = la._checked.get(key + ((),))  # (no pre-pass: its part of the key is empty)
+            pre, run = None, tensors
+            if self.pre:  # this call's summaries (kept per stream) and their pre-pass launch
+                import torch
+                names, specs, launch, ints, classes = self.pre
+                stream = current_stream(torch.cuda.current_device())
+                sums = _kept(self._summaries,
+                             _FRESH if torch.cuda.is_current_stream_capturing() else stream,
+                             lambda: written_outputs([(sh, dt) for _, sh, dt in specs],
+                                                     self.device))
+                run = {**tensors, **{n: t for (n, _, _), t in zip(specs, sums)}}
+                pre = (launch, [tensors[n] for n in names] + list(sums) + ints, classes)
+            rest, key = la._rest(run, self.integers)
+            ck = la._checked.get(key + (pre[2] if pre else (),))
             if ck is not None:
                 for k in self.zeroed:  # every program adds its rows' terms into these
                     outs[k].zero_()
-                la._launch_form(ck[1], tensors, rest, current_stream(key[0]), reuse=True)
+                if pre:
+                    la._fast(ck, pre, run, rest, current_stream(key[0]), reuse=True)
+                else:
+                    la._launch_form(ck[1], run, rest, current_stream(key[0]), reuse=True)
                 return outs
         la(tensors)
         return outs
