@@ -13,12 +13,18 @@ import torch
 import neptune_eq as ne
 from sm90_compile import compile_for_sm90
 from neptune_eq.lowering import gluon_ws
-from neptune_eq.runtime import gluon_launch
+from neptune_eq.runtime import gluon_launch, tile_configs
 from neptune_eq.runtime.gluon_launch import make_launcher, sm90_spec
 from neptune_eq.runtime.launcher import import_source
 from neptune_eq.runtime.tile_configs import TileConfig
 
 IDS = torch.tensor([0] * 40 + [1] * 60 + [2] * 100, dtype=torch.int32)
+
+
+@pytest.fixture(autouse=True)
+def _solo_on(monkeypatch):
+    """The one-consumer form is generated only with ``gluon_ws.SOLO`` (off by default)."""
+    monkeypatch.setattr(gluon_ws, "SOLO", True)
 
 
 def _documents(d: int):
@@ -53,14 +59,20 @@ def test_the_one_consumer_form_fits_two_or_three_programs_an_sm(tmp_path, d, key
     assert programs * (res["shared"] + 1024) <= gluon_ws.SM_SMEM, res
 
 
-def test_only_data_masks_get_the_one_consumer_form():
+def test_only_data_masks_get_the_one_consumer_form(monkeypatch):
     """It won only there (bench/results/README.md, session 37): elsewhere its compile
-    would only lengthen a cold build."""
+    would only lengthen a cold build.  Off (``SOLO``), no form has one, and the data
+    masks' configs are the two-consumer form's."""
     causal = ne.superoptimize(ne.attention(1, 2, 200, 200, 64, "float16",
                                            mask_mod=lambda b, h, q, kv: q >= kv),
                               target="interpreter", cache=False)
     assert causal.kernel_source.gluon is not None and causal.kernel_source.gluon.solo is None
     assert _documents(64).kernel_source.gluon.solo is not None
+    monkeypatch.setattr(gluon_ws, "SOLO", False)
+    assert _documents(64).kernel_source.gluon.solo is None
+    monkeypatch.setattr(tile_configs, "gluon_unavailable", lambda: None)
+    docs = tile_configs.candidate_configs(_documents(128).kernel_source, "cuda")
+    assert not any(c.blocks.get("B_i") == 64 for c in docs if c.gluon_ws)
 
 
 class _Int(int):

@@ -72,6 +72,7 @@ def lowering_switches() -> dict:
     return {"max_before_scale": lower.MAX_BEFORE_SCALE, "block_shift": block_shift.ENABLED,
             "ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,
             "ws_dynamic": gluon_ws.DYNAMIC, "ws_pingpong": gluon_ws.PINGPONG,
+            "ws_solo": gluon_ws.SOLO,
             "sums_persistent": gluon_sums.PERSISTENT}
 
 

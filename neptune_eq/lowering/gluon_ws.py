@@ -71,6 +71,13 @@ WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
 KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
 SMEM_BYTES = 224 * 1024  # row tiles + ring: Hopper's 227 KiB per program, less barriers
 SM_SMEM, SM_REGS = 228 * 1024, 65536  # an SM's shared memory and register file (sm_90)
+# A data mask's form comes with its one-consumer form (see generate) when on.  Off: on
+# the device it won jagged sequences at S=8192 (0.136 ms against the tl form's 0.154,
+# H200), but a call that short is near host-bound, and the Gluon replay's host path
+# left 20-48 us of it exposed in some runs (13 documents in bf16: 0.192 ms a call for
+# 0.144 on the device, 0.98x Flex where the tl form gives 1.23x; bench/results/README.md,
+# session 37).  NEPTUNE_EQ_GLUON_SOLO=1 turns it on; read when a form is generated.
+SOLO = os.environ.get("NEPTUNE_EQ_GLUON_SOLO", "0") == "1"
 # The two consumers issue their products in turn (FlashAttention-3's ping-pong): one
 # warpgroup's softmax runs while the other's products hold the tensor cores (see
 # ``gluon_tiles.pingpong_turns``).  Off: measured never past the best walk without it
@@ -399,8 +406,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2) -> Gl
     """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope.
 
     ``consumers``: consumer warpgroups per program (2: FlashAttention-3's 128-row program,
-    the two sharing each key block; 1: a 64-row program).  The two-consumer form comes with
-    its one-consumer form (``GluonForm.solo``), a lowering choice the timer weighs: a
+    the two sharing each key block; 1: a 64-row program).  With ``SOLO`` a data mask's
+    two-consumer form comes with its one-consumer form (``GluonForm.solo``), a lowering
+    choice the timer weighs: a
     64-row program's ring fits twice in an SM's shared memory, so the hardware runs two
     programs per SM whose tiles are independent -- one's pipeline fill and epilogue run
     under the other's products -- at the price of loading each key block once per 64
@@ -663,8 +671,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2) -> Gl
                      KEY_BLOCKS if narrow else (128,), scheduled, (ps.lo_offset, ps.hi_offset),
                      ranges_kernel(plan, name, args, rows) if mode == "dynamic" else None,
                      consumers,
-                     # the one-consumer form, for data masks only: it won there (jagged at
-                     # S=8192, heads first, 8% past the tl form) and never elsewhere, where
-                     # its compile would only lengthen a cold build (generate's docstring)
-                     generate(plan, f"{name}_solo", 1) if consumers == 2 and data else None,
+                     # the one-consumer form, for data masks only (``SOLO``): it won on the
+                     # device there (jagged at S=8192, heads first, 8-12% past the tl form)
+                     # and never elsewhere, where its compile would only lengthen a cold build
+                     generate(plan, f"{name}_solo", 1) if consumers == 2 and data and SOLO
+                     else None,
                      not persistent)
