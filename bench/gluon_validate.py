@@ -388,7 +388,7 @@ def key_blocks():
     """The Gluon form at each key block and ring depth, one process, same inputs: time per
     call and replayed from a CUDA graph (TFLOP/s on visible pairs for the affine masks;
     ms only for the data masks), and the max difference between the key blocks' outputs."""
-    from neptune_eq.lowering.gluon_ws import KEY_BLOCKS, SMEM_BYTES
+    from neptune_eq.lowering.gluon_form import KEY_BLOCKS, SMEM_BYTES
     rows = []
     for variant, b, h, s, d in KEY_BLOCK_CASES:
         row = {"case": "key-block", "variant": variant, "B": b, "H": h, "S": s, "D": d}

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_validate import (DATA, cudnn_attention, data_case, derive, flops,  # noqa: E402
                             gluon_launcher, reference)
 
-from neptune_eq.lowering import gluon_ws  # noqa: E402
+from neptune_eq.lowering import gluon_form, gluon_ws  # noqa: E402
 
 # (variant, B, H, S, D, kv heads, dtype, scores x8, timed)
 CASES = (
@@ -93,7 +93,7 @@ def case(variant, b, h, s, d, kv, dtype, big, timed, rounds, walks=(False,)):
     k, v = (torch.randn(b, kv or h, s, d, device="cuda", dtype=dt) for _ in range(2))
     kb = 64 if variant == "window" or data else 128
     configs = [(kb, ring, per_tile) for ring in fs[False][1].gluon.rings(kb)
-               if fs[False][1].gluon.ring_bytes(kb, ring) <= gluon_ws.SMEM_BYTES
+               if fs[False][1].gluon.ring_bytes(kb, ring) <= gluon_form.SMEM_BYTES
                for per_tile in walks]
     if not timed:
         configs = configs[:1]

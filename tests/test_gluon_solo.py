@@ -12,7 +12,7 @@ import torch
 
 import neptune_eq as ne
 from sm90_compile import compile_for_sm90
-from neptune_eq.lowering import gluon_ws
+from neptune_eq.lowering import gluon_form, gluon_tiles, gluon_ws
 from neptune_eq.runtime import gluon_launch, tile_configs
 from neptune_eq.runtime.gluon_launch import make_launcher, sm90_spec
 from neptune_eq.runtime.launcher import import_source
@@ -47,7 +47,7 @@ def test_the_one_consumer_form_fits_two_or_three_programs_an_sm(tmp_path, d, key
     assert "mbarrier.init(q_empty, count=1)" in src
     assert solo.programs_per_sm(key_block) == programs
     maxnreg = solo.options(key_block)["maxnreg"]
-    assert maxnreg * 256 * programs <= gluon_ws.SM_REGS
+    assert maxnreg * 256 * programs <= gluon_form.SM_REGS
     path = tmp_path / "solo.py"
     path.write_text(src)
     spec = {**sm90_spec(kern.program, kern.kernel_source, 2, key_block, form=solo),
@@ -56,7 +56,7 @@ def test_the_one_consumer_form_fits_two_or_three_programs_an_sm(tmp_path, d, key
     assert res["ok"], res["error"]
     assert res["tma"] and res["wgmma"] and res["setmaxnreg"], res
     assert res["registers"] <= maxnreg and res["spill_stores"] == 0, res
-    assert programs * (res["shared"] + 1024) <= gluon_ws.SM_SMEM, res
+    assert programs * (res["shared"] + 1024) <= gluon_form.SM_SMEM, res
 
 
 def test_only_data_masks_get_the_one_consumer_form(monkeypatch):
@@ -112,7 +112,7 @@ def test_either_grid_order_runs_every_tile_once(rows, heads):
     kern = ne.superoptimize(ne.attention(1, heads, rows, rows, 64, "float16",
                                          mask_mod=lambda b, h, q, kv: ids[q] == ids[kv]),
                             target="interpreter", cache=False)
-    lines = gluon_ws.grid_order(kern.plan, 128)
+    lines = gluon_tiles.grid_order(kern.plan, 128)
     n_rb = -(-rows // 128)
     for grid in ((n_rb, heads), (heads, n_rb)):
         seen = []

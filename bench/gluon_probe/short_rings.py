@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 import gluon_validate as gv  # noqa: E402
-from neptune_eq.lowering import gluon_ws  # noqa: E402
+from neptune_eq.lowering import gluon_form  # noqa: E402
 
 SHAPES = ((1, 64, 512, 128, 8), (1, 32, 512, 128, None), (1, 64, 1024, 128, 8))
 
@@ -42,7 +42,7 @@ def rows_for(b, h, s, d, kv):
     print(json.dumps(out[-1]), flush=True)
     for kb in (128, 64):
         for ring in (2, 3, 4, 5, 6):
-            if ks.gluon.ring_bytes(kb, ring) > gluon_ws.SMEM_BYTES:
+            if ks.gluon.ring_bytes(kb, ring) > gluon_form.SMEM_BYTES:
                 continue
             row = {**base, "kernel": f"gluon keys{kb} ring{ring}"}
             try:

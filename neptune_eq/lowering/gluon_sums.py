@@ -55,7 +55,8 @@ from .codegen import LOOP, Tile, grid_decode, init_fill
 from .fold_body import epilogue
 from .gluon_tiles import (CTA_ROWS, ROWS, affine_walk, gl_main, key_range, persistent_place,
                           tile_lines, walk)
-from .gluon_ws import (GluonEmitter, GluonForm, _gl, _interior_loops,
+from .gluon_form import GluonForm
+from .gluon_ws import (GluonEmitter, _gl, _interior_loops,
                        _row_base, block_fragment, check_scope, consumer_axes,
                        source_header)
 from .lower import LoweringError, TilePlan

@@ -50,14 +50,13 @@ builds the TMA descriptors.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
 from ..ir import Term
 from .block_ranges import data_range_form
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Emitter, Tile, grid_decode, init_fill
 from .fold_body import epilogue, loop_body
-from .gluon_tiles import (ROWS, affine_walk, gl_lines as _gl, gl_main, key_range,
+from .gluon_form import KEY_BLOCKS, WIDTHS, GluonForm
+from .gluon_tiles import (ROWS, affine_walk, gl_lines as _gl, gl_main, grid_order, key_range,
                           persistent_place, pingpong_turns, ranges_kernel, tile_lines,
                           walk)
 from .lower import LoweringError, TilePlan
@@ -67,10 +66,6 @@ PERSISTENT = True  # tiles walked by one program per SM (see generate)
 RELEASE = "    mbarrier.arrive(q_empty, count=1)  # the rows are read: the next tile's may load"
 SCHEDULED = True   # ... tiles of unequal work too, in the launcher's balanced order
 DYNAMIC = False    # ... tiles of a data mask too, taken from a counter (see generate)
-WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
-KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
-SMEM_BYTES = 224 * 1024  # row tiles + ring: Hopper's 227 KiB per program, less barriers
-SM_SMEM, SM_REGS = 228 * 1024, 65536  # an SM's shared memory and register file (sm_90)
 # A data mask's form comes with its one-consumer form (see generate) when on.  Off: on
 # the device it won jagged sequences at S=8192 (0.136 ms against the tl form's 0.154,
 # H200), but a call that short is near host-bound, and the Gluon replay's host path
@@ -84,96 +79,6 @@ SOLO = os.environ.get("NEPTUNE_EQ_GLUON_SOLO", "0") == "1"
 # (bench/results/README.md, session 32).  Read when a form is generated;
 # NEPTUNE_EQ_PINGPONG=1 turns it on.
 PINGPONG = os.environ.get("NEPTUNE_EQ_PINGPONG", "0") == "1"
-
-
-@dataclass
-class GluonForm:
-    """The Gluon module of a plan and what its launcher needs."""
-    name: str
-    source: str
-    streamed: tuple[str, str, str]   # inputs (a, b, c): row tile, first and second contraction's
-    widths: tuple[int, int]          # (contraction width of a/b, column width of c)
-    dtype: str                       # the 16-bit dtype of a, b and c
-    params: list[str]                # pointer parameters after the three descriptors
-    persistent: bool = False         # one program per SM walking the tiles (else per tile)
-    key_blocks: tuple[int, ...] = KEY_BLOCKS  # the key blocks worth timing (see generate)
-    scheduled: bool = False          # persistent, in the order of the ``tile_order`` argument
-    key_offsets: tuple = (None, None)  # the pass's affine key range [i + lo, i + hi)
-    ranges: tuple[str, str] | None = None  # dynamic walk: (kernel, tl module) of the ranges
-    consumers: int = 2               # consumer warpgroups per program, ROWS rows each
-    solo: "GluonForm | None" = None  # the one-consumer form of the same plan (see generate)
-    heads_first_ok: bool = False     # one program per tile, on either grid order (see
-    #                                  ``grid_order``): ``TileConfig.heads_first`` runs
-
-    @property
-    def rows(self) -> int:
-        """Rows per program (a tile): ROWS per consumer warpgroup."""
-        return ROWS * self.consumers
-
-    def programs_per_sm(self, key_block: int, stages: int = 2) -> int:
-        """Programs an SM holds at once: 1 for two consumers; for one, as many as shared
-        memory and registers allow, at most 3, each consumer keeping the registers its
-        tiles need (``options``)."""
-        if self.consumers == 2:
-            return 1
-        fit = min(3, SM_SMEM // (self.ring_bytes(key_block, stages) + 1024))
-        # a consumer thread holds its share of the score tile (B_L/2 fp32), of the state
-        # (cols/2 fp32) and of P (B_L/4), plus ~56 for addresses and row vectors
-        # (ptxas, sm_90: head dim 64 at 64-key blocks compiles at 136, at 128 keys not)
-        need = key_block * 3 // 4 + self.widths[1] // 2 + 56
-        while fit > 1 and self._consumer_regs(fit) < need:
-            fit -= 1
-        return max(fit, 1)
-
-    @staticmethod
-    def _consumer_regs(programs: int) -> int:
-        """The consumer warpgroup's registers a thread with ``programs`` programs per SM:
-        each launches with 256 threads at ``maxnreg`` and the producer's warpgroup gives
-        back all but 24 (``setmaxnreg``)."""
-        maxnreg = SM_REGS // (programs * 256) // 8 * 8
-        return min(2 * maxnreg - 24, 256) // 8 * 8
-
-    def options(self, key_block: int, stages: int = 2) -> dict:
-        """Triton's launch options of the form at a key block.  A one-consumer program runs
-        8 warps (the producer warp is padded to a warpgroup); at Triton's default it
-        launches with 256 registers a thread, which is the SM's whole file, so one program
-        per SM.  ``maxnreg`` at the file's share of ``programs_per_sm`` lets them fit."""
-        if self.consumers == 2:
-            return {"num_warps": 4}
-        programs = self.programs_per_sm(key_block, stages)
-        return {"num_warps": 4, "maxnreg": SM_REGS // (programs * 256) // 8 * 8}
-
-    def form_for(self, rows: int) -> "GluonForm | None":
-        """This form or its one-consumer form, whichever runs ``rows``-row programs."""
-        return next((f for f in (self, self.solo) if f is not None and f.rows == rows), None)
-
-    def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
-        """(input, rows, width) of the TMA tile each descriptor loads: a warpgroup's rows of
-        ``a``, one key block of ``b`` and of ``c``."""
-        (a, b, c), (width, cols) = self.streamed, self.widths
-        return [(a, ROWS, width), (b, key_block, width), (c, key_block, cols)]
-
-    def ring_bytes(self, key_block: int, stages: int) -> int:
-        """Shared memory of the row tiles and a ``stages``-deep ring of key blocks."""
-        (width, cols), size = self.widths, 2  # 16-bit inputs
-        return size * (self.rows * width + stages * key_block * (width + cols))
-
-    @property
-    def default_key_block(self) -> int:
-        """The key block of a config that names none: the column width where offered."""
-        return self.widths[1] if self.widths[1] in self.key_blocks else self.key_blocks[0]
-
-    @property
-    def descs(self) -> tuple[str, ...]:
-        """The kernel's descriptor parameters, one per entry of ``tiles``."""
-        return ("a_desc", "b_desc", "c_desc")
-
-    def rings(self, key_block: int) -> tuple[int, ...]:
-        """Ring depths worth timing: 64-key blocks at 2 deep only (3 deep was within 1% on
-        every narrow-range case -- window, documents, jagged; H200,
-        bench/results/gluon_s19/key_blocks_h200.json -- and each Gluon config costs
-        seconds of compile in a cold superoptimize)."""
-        return (2, 3) if key_block == 128 else (2,)
 
 
 class GluonEmitter(Emitter):
@@ -333,24 +238,6 @@ def check_scope(plan: TilePlan, scattered_ok: bool = False) -> None:
         if n not in WIDTHS or plan.program.extents[a] != n:
             raise LoweringError(f"Axis {a} is {plan.program.extents[a]} wide; the "
                                 f"warp-specialised form takes widths {WIDTHS}.")
-
-
-def grid_order(plan: TilePlan, rows: int) -> list[str]:
-    """A one-program-per-tile kernel's lines placing its tile: the grid is (row blocks,
-    grid size) or, heads first, (grid size, row blocks) -- a launch choice the timer
-    weighs (``TileConfig.heads_first``), read off the grid's shape, so one compiled
-    kernel runs both.  Row-major, the hardware dispatches one head's tiles, long rows
-    first, then the next head's: programs in flight share a head's keys in L2.  Heads
-    first, it dispatches every head's last row block, then every head's one before: on
-    short documents 5-13% faster, on long key ranges (prefix-LM, 4 documents at S=32768)
-    7-35% slower (H100, fp16 H=16 D=128, ``bench/gluon_probe/solo_form.py
-    --heads-first``).  Where the two extents are equal either decode visits every tile
-    once."""
-    return [f"    n_rb = gl.cdiv({plan.row_extent}, {rows})",
-            "    hf = (gl.num_programs(0) != n_rb).to(gl.int32)  # heads first",
-            "    row_block = n_rb - 1 - (gl.program_id(0) + hf * (gl.program_id(1) - "
-            "gl.program_id(0)))  # long rows first",
-            "    pid_grid = gl.program_id(1) + hf * (gl.program_id(0) - gl.program_id(1))"]
 
 
 def _interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool,

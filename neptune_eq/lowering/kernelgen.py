@@ -59,7 +59,7 @@ class KernelSource:
     warp_specializable: tuple = ()  # warp counts for warp-specialised configs
     prepass: object = None            # summary_kernel.Prepass: the one launch that builds them
     scattered: tuple = ()             # outputs added into atomically: zeroed before a launch
-    gluon: object = None              # gluon_ws.GluonForm: the warp-specialised form, if any
+    gluon: object = None              # gluon_form.GluonForm: the warp-specialised form, if any
     gluon_why: str = ""               # ... else why the plan has none
     vector_dot: bool = False          # its contractions have a CUDA-core form (codegen.VDOT)
     one_loop: bool = False            # its data-mask key range has a one-loop form (ONE_LOOP)

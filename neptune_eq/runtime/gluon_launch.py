@@ -9,7 +9,7 @@ contiguous; a call whose tensors are not runs the ``tl`` form of the same tiles 
 are zero-filled by TMA; the kernel masks them by the key extent.  A kernel whose mask
 reads captured tensors takes their block summaries too, rebuilt per call by the tl
 module's pre-pass (``runtime.block_summary``) at the form's row and ``B_L``-key blocks.
-The key block is the config's (``gluon_ws.KEY_BLOCKS``), not fixed by the form.
+The key block is the config's (``gluon_form.KEY_BLOCKS``), not fixed by the form.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import replace
 from ..ir import Program
 from ..lowering.gluon_tiles import sched_size
 from ..lowering.gluon_tiles import CTA_ROWS
-from ..lowering.gluon_ws import KEY_BLOCKS, GluonForm
+from ..lowering.gluon_form import KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass

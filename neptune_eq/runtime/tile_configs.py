@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, replace
 
 from ..lowering.codegen import VDOT_ROWS
-from ..lowering.gluon_ws import SMEM_BYTES
+from ..lowering.gluon_form import SMEM_BYTES
 from ..lowering.kernelgen import KernelSource
 from ..lowering.lower import split_factors
 from .gluon_device import gluon_unavailable
