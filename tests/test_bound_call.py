@@ -411,6 +411,71 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
         GluonBoundCall(NS(form=NS(ranges=("k", "src"))), ["q", "k", "v"], calls[0], ["o"])
 
 
+def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkeypatch):
+    """A data mask's Gluon form is replayed too (``GluonBoundCall``): per call, the
+    pre-pass's arguments -- the captured tensors, this stream's kept summaries, the
+    signature's integers -- go with the form's launch under a key that counts the
+    pre-pass's integer classes; the summaries are the launcher's pre-pass plan's shapes
+    and are the same buffers on the next call on this stream."""
+    from neptune_eq.runtime import gluon_launch
+    from neptune_eq.runtime.gluon_launch import GluonBoundCall, GluonLauncher
+    doc = ne.placeholder((40,), "int32", "doc")
+    kern = ne.superoptimize(ne.attention(1, 2, 40, 40, 16, "float32",
+                                         mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i)),
+                            target="interpreter", cache=False)
+    tl = Launcher(kern.program, kern.kernel_source, "interpreter", kern.config)
+    assert tl._pre is not None
+    launched, general = [], []
+
+    class FakeGluon:  # GluonLauncher's replay code around a real pre-pass plan
+        gluon, fast_ok, _order, size_args = True, True, [], ()
+        ks = kern.kernel_source
+        form = type("Form", (), {"ranges": None, "streamed": ("q", "k", "v")})()
+        _pre = tl._pre
+        tensors = [p[:-len("_ptr")] for p in ks.params]
+        _checked = {}
+        _pointers, integer_args, _rest = (GluonLauncher._pointers, GluonLauncher.integer_args,
+                                          GluonLauncher._rest)
+
+        def _fast(self, ck, pre, tensors, rest, stream, reuse=False):
+            launched.append((ck, pre, tensors, rest, stream))
+
+        def __call__(self, tensors):
+            general.append(tensors)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(gluon_launch, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(gluon_launch, "gluon_inputs_ok", lambda ks, tensors: True)
+    la = FakeGluon()
+    kern._launcher = la
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    ids = torch.tensor([0] * 15 + [1] * 25, dtype=torch.int32)
+    names = [ph.name for ph in kern.input_program.inputs]
+    args = [{"q": q, "k": k, "v": v, "doc": ids}[n] for n in names]
+    kern(*args)                   # the general call, then the replay is made
+    (replay,) = kern._bound.values()
+    assert isinstance(replay, GluonBoundCall) and replay.pre is not None
+    kern(*args)                   # no key checked yet: the launcher's own call
+    assert len(general) == 2 and not launched
+    xs, (specs, tail, launch) = tl._pre.plan_for({"doc": ids})
+    ints = [v for x in xs for v in (*x.shape, *x.stride())] + tail
+    run = {**general[-1], **dict(zip([n for n, _, _ in specs],
+                                     [torch.empty(sh, dtype=dt) for _, sh, dt in specs]))}
+    _, key = la._rest(run, replay.integers)
+    la._checked[key + (int_classes(ints),)] = ("pre", "form")
+    kern(*args)
+    kern(*args)
+    assert len(general) == 2 and len(launched) == 2
+    (ck, pre, tensors, rest, stream), second = launched
+    assert ck == ("pre", "form") and stream == "stream" and pre[0] is launch
+    sums = [tensors[n] for n, _, _ in specs]
+    assert [tuple(t.shape) for t in sums] == [tuple(sh) for _, sh, _ in specs]
+    assert pre[1] == [ids] + sums + ints and pre[2] == int_classes(ints)
+    assert all(a is b for a, b in zip(sums, [second[2][n] for n, _, _ in specs]))  # kept
+    assert rest[:len(la.tensors)] == [tensors[n] for n in la.tensors]
+
+
 def test_host_timing_runs_a_long_call_three_times_and_a_short_one_by_do_bench(monkeypatch):
     """``timing.host_ms``: a call of ``LONG_CALL_MS`` or more is timed in
     ``LONG_CALL_SAMPLES`` runs (the median; the first run counts), a shorter one by
