@@ -10,7 +10,8 @@ Cases: the document masks of ``doc_mask_gpu`` (H=16 D=128, fp16) at S = 8192 and
 (B=1 H=16 S=8192 D=128).  Each round times every Gluon config the chooser would and the
 ``tl`` 64x64 config (``time_configs``: a Gluon form's outputs are checked against the
 ``tl`` run before it).  Prints one JSON line per (case, round, config) and a summary of
-medians per case; also the compiled programs' registers and shared memory.
+medians per case; also the compiled programs' registers and shared memory.  The
+one-consumer form is off in the product (``gluon_ws.SOLO``); this probe turns it on.
 """
 import argparse
 import json
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import doc_mask_gpu as dm  # noqa: E402
 
 from neptune_eq.dropin import flex as ne_flex  # noqa: E402
+from neptune_eq.lowering import gluon_ws  # noqa: E402
 from neptune_eq.runtime.launcher import check_inputs  # noqa: E402
 from neptune_eq.runtime.tile_configs import TileConfig, gluon_configs  # noqa: E402
 from neptune_eq.runtime.tuning import time_configs  # noqa: E402
@@ -87,6 +89,7 @@ def main():
                                                    "causal64", "causal128"])
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
+    gluon_ws.SOLO = True  # (read when a form is generated; part of the cache key)
     for name in a.cases:
         for S in ([0] if name in AFFINE else a.S):
             la, bound, values, pairs, D, _ = setup(name, S)
