@@ -1,6 +1,6 @@
 """The one-consumer Gluon form (64-row programs, two or three per SM) against the
 two-consumer form and the ``tl`` 64x64 tiles, per case, each Gluon config also launched
-heads first where it runs one program per tile (``gluon_ws.grid_order``), timed
+heads first where it runs one program per tile (``gluon_tiles.grid_order``), timed
 alternately in one process (issues 16, 17).
 
     python bench/gluon_probe/solo_form.py [--rounds 3] [--cases doc13 jagged causal64 ...]

@@ -17,8 +17,7 @@ import os
 from dataclasses import replace
 
 from ..ir import Program
-from ..lowering.gluon_tiles import sched_size
-from ..lowering.gluon_tiles import CTA_ROWS
+from ..lowering.gluon_tiles import CTA_ROWS, sched_size
 from ..lowering.gluon_form import KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
@@ -108,7 +107,7 @@ class GluonLauncher:
         elif config.per_tile:
             raise ValueError(f"Config {config}: one program per tile is a launch choice of a "
                              "persistent Gluon form; this form already runs one per tile.")
-        else:  # (heads first: the kernel reads the order off the grid, gluon_ws.grid_order)
+        else:  # (heads first: the kernel reads the order off the grid, gluon_tiles.grid_order)
             self.grid = tiles[::-1] if config.heads_first else tiles
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
         self.consts = dict(B_L=key_block, STAGES=config.num_stages,
@@ -336,9 +335,15 @@ class GluonBoundCall:
             ints = [v for x in xs for v in (*x.shape, *x.stride())] + tail
             self.pre = ([t for t, _ in launcher._pre.pre.tensors], outs, launch, ints,
                         int_classes(ints))
-            example.update(launcher._pre.prepare(example)[0])
+            example.update(self._new_summaries())
         self._summaries: dict = {}  # (stream, thread) -> this signature's summaries
         self.integers = launcher.integer_args(example)
+
+    def _new_summaries(self) -> dict:
+        """Summaries of this signature by name, unfilled (each call's pre-pass fills them)."""
+        specs = self.pre[1]
+        made = written_outputs([(sh, dt) for _, sh, dt in specs], self.device)
+        return {n: t for (n, _, _), t in zip(specs, made)}
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
@@ -349,14 +354,13 @@ class GluonBoundCall:
             pre, run = None, tensors
             if self.pre:  # this call's summaries (kept per stream) and their pre-pass launch
                 import torch
-                names, specs, launch, ints, classes = self.pre
+                names, _, launch, ints, classes = self.pre
                 stream = current_stream(torch.cuda.current_device())
                 sums = _kept(self._summaries,
                              _FRESH if torch.cuda.is_current_stream_capturing() else stream,
-                             lambda: written_outputs([(sh, dt) for _, sh, dt in specs],
-                                                     self.device))
-                run = {**tensors, **{n: t for (n, _, _), t in zip(specs, sums)}}
-                pre = (launch, [tensors[n] for n in names] + list(sums) + ints, classes)
+                             self._new_summaries)
+                run = {**tensors, **sums}
+                pre = (launch, [tensors[n] for n in names] + list(sums.values()) + ints, classes)
             rest, key = la._rest(run, self.integers)
             ck = la._checked.get(key + (pre[2] if pre else (),))
             if ck is not None:

@@ -36,7 +36,7 @@ class TileConfig:
     #                          (``gluon_launch.GluonLauncher``: the walk is a launch choice)
     one_loop: bool = False   # a data mask's key range as one masked loop (block_ranges)
     heads_first: bool = False  # a Gluon form's programs, one per tile, dispatched heads
-    #                            first (``gluon_ws.grid_order``: a launch choice)
+    #                            first (``gluon_tiles.grid_order``: a launch choice)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
@@ -212,7 +212,7 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
 def with_orders(form, configs: list[TileConfig]) -> list[TileConfig]:
     """``configs`` and, where the form runs one program per tile off either grid order
     (``GluonForm.heads_first_ok``), each launched heads first too: a launch choice of
-    the same compiled kernel (``gluon_ws.grid_order``), so timed without a compile."""
+    the same compiled kernel (``gluon_tiles.grid_order``), so timed without a compile."""
     if not form.heads_first_ok:
         return configs
     return [c2 for c in configs for c2 in (c, replace(c, heads_first=True))]
