@@ -125,9 +125,8 @@ def config_like(program: Program, configs: list[TileConfig], values: dict[str, i
         # the same form and tiles; a split-k factor is a choice of its size, not carried,
         # nor is a Gluon form's walk: a shorter bucket has fewer tiles per SM, where the
         # persistent walk wins most (backward causal S=2048 +14-16%, H200, session 29)
-        alike = [k for k in configs if not (k.per_tile or k.heads_first) and
-                 replace(k, splits=0) == replace(c.config, splits=0, per_tile=False,
-                                                 heads_first=False)]
+        alike = [k for k in configs if k == k.compiled_as and
+                 replace(k, splits=0) == replace(c.config.compiled_as, splits=0)]
         if alike:
             return next((k for k in alike if k.splits == c.config.splits), alike[0])
     return None

@@ -60,8 +60,13 @@ class GluonForm:
         """The consumer warpgroup's registers a thread with ``programs`` programs per SM:
         each launches with 256 threads at ``maxnreg`` and the producer's warpgroup gives
         back all but 24 (``setmaxnreg``)."""
-        maxnreg = SM_REGS // (programs * 256) // 8 * 8
-        return min(2 * maxnreg - 24, 256) // 8 * 8
+        return min(2 * GluonForm._maxnreg(programs) - 24, 256) // 8 * 8
+
+    @staticmethod
+    def _maxnreg(programs: int) -> int:
+        """Registers a thread at launch for ``programs`` 256-thread programs per SM (a
+        multiple of 8, as ``setmaxnreg`` counts them)."""
+        return SM_REGS // (programs * 256) // 8 * 8
 
     def options(self, key_block: int, stages: int = 2) -> dict:
         """Triton's launch options of the form at a key block.  A one-consumer program runs
@@ -70,8 +75,7 @@ class GluonForm:
         per SM.  ``maxnreg`` at the file's share of ``programs_per_sm`` lets them fit."""
         if self.consumers == 2:
             return {"num_warps": 4}
-        programs = self.programs_per_sm(key_block, stages)
-        return {"num_warps": 4, "maxnreg": SM_REGS // (programs * 256) // 8 * 8}
+        return {"num_warps": 4, "maxnreg": self._maxnreg(self.programs_per_sm(key_block, stages))}
 
     def form_for(self, rows: int) -> "GluonForm | None":
         """This form or its one-consumer form, whichever runs ``rows``-row programs."""

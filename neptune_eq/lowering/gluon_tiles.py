@@ -244,9 +244,9 @@ def grid_order(plan: TilePlan, rows: int) -> list[str]:
     first, then the next head's: programs in flight share a head's keys in L2.  Heads
     first, it dispatches every head's last row block, then every head's one before: on
     short documents 5-13% faster, on long key ranges (prefix-LM, 4 documents at S=32768)
-    7-35% slower (H100, fp16 H=16 D=128, ``bench/gluon_probe/solo_form.py
-    --heads-first``).  Where the two extents are equal either decode visits every tile
-    once."""
+    2-39% slower (H100, fp16 H=16 D=128, ``bench/gluon_probe/solo_form.py``, which times
+    every config both ways; bench/results/README.md, session 37).  Where the two extents
+    are equal either decode visits every tile once."""
     return [f"    n_rb = gl.cdiv({plan.row_extent}, {rows})",
             "    hf = (gl.num_programs(0) != n_rb).to(gl.int32)  # heads first",
             "    row_block = n_rb - 1 - (gl.program_id(0) + hf * (gl.program_id(1) - "

@@ -50,6 +50,7 @@ builds the TMA descriptors.
 from __future__ import annotations
 
 import os
+
 from ..ir import Term
 from .block_ranges import data_range_form
 from .block_skip import data_atoms, summary_specs
@@ -295,11 +296,10 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2) -> Gl
     ``consumers``: consumer warpgroups per program (2: FlashAttention-3's 128-row program,
     the two sharing each key block; 1: a 64-row program).  With ``SOLO`` a data mask's
     two-consumer form comes with its one-consumer form (``GluonForm.solo``), a lowering
-    choice the timer weighs: a
-    64-row program's ring fits twice in an SM's shared memory, so the hardware runs two
-    programs per SM whose tiles are independent -- one's pipeline fill and epilogue run
-    under the other's products -- at the price of loading each key block once per 64
-    rows instead of 128.  Tiles of a few key blocks (document masks, narrow windows,
+    choice the timer weighs: a 64-row program's ring fits twice in an SM's shared memory,
+    so the hardware runs two programs per SM whose tiles are independent -- one's
+    pipeline fill and epilogue run under the other's products -- at the price of loading
+    each key block once per 64 rows instead of 128.  Tiles of a few key blocks (document masks, narrow windows,
     head dim 64) pay a fixed cost per tile that one 128-row program per SM leaves
     exposed (bench/results/README.md, session 36).  The one-consumer form runs one
     program per tile and leaves the packing to the hardware's block scheduler."""

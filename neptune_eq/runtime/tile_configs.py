@@ -67,6 +67,12 @@ class TileConfig:
                 "heads_first": self.heads_first}
 
     @property
+    def compiled_as(self) -> "TileConfig":
+        """The config whose compiled kernel this one launches: the launch-only choices
+        (one program per tile, heads first) dropped."""
+        return replace(self, per_tile=False, heads_first=False)
+
+    @property
     def pointer_form(self) -> "TileConfig":
         """The same tiles with pointer loads (where descriptors cannot be used)."""
         return replace(self, tma=False, warp_specialize=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import replace
 
 from ..ir import Program
 from ..lowering.kernelgen import KernelSource
@@ -50,10 +49,8 @@ def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], ta
     # heads first, is the same kernel: its twin compiles it (on two threads at once each
     # compiled it anew: window prefill's cold build took 18.8-19.5 s against 14.5, H100,
     # session 29)
-    jobs = [(p, ks, cfg) for p, ks, cfg in jobs
-            if not (cfg.per_tile or cfg.heads_first) or not any(
-                k is ks and c == replace(cfg, per_tile=False, heads_first=False)
-                for _, k, c in jobs)]
+    jobs = [(p, ks, cfg) for p, ks, cfg in jobs if cfg == cfg.compiled_as or not any(
+        k is ks and c == cfg.compiled_as for _, k, c in jobs)]
 
     def one(job):
         program, ks, cfg = job
