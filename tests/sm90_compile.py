@@ -8,8 +8,8 @@ tensor descriptors, warp-specialised loops -- is checked for structure on CPU.  
 run without ``TRITON_INTERPRET`` (which turns ``@triton.jit`` into the interpreter), hence
 a subprocess.  JSON_SPEC: {"dtypes": {param: "*fp16" | "i32"}, "constexprs": {...},
 "num_warps": 4, "num_stages": 3, "options": {more of Triton's options, e.g. maxnreg}}.  Prints one JSON line: ok, error, and what the PTX
-uses; with ``"resources": true`` in the spec also registers per thread and spill bytes,
-from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).
+uses; with ``"resources": true`` in the spec also registers per thread, spill bytes and
+whether ptxas serialized the wgmma pipeline (its C7513 reason, else None), from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).
 This is the newest Triton's compiler, not the GPU machine's 3.6: the GPU run of
 bench/gpu_validate_tma.py validates there.  Tests and benches call ``compile_for_sm90``,
 which runs this file so.
@@ -85,12 +85,17 @@ def ptxas_resources(ptx: str, name: str) -> dict:
                            capture_output=True, text=True)
     text = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", text)
+    # C7513: ptxas found a wgmma's input written while it may be in flight, and waits for
+    # each wgmma before the next -- in the whole kernel (17% on a data mask, session 38)
+    serial = re.search(r"wgmma.mma_async instructions are serialized due to (.*?)(?: in the function|$)",
+                       text, re.M)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     stack = re.search(r"(\d+) bytes stack frame", text)
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_stores": int(spill.group(1)) if spill else None,
             "spill_loads": int(spill.group(2)) if spill else None,
-            "stack_frame": int(stack.group(1)) if stack else None}
+            "stack_frame": int(stack.group(1)) if stack else None,
+            "wgmma_serialized": serial.group(1) if serial else None}
 
 
 if __name__ == "__main__":
