@@ -22,11 +22,13 @@ import sys
 from pathlib import Path
 
 
-def compile_for_sm90(path, kernel: str, spec: dict, timeout: int = 600) -> dict:
+def compile_for_sm90(path, kernel: str, spec: dict, timeout: int = 600,
+                     python: str | None = None) -> dict:
     """Run this file on kernel ``kernel`` of module ``path``: its JSON line, or
-    ``{"ok": False, "error": <the end of stderr>}`` when it printed none."""
+    ``{"ok": False, "error": <the end of stderr>}`` when it printed none.  ``python``: the
+    interpreter to run it with (another venv's: another Triton's compiler and ptxas)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(Path(__file__)), str(path), kernel, json.dumps(spec)],
+    r = subprocess.run([python or sys.executable, str(Path(__file__)), str(path), kernel, json.dumps(spec)],
                        capture_output=True, text=True, env=env, timeout=timeout)
     line = [x for x in r.stdout.splitlines() if x.startswith("{")]
     return json.loads(line[-1]) if line else {"ok": False, "error": r.stderr.strip()[-2000:]}

@@ -23,7 +23,8 @@ IDS = torch.tensor([0] * 40 + [1] * 60 + [2] * 100, dtype=torch.int32)
 
 @pytest.fixture(autouse=True)
 def _solo_on(monkeypatch):
-    """The one-consumer form is generated only with ``gluon_ws.SOLO`` (off by default)."""
+    """The one-consumer form is generated only with ``gluon_ws.SOLO`` (on by default;
+    ``NEPTUNE_EQ_GLUON_SOLO=0`` turns it off)."""
     monkeypatch.setattr(gluon_ws, "SOLO", True)
 
 
@@ -60,7 +61,7 @@ def test_the_one_consumer_form_fits_two_or_three_programs_an_sm(tmp_path, d, key
 
 
 def test_only_data_masks_get_the_one_consumer_form(monkeypatch):
-    """It won only there (bench/results/README.md, session 37): elsewhere its compile
+    """It wins only there (bench/results/README.md, sessions 37-38): elsewhere its compile
     would only lengthen a cold build.  Off (``SOLO``), no form has one, and the data
     masks' configs are the two-consumer form's."""
     causal = ne.superoptimize(ne.attention(1, 2, 200, 200, 64, "float16",

@@ -337,11 +337,13 @@ def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch
         [(64, 2), (64, 2), (128, 2), (128, 2), (128, 3), (128, 3)]
     docs = candidate_configs(_data_mask_kernels()["documents-causal"].kernel_source, "cuda")
     assert not any(c.per_tile for c in docs)  # (one program per tile already)
-    # ... each launched heads first too (the one-consumer form: tests/test_gluon_solo.py)
+    # ... each launched heads first too, and the one-consumer form's 64-row programs
+    # (tests/test_gluon_solo.py) at a 2-deep ring
     assert [(c.blocks["B_i"], c.blocks["B_L"], c.num_stages, c.heads_first)
             for c in docs if c.gluon_ws] == \
         [(128, 64, 2, False), (128, 64, 2, True), (128, 128, 2, False), (128, 128, 2, True),
-         (128, 128, 3, False), (128, 128, 3, True)]
+         (128, 128, 3, False), (128, 128, 3, True),
+         (64, 64, 2, False), (64, 64, 2, True), (64, 128, 2, False), (64, 128, 2, True)]
     assert not any(c.heads_first or c.blocks.get("B_i") == 64 for c in gl + window if c.gluon_ws)
     assert "one-program-per-tile" in str(gl[1]) and gl[1].as_dict()["per_tile"]
     assert _kernel(d=128).kernel_source.gluon.ring_bytes(128, 3) == 224 * 1024

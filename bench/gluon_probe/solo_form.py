@@ -11,7 +11,8 @@ Cases: the document masks of ``doc_mask_gpu`` (H=16 D=128, fp16) at S = 8192 and
 ``tl`` 64x64 config (``time_configs``: a Gluon form's outputs are checked against the
 ``tl`` run before it).  Prints one JSON line per (case, round, config) and a summary of
 medians per case; also the compiled programs' registers and shared memory.  The
-one-consumer form is off in the product (``gluon_ws.SOLO``); this probe turns it on.
+one-consumer form is on in the product since session 38 (``gluon_ws.SOLO``); this probe
+turns it on whatever the environment says.
 """
 import argparse
 import json

@@ -67,13 +67,13 @@ PERSISTENT = True  # tiles walked by one program per SM (see generate)
 RELEASE = "    mbarrier.arrive(q_empty, count=1)  # the rows are read: the next tile's may load"
 SCHEDULED = True   # ... tiles of unequal work too, in the launcher's balanced order
 DYNAMIC = False    # ... tiles of a data mask too, taken from a counter (see generate)
-# A data mask's form comes with its one-consumer form (see generate) when on.  Off: on
-# the device it won jagged sequences at S=8192 (0.136 ms against the tl form's 0.154,
-# H200), but a call that short is near host-bound, and the Gluon replay's host path
-# left 20-48 us of it exposed in some runs (13 documents in bf16: 0.192 ms a call for
-# 0.144 on the device, 0.98x Flex where the tl form gives 1.23x; bench/results/README.md,
-# session 37).  NEPTUNE_EQ_GLUON_SOLO=1 turns it on; read when a form is generated.
-SOLO = os.environ.get("NEPTUNE_EQ_GLUON_SOLO", "0") == "1"
+# A data mask's form comes with its one-consumer form (see generate) when on.  On since
+# session 38: with its products pipelined again (``p_used`` below) it is the fastest
+# form on short documents (H200, fp16: jagged S=8192 0.127 ms against the tl form's
+# 0.155 and the two-consumer form's 0.141; 64 documents at 32768, 0.553 against 0.616).
+# Session 37 measured it off: serialized by ptxas, it won only on jagged sequences.
+# NEPTUNE_EQ_GLUON_SOLO=0 turns it off; read when a form is generated.
+SOLO = os.environ.get("NEPTUNE_EQ_GLUON_SOLO", "1") == "1"
 # The two consumers issue their products in turn (FlashAttention-3's ping-pong): one
 # warpgroup's softmax runs while the other's products hold the tensor cores (see
 # ``gluon_tiles.pingpong_turns``).  Off: measured never past the best walk without it
@@ -565,9 +565,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2) -> Gl
                      KEY_BLOCKS if narrow else (128,), scheduled, (ps.lo_offset, ps.hi_offset),
                      ranges_kernel(plan, name, args, rows) if mode == "dynamic" else None,
                      consumers,
-                     # the one-consumer form, for data masks only (``SOLO``): it won on the
-                     # device there (jagged at S=8192, heads first, 8-12% past the tl form)
-                     # and never elsewhere, where its compile would only lengthen a cold build
+                     # the one-consumer form, for data masks only (``SOLO``): it wins on the
+                     # device on short documents and jagged sequences (session 38) and lost
+                     # elsewhere, where its compile would only lengthen a cold build
                      generate(plan, f"{name}_solo", 1) if consumers == 2 and data and SOLO
                      else None,
                      not persistent)
