@@ -58,7 +58,7 @@ def gpu_source(kern):
     return prog, generate(make_plan(prog), bf16_dot_in_fp32=False)
 
 
-def compile_one(prog, ks, cfg, work: Path) -> dict:
+def compile_one(prog, ks, cfg, work: Path, python: str | None = None) -> dict:
     consts = {**ks.tunables, **cfg.blocks, **{f: False for f in ks.even_flags},
               "TMA": cfg.tma, "WS": cfg.tma and cfg.warp_specialize,
               "LOOP_STAGES": cfg.loop_stages or cfg.num_stages, "VDOT": cfg.vector_dot,
@@ -77,7 +77,7 @@ def compile_one(prog, ks, cfg, work: Path) -> dict:
     path.write_text(ks.source)
     spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages, "resources": True}
-    return compile_for_sm90(path, ks.name, spec)
+    return compile_for_sm90(path, ks.name, spec, python=python)
 
 
 def main() -> None:
@@ -85,35 +85,45 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "static_sm90.json"))
+    ap.add_argument("--python", default=None,
+                    help="compile with this interpreter's Triton (e.g. a venv with 3.6, the GPU's)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, kern in kernels(getattr(torch, args.dtype), args.head_dim).items():
             prog, ks = gpu_source(kern)
             for cfg in candidate_configs(ks, "cuda"):
-                res = compile_one(prog, ks, cfg, Path(tmp))
+                res = compile_one(prog, ks, cfg, Path(tmp), args.python)
                 row = {"kernel": name, "config": str(cfg), **res}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    import triton
+    import subprocess
+    import os
+    version = subprocess.run([args.python or sys.executable, "-c",
+                              "import triton; print(triton.__version__)"],
+                             capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items()
+                                  if k != "TRITON_INTERPRET"}).stdout.strip()
     Path(args.out).write_text(json.dumps({
-        "triton": triton.__version__, "target": "sm_90a (cross-compiled, no GPU)",
+        "triton": version, "target": "sm_90a (cross-compiled, no GPU)",
         "dtype": args.dtype, "head_dim": args.head_dim, "rows": rows}, indent=1) + "\n")
-    md = [f"# sm_90 resources per config (Triton {triton.__version__} cross-compile, "
+    md = [f"# sm_90 resources per config (Triton {version} cross-compile, "
           f"{args.dtype}, D={args.head_dim})", "",
-          f"Command: `python bench/static_sm90.py --dtype {args.dtype} --head-dim {args.head_dim}`. "
+          f"Command: `python bench/static_sm90.py --dtype {args.dtype} --head-dim {args.head_dim}"
+          f"{' --python <venv with triton ' + version + '>' if args.python else ''}`. "
           "Registers per thread (255 = the cap), spill "
-          "bytes (stores/loads) and shared memory as ptxas reports them; indicative only (the "
-          "GPU machine runs Triton 3.6).", "",
-          "| kernel | config | ok | regs | spill st/ld | shared KiB | wgmma | tma |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+          "bytes (stores/loads), shared memory and whether ptxas serialized the wgmma "
+          "pipeline (its C7513 reason) as ptxas reports them.", "",
+          "| kernel | config | ok | regs | spill st/ld | shared KiB | wgmma | tma | wgmma serialized |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if not r.get("ok"):
-            md.append(f"| {r['kernel']} | {r['config']} | no: {r.get('error', '')[:60]} | | | | | |")
+            md.append(f"| {r['kernel']} | {r['config']} | no: {r.get('error', '')[:60]} | | | | | | |")
             continue
         md.append(f"| {r['kernel']} | {r['config']} | yes | {r.get('registers')} | "
                   f"{r.get('spill_stores')}/{r.get('spill_loads')} | {r['shared'] / 1024:.0f} | "
-                  f"{'yes' if r['wgmma'] else 'no'} | {'yes' if r['tma'] else 'no'} |")
+                  f"{'yes' if r['wgmma'] else 'no'} | {'yes' if r['tma'] else 'no'} | "
+                  f"{r.get('wgmma_serialized') or 'no'} |")
     Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
 
 
