@@ -239,9 +239,10 @@ _SLOPED = {  # score mods linear in the key index (ALiBi and its relatives)
 
 @pytest.mark.parametrize("name", list(_SLOPED))
 def test_a_score_term_linear_in_the_key_index_leaves_the_block_as_a_shift(name, tmp_path):
-    """slope·(j − i) = slope·(c − r) + slope·(l0 − m0): the lane part is made once before
-    the loops, the block's part joins the row max and exp2's row term (``block_shift``:
-    one fused multiply-add per score instead of a subtract, a conversion and a multiply).
+    """slope·(j − i) = slope·c + slope·(l0 − m0 − r): the key lanes' part is one vector made
+    once before the loops, the rest a value per row and block that joins the row max and
+    exp2's row term (``block_shift``: one fused multiply-add per score instead of a
+    subtract, a conversion and a multiply, and no [rows, keys] tile live in the loop).
     Right against fp64 in the interpreter (odd lengths, rows that see nothing, scores x8,
     the slope large and small); the Gluon form takes the split too and compiles for sm_90
     (its outputs are checked on the GPU: bench/gluon_probe/float_index_ab.py)."""
@@ -249,11 +250,13 @@ def test_a_score_term_linear_in_the_key_index_leaves_the_block_as_a_shift(name, 
     sl = ne.placeholder((2,), "float32", "slopes")
     kern = check_kernel(ne.attention(1, 2, 21, 37, 64, "float16", score_mod=score(sl),
                                      mask_mod=mask), scale=8.0, cache=False)
-    assert "a·(j − i) in the scores: a lane tile made once, a shift per block" in kern.explain()
+    assert "a·(j − i) in the scores: the key lanes' term made once, a shift per row and block" \
+        in kern.explain()
     consumer = kern.kernel_source.gluon.source.split("def _consumer")[1]
     for ks, loop in ((kern.kernel_source.source, "for l0 in"), (consumer, "for jb in")):
-        lanes = re.search(r"\* \(-?\(\((tl\.arange\(0, B_L\)|cols)\)", ks)
+        lanes = re.search(r"\* \(-?\(\((tl\.arange\(0, B_L\)|cols)\).*", ks)
         assert lanes and lanes.start() < ks.index(loop), ks  # made before the key loops
+        assert "[:, None]" not in lanes.group(0), lanes.group(0)  # a vector, not a tile
         assert "offs_L[None, :] - " not in ks and re.search(r"\(\(l0\)", ks), ks
     if name.startswith("alibi"):
         from sm90_compile import compile_for_sm90
@@ -276,10 +279,10 @@ def test_the_block_shift_agrees_with_the_plain_form_in_decode_and_at_every_size(
                            s + sl[h] * (j - (i + 40)))
         return ne.superoptimize(out, target="interpreter", cache=False, sizes={"T": 40})
     new = kernel()
-    assert "(tl.arange(0, B_L))" in new.source and "shift per block" in new.explain()
+    assert "(tl.arange(0, B_L))" in new.source and "shift per row and block" in new.explain()
     monkeypatch.setattr(block_shift, "ENABLED", False)
     old = kernel()
-    assert "(tl.arange(0, B_L))" not in old.source and "shift per block" not in old.explain()
+    assert "(tl.arange(0, B_L))" not in old.source and "shift per" not in old.explain()
     g = torch.Generator().manual_seed(2)
     slopes = torch.tensor([1.0, 0.03125])
     for t in (40, 7, 300):
@@ -299,5 +302,5 @@ def test_a_plan_without_a_row_max_keeps_the_bias_in_the_scores():
     j = ne.reduce_axis(30, "j")
     y = ne.compute((9,), lambda i: ne.sum(x[i, j] * (a[0] * (j - i)), axis=j), "y")
     kern = check_kernel(y, cache=False)
-    assert not block_shift.active(kern.plan) and "shift per block" not in kern.explain()
+    assert not block_shift.active(kern.plan) and "shift per" not in kern.explain()
     assert "(tl.arange(0, B_L))" not in kern.source

@@ -6,8 +6,9 @@ alternately in one process (issues 16, 17).
     python bench/gluon_probe/solo_form.py [--rounds 3] [--cases doc13 jagged causal64 ...]
 
 Cases: the document masks of ``doc_mask_gpu`` (H=16 D=128, fp16) at S = 8192 and 32768,
-``causal64`` (B=4 H=16 S=5000 D=64: the off-grid row below goal) and ``causal128``
-(B=1 H=16 S=8192 D=128).  Each round times every Gluon config the chooser would and the
+``causal64`` (B=4 H=16 S=5000 D=64: the off-grid row below goal), ``causal128``
+(B=1 H=16 S=8192 D=128) and the other ``AFFINE`` cases (``alibi8k`` / ``alibi32k``: ALiBi
+prefill as bench/neptune_ops.py runs it, session 38).  Each round times every Gluon config the chooser would and the
 ``tl`` 64x64 config (``time_configs``: a Gluon form's outputs are checked against the
 ``tl`` run before it).  Prints one JSON line per (case, round, config) and a summary of
 medians per case; also the compiled programs' registers and shared memory.  The
@@ -36,7 +37,10 @@ from neptune_eq.sizes import sizes_of  # noqa: E402
 AFFINE = {"causal64": (4, 16, 16, 5000, 64, True), "causal128": (1, 16, 16, 8192, 128, True),
           "causal32k": (1, 16, 16, 32768, 128, True),
           "gqa512": (1, 64, 8, 512, 128, False), "global512": (1, 32, 32, 512, 128, False),
-          "causal512": (1, 32, 32, 512, 128, True), "gqa64_3000": (4, 16, 8, 3000, 64, True)}
+          "causal512": (1, 32, 32, 512, 128, True), "gqa64_3000": (4, 16, 8, 3000, 64, True),
+          "alibi8k": (1, 32, 32, 8192, 128, False), "alibi32k": (1, 32, 32, 32768, 128, False)}
+# score mods of the affine cases that have one: ALiBi with bench/neptune_ops.py's slopes
+SLOPES = [2.0 ** (-8.0 * (k + 1) / 32) for k in range(32)]
 
 
 def setup(name: str, S: int):
@@ -54,7 +58,11 @@ def setup(name: str, S: int):
     k, v = (torch.randn(B, hkv or H, S, D, device="cuda", dtype=torch.float16) for _ in range(2))
     spec = ne_flex.check(q, k, v, None, hkv not in (None, H), False)
     sizes = {"B": B, "L": S, "S": S}
-    st, captured = ne_flex.trace(spec, None, mask, sizes)
+    slopes = torch.tensor(SLOPES, device="cuda")
+
+    def alibi(s, b, h, i, j):
+        return s + slopes[h] * (j - i)
+    st, captured = ne_flex.trace(spec, alibi if name.startswith("alibi") else None, mask, sizes)
     kern = st.kernel_at(sizes)
     prog = kern.input_program
     bound = check_inputs(prog, (q, k, v, *captured.values()), {}, "cuda", symbolic=True)

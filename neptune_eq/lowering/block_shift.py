@@ -8,12 +8,15 @@ global attention's 470; bench/results/README.md, session 35).  With the key inde
 block's start plus the lane's column, ``j = l0 + c``, and the row as the row tile's start
 plus its lane row, ``i = m0 + r``:
 
-    a·(j − i) = a·(c − r) + a·(l0 − m0)
+    a·(j − i) = a·c + a·(l0 − m0 − r)       (``a`` one value per program: ALiBi's slope)
+    a·(j − i) = a·(c − r) + a·(l0 − m0)     (``a`` one value per row)
 
-The first term is the same tile for every key block: it is made once, before the loops.
-The second is one value per row (one per program where ``a`` is) and per block: a
-**shift**, carried beside the score tile instead of added to every score, because the
-block math it meets passes it on exactly in real arithmetic --
+The first term is the same for every key block: it is made once, before the loops -- a
+vector along the keys where it can be (session 38: a [rows, keys] tile kept 64 more
+registers a thread live in the Gluon loop; ALiBi 562 -> 614 TFLOP/s at S=8192 without
+it).  The second is one value per row and per block: a **shift**, carried beside the
+score tile instead of added to every score, because the block math it meets passes it
+on exactly in real arithmetic --
 
 * x + y, x − y, x·c and where(p, x, d): onto the other operand's row values, where
   those do not vary along the key block (y − t, d − t, t·c), else into the tile;
@@ -167,18 +170,33 @@ def _is_float(t: Term, program) -> bool:
 def _split(em, a, sigma: int, rows: bool, scalars, k: int, loop: str):
     ba = em.plan.block_axis
     (l0, cols), (m0, lanes) = em.aranges[loop], em.aranges.get(ba, (None, None))
-    axes = em.canon((ba, loop) if rows else (loop,))
-    lane_diff = f"({cols})[None, :] - ({lanes})[:, None]" if rows else f"({cols})"
     sgn = "" if sigma == 1 else "-"
+    extra = "".join(f" + {c} * {em.env[v]}" for v, c in scalars) + (f" + {k}" if k else "")
+    # With ``a`` one value per program (ALiBi's slope per head), the row's lane goes to the
+    # shift too -- a·(c − r) + a·(l0 − m0) = a·c + a·(l0 − m0 − r) -- so the invariant is
+    # one vector along the key block, not a [rows, keys] tile kept live across the loop
+    # beside the accumulators (64 registers a thread in the Gluon consumer): ALiBi bf16
+    # B=1 H=32 D=128 on an H200, 562 -> 592 TFLOP/s at S=8192 and 585 -> 606 at 32768
+    # (bench/gluon_probe/alibi_bias.py, session 38).  The shift becomes one value per row
+    # and block, which the row max and the exp2's row term take as before.
+    lane_row = rows and not a.axes
+    if lane_row:
+        axes, lane_diff = (loop,), f"({cols})"
+        start, shift_axes = f"({l0}) - ({m0}) - ({lanes})", (ba,)
+    else:
+        axes = em.canon((ba, loop) if rows else (loop,))
+        lane_diff = f"({cols})[None, :] - ({lanes})[:, None]" if rows else f"({cols})"
+        start, shift_axes = (f"({l0}) - ({m0})" if rows else f"({l0})"), a.axes
     inv_axes = em.canon(a.axes + axes)
     code = f"{em.bcast(a, inv_axes)} * ({sgn}({lane_diff})).to(tl.float32)"
     first = em.scopes[0][1]  # made once before the loops, shared by every key loop
     if ("invariant", code) not in first:
         first[("invariant", code)] = em.bind(code, inv_axes, "f32", 0)
     inv = first[("invariant", code)]
-    start = f"({l0}) - ({m0})" if rows else f"({l0})"
-    extra = "".join(f" + {c} * {em.env[v]}" for v, c in scalars) + (f" + {k}" if k else "")
-    shift = em.bind(f"{a.code} * ({sgn}({start}){extra})", a.axes, "f32", -1)
+    shift_code = f"{a.code} * ({sgn}({start}){extra})"
+    if lane_row:  # (the lanes are ints: the product in fp32, as the tile's)
+        shift_code = f"{a.code} * ({sgn}({start}){extra}).to(tl.float32)"
+    shift = em.bind(shift_code, shift_axes, "f32", -1)
     return Tile(inv.code, inv.axes, "f32", shift)
 
 

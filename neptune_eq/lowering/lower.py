@@ -178,8 +178,9 @@ class TilePlan:
                 lines.append(f"  {', '.join(raw)}: each block's max/min over the unscaled body, "
                              "scaled once per row (max_j(s·c) = c·max_j(s), c > 0)")
             if any(block_shift.in_plan(self, f.term.args[0], f.axis) for f in p.folds):
-                lines.append("  a·(j − i) in the scores: a lane tile made once, a shift per block "
-                             "that joins the row max (a·(j − i) = a·(c − r) + a·(l0 − m0))")
+                lines.append("  a·(j − i) in the scores: the key lanes' term made once, a shift per "
+                             "row and block that joins the row max (a·(j − i) = a·c + "
+                             "a·(l0 − m0 − r); with a per row, a lane tile a·(c − r))")
             for sc in p.scattered:
                 lines.append(f"  + {sc.name}[{', '.join(sc.axes)}]: a sum over the rows; each "
                              f"program adds its row block's term atomically per step of the "
