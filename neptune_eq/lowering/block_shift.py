@@ -193,10 +193,8 @@ def _split(em, a, sigma: int, rows: bool, scalars, k: int, loop: str):
     if ("invariant", code) not in first:
         first[("invariant", code)] = em.bind(code, inv_axes, "f32", 0)
     inv = first[("invariant", code)]
-    shift_code = f"{a.code} * ({sgn}({start}){extra})"
-    if lane_row:  # (the lanes are ints: the product in fp32, as the tile's)
-        shift_code = f"{a.code} * ({sgn}({start}){extra}).to(tl.float32)"
-    shift = em.bind(shift_code, shift_axes, "f32", -1)
+    to_f32 = ".to(tl.float32)" if lane_row else ""  # (lanes are ints: fp32, as the tile)
+    shift = em.bind(f"{a.code} * ({sgn}({start}){extra}){to_f32}", shift_axes, "f32", -1)
     return Tile(inv.code, inv.axes, "f32", shift)
 
 
