@@ -342,11 +342,16 @@ def test_near_ties_are_timed_again_and_ranked_by_median(monkeypatch):
     assert all(cs == [tl_a] for cs in calls[0::2])            # tl_b (2.5) is not near
     assert all(cs == [tl_c, gl] for cs in calls[1::2])  # a tl run before the Gluon one
     calls.clear()
-    many = SimpleNamespace(program=None, kernel=ks, timings=[(tl_a, 1.03, "ok"), (tl_b, 1.0, "ok"),
-                                                            (tl_c, 1.05, "ok"), (gl, 1.07, "ok")])
-    script.update({id(tl_a): [1.0, 1.0], id(tl_b): [1.0, 1.0], id(tl_c): [1.0, 1.0]})
-    ch._retime_near_ties([many], "cuda", None, None, True)  # all four near: the 3 fastest
-    assert calls == [[tl_a, tl_b, tl_c]] * ch.RETIME_ROUNDS and many.timings[3][1] == 1.07
+    tl_d = TileConfig({"B_i": 64, "B_L": 128}, 4, 2)
+    tl_e = TileConfig({"B_i": 32, "B_L": 128}, 4, 3)
+    many = SimpleNamespace(program=None, kernel=ks, timings=[
+        (tl_a, 1.03, "ok"), (tl_b, 1.0, "ok"), (tl_c, 1.05, "ok"), (tl_d, 1.04, "ok"),
+        (tl_e, 1.06, "ok"), (gl, 1.07, "ok")])
+    script.update({id(c): [1.0, 1.0] for c in (tl_a, tl_b, tl_c, tl_d, tl_e)})
+    assert ch.RETIME_MAX == 5
+    ch._retime_near_ties([many], "cuda", None, None, True)  # all six near: the 5 fastest
+    assert calls == [[tl_a, tl_b, tl_c, tl_d, tl_e]] * ch.RETIME_ROUNDS
+    assert many.timings[5][1] == 1.07
     calls.clear()
     lone = SimpleNamespace(program=None, kernel=ks, timings=[(tl_a, 1.0, "ok"), (tl_b, 1.5, "ok")])
     ch._retime_near_ties([lone], "cuda", None, None, True)
