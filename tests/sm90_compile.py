@@ -10,8 +10,9 @@ a subprocess.  JSON_SPEC: {"dtypes": {param: "*fp16" | "i32"}, "constexprs": {..
 "num_warps": 4, "num_stages": 3, "options": {more of Triton's options, e.g. maxnreg}}.  Prints one JSON line: ok, error, and what the PTX
 uses; with ``"resources": true`` in the spec also registers per thread, spill bytes and
 whether ptxas serialized the wgmma pipeline (its C7513 reason, else None), from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).
-This is the newest Triton's compiler, not the GPU machine's 3.6: the GPU run of
-bench/gpu_validate_tma.py validates there.  Tests and benches call ``compile_for_sm90``,
+This is the installed Triton's compiler (the line names its version), by default not
+the GPU machine's 3.6: ``compile_for_sm90(..., python=...)`` runs it under another
+environment's, and the GPU run of bench/gpu_validate_tma.py validates there.  Tests and benches call ``compile_for_sm90``,
 which runs this file so.
 """
 import importlib.util
@@ -66,7 +67,8 @@ def main():
         print(json.dumps({"ok": False, "error": "\n".join(msg[-14:]) if msg else type(e).__name__}))
         return
     ptx = ck.asm["ptx"]
-    out = {"ok": True, "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,
+    out = {"ok": True, "triton": triton.__version__,
+           "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,
            "setmaxnreg": "setmaxnreg" in ptx, "shared": ck.metadata.shared}
     if spec.get("resources"):
         out.update(ptxas_resources(ptx, ck.metadata.name))

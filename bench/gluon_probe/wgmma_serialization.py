@@ -83,7 +83,7 @@ def main():
         for name, bl, job in jobs:
             res = job.result()
             row = {"form": name, "key_block": bl, "ok": res["ok"],
-                   **{k: res.get(k) for k in ("wgmma_serialized", "registers", "spill_stores")}}
+                   **{k: res.get(k) for k in ("triton", "wgmma_serialized", "registers", "spill_stores")}}
             if not res["ok"]:
                 row["error"] = res["error"][-300:]
             rows.append(row)
