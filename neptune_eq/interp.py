@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ir import Program, ProgramError, Term
+from .ir import Program, ProgramError, Term, fmt
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -177,8 +177,20 @@ class Interpreter:
         ivals = [self.eval(i, env, limits, step) for i in idx]
         axes, its = _align(*ivals) if ivals else ((), [])
         its = [i.long() for i in its]
-        for k, i in enumerate(its):
-            if i.numel() and (int(i.min()) < 0 or int(i.max()) >= src.shape[k]):
+        for k, (term, i) in enumerate(zip(idx, its)):
+            n = src.shape[k]
+            data = any(x.op == "load" for x in term.walk())
+            if data:  # an index read from data: torch's rule, -n <= i < n, negative from
+                # the end (lowering/data_indices.py); an affine index must lie in [0, n)
+                if i.numel() and (int(i.min()) < -n or int(i.max()) >= n):
+                    raise ProgramError(
+                        f"Expected the index {k} of a read of shape {tuple(src.shape)}, "
+                        f"computed from data ({fmt(term)}), in [{-n}, {n}) (torch's rule: "
+                        f"negative indices count from the end), got values from "
+                        f"{int(i.min())} to {int(i.max())}; check the tensor it reads for "
+                        "ids past the table.")
+                its[k] = i = torch.where(i < 0, i + n, i)
+            if i.numel() and (int(i.min()) < 0 or int(i.max()) >= n):
                 raise ProgramError(f"Index {k} of a read of shape {tuple(src.shape)} goes out of "
                                    f"range [{int(i.min())}, {int(i.max())}]; clamp it or mask "
                                    "the read with ne.where.")

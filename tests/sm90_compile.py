@@ -69,7 +69,8 @@ def main():
     ptx = ck.asm["ptx"]
     out = {"ok": True, "triton": triton.__version__,
            "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,
-           "setmaxnreg": "setmaxnreg" in ptx, "shared": ck.metadata.shared}
+           "setmaxnreg": "setmaxnreg" in ptx, "shared": ck.metadata.shared,
+           "asserts": "__assertfail" in ptx}
     if spec.get("resources"):
         out.update(ptxas_resources(ptx, ck.metadata.name))
     print(json.dumps(out))

@@ -174,3 +174,32 @@ def test_prepass_with_several_summaries_compiles_for_sm90(tmp_path):
             "num_warps": NUM_WARPS, "num_stages": 1}
     res = compile_for_sm90(path, "t_summaries", spec, timeout=300)
     assert res["ok"], res
+
+
+def test_prepass_asserts_ids_in_range_on_the_device(tmp_path):
+    """A tensor whose entries index a table (doc in offsets[doc[q]]): its summaries assert
+    -n <= id < n on the device, and the launch compiles asserts in (``debug``, without
+    Triton's overflow checks of every integer op).  Compiled here for sm_90 without a GPU
+    (the interpreter does not run device asserts; CPU calls check on the host,
+    ``runtime.index_check``)."""
+    from sm90_compile import compile_for_sm90
+    from neptune_eq.runtime.block_summary import SummaryPrepass
+    specs = [SummarySpec("bs_doc_i", "doc", 0, "B_i"), SummarySpec("bs_doc_all", "doc", None, None)]
+    text, pre = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__,
+                               ids={"doc": (14, "offsets")})
+    assert pre.checks and text.count("tl.device_assert(") == 2
+    assert "outside [-14, 14)" in text and "(blk_0 >= nb_0)" in text  # padding blocks pass
+    options = SummaryPrepass(pre, {"B_i": 16}, None).options
+    assert options["debug"] is True and options["sanitize_overflow"] is False
+    path = tmp_path / "prepass_ids_sm90.py"
+    path.write_text("import triton\nimport triton.language as tl\n" + text)
+    params = text.split("def t_summaries(")[1].split("):")[0]
+    names = [p.strip().split(":")[0] for p in params.split(",") if p.strip()]
+    spec = {"dtypes": {n: "*i32" for n in names if n.endswith("_ptr")},
+            "constexprs": {n: 32 for n in names if "constexpr" in params.split(n, 1)[1].split(",")[0]},
+            "num_warps": NUM_WARPS, "num_stages": 1,
+            "options": {"debug": True, "sanitize_overflow": False}}
+    res = compile_for_sm90(path, "t_summaries", spec, timeout=300)
+    assert res["ok"] and res["asserts"], res
+    _, plain = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__)
+    assert not plain.checks and "debug" not in SummaryPrepass(plain, {"B_i": 16}, None).options

@@ -169,7 +169,17 @@ def _global_bounds(ops: TritonOps, plan: TilePlan, t: Term, spec: SummarySpec, i
     if len(idx) != 1 or idx[0] is None:
         return lo, hi
     n = plan.program.shape_of(t.val)[0]
-    mono = ops._name(f"tl.load({spec.name}_ptr + 2 * {spec.name}_s0) != 0")
+    # the ends bound the read where the table is nondecreasing and every index of the
+    # range reads itself: a negative one wraps to the end (torch's rule,
+    # ``data_indices``), so the range [-1, 3] reads entries 0..3 and n-1
+    first, last = idx[0]
+    if (isinstance(first, int) and first < 0) or (isinstance(last, int) and isinstance(n, int)
+                                                  and last >= n):
+        return lo, hi
+    inside = [f"({first} >= 0)"] * (not isinstance(first, int))
+    inside += [f"({last} < {n})"] * (not (isinstance(last, int) and isinstance(n, int)))
+    mono = ops._name(" & ".join([f"(tl.load({spec.name}_ptr + 2 * {spec.name}_s0) != 0)",
+                                 *inside]))
     ends = []
     for end in idx[0]:  # out-of-range indices are never read: clamp to the tensor
         at = ops._name(f"tl.minimum(tl.maximum({end}, 0), {n} - 1)")

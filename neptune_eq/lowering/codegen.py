@@ -16,6 +16,7 @@ import re
 
 from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
 from . import block_shift, descriptors
+from .data_indices import reads_data, safe_index
 from .tile import Tile
 from .lower import LoweringError, TilePlan, max_before_scale
 
@@ -277,6 +278,11 @@ class Emitter:
         if same is not None:
             return same
         idx = [self.expr(a) for a in t.args]
+        shape = self.p.shape_of(t.val)
+        # an index read from data (offsets[doc[i]]) under torch's rule, never outside the
+        # tensor (``data_indices``); an affine one was checked when the program was traced
+        idx = [self.bind(safe_index(i.code, shape[k]), i.axes, "int", scope)
+               if reads_data(a) else i for k, (a, i) in enumerate(zip(t.args, idx))]
         axes = self.canon(sum((i.axes for i in idx), ()))
         strides = [f"{t.val}_s{k}" for k in range(len(idx))]
         off = " + ".join(f"{self.bcast(i, axes)} * {s}" for i, s in zip(idx, strides)) or "0"

@@ -26,6 +26,7 @@ from .block_ranges import ONE_LOOP_FLAG, data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
 from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
 from . import gluon_sums, gluon_ws
+from .data_indices import checked_ids
 from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
@@ -503,7 +504,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     pre_text, prepass = "", None
     if summaries:  # one launch builds every summary, per call (summary_kernel)
         pre_text, prepass = prepass_source(name, summaries, p.dtype_of,
-                                           lambda t: len(p.shape_of(t)))
+                                           lambda t: len(p.shape_of(t)), checked_ids(p))
     common = dict(params=ptrs, stride_params=strides, tunables={**tunables, **fixed},
                   grid_axes=plan.grid_axes, block_axis=ba, even_flags=even,
                   row_extent=plan.row_extent, grid_size=_grid_size(plan), size_params=size_params,

@@ -52,6 +52,7 @@ class Prepass:
     kernel: str
     tensors: tuple
     specs: tuple
+    checks: bool = False   # it asserts ids in range on the device: compile with asserts on
 
     def groups(self, consts: dict) -> list[int]:
         """``G_k`` of each summary (0 for a global one) at the launch's block sizes."""
@@ -74,10 +75,14 @@ class Prepass:
         return out
 
 
-def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of) -> tuple[str, Prepass]:
+def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
+                   ids: dict | None = None) -> tuple[str, Prepass]:
     """Source text of the pre-pass kernel (to append to the kernel's module, which
     imports ``triton`` and ``tl``) and its launch description.  ``dtype_of`` / ``rank_of``:
-    a captured tensor's dtype name and number of dimensions."""
+    a captured tensor's dtype name and number of dimensions.  ``ids``: tensor -> (n,
+    table) for tensors whose entries index a table of n entries
+    (``data_indices.checked_ids``): each summary of one asserts -n <= entry < n, torch's
+    rule, on the device -- an id past the table is an error of the call, not a read."""
     if not specs:
         raise ValueError("A summary pre-pass needs at least one summary.")
     kernel = f"{name}_summaries"
@@ -110,10 +115,17 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of) -> tu
         dt = dtype_of(s.tensor)
         body = (_block_body(k, s, rank_of(s.tensor), dt) if s.dim is not None
                 else _global_body(s, rank_of(s.tensor), dt))
+        if s.tensor in (ids or {}):
+            n, table = ids[s.tensor]
+            ok = "((lo >= -{0}) & (hi < {0})) | (blk >= nb)" if s.dim is not None \
+                else "(lo >= -{0}) & (hi < {0})"
+            body.append(f"tl.device_assert({ok.format(n)}, \"neptune_eq: an id in "
+                        f"{s.tensor} indexes {table} ({n} entries) outside [-{n}, {n})\")")
         if len(specs) > 1:
             body = _own_names(body, k)
         lines += head + [f"{ind}# {s.name}: {_describe(s)}"] + [ind + ln for ln in body]
-    return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs))
+    checks = any(s.tensor in (ids or {}) for s in specs)
+    return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs), checks)
 
 
 def _own_names(body: list[str], k: int) -> list[str]:

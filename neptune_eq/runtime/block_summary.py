@@ -62,6 +62,9 @@ class SummaryPrepass:
         self.consts.update({f"G_{k}": g for k, g in enumerate(groups) if g})
         self.block_consts = consts
         self.options = options or {"num_warps": NUM_WARPS, "num_stages": 1}
+        if prepass.checks:  # its device_assert of ids in range (summary_kernel): asserts on,
+            # Triton's overflow checks of every integer op, which debug also turns on, off
+            self.options = {**self.options, "debug": True, "sanitize_overflow": False}
         self._plans: dict[tuple, tuple] = {}
 
     def _plan(self, shapes: tuple, dtypes: tuple) -> tuple:

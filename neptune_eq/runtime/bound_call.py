@@ -22,6 +22,7 @@ import itertools
 import threading
 
 from .descriptors import ensure_allocator, tma_ok
+from .index_check import check_data_indices
 from .launch import current_stream, written_outputs
 
 
@@ -135,6 +136,7 @@ class BoundCall:
         vals = inputs + outs
         la = self.launcher
         if self.interpret:
+            check_data_indices(la.program, dict(zip(self.names, inputs)))
             if self.pre:
                 vals += self._summary_buffers(None, False)
             for fl, a in zip(self.steps, self.arg_lists(vals, None)):

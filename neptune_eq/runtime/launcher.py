@@ -23,6 +23,7 @@ from .descriptors import ensure_allocator, tma_ok
 from .launch import (FastLaunch, _triton_int_specialisation, class_launch_key, current_stream,
                      launch_key, written_outputs)
 from ..ir import Program, ProgramError
+from .index_check import check_data_indices
 from .triton_mode import check_interpreter_importable, enable_interpreter
 from .tile_configs import TileConfig
 
@@ -323,6 +324,7 @@ class Launcher:
             return run(tensors)
         arg_lists, key, stream, steps = self._arg_lists(tensors)
         if self.target == "interpreter":
+            check_data_indices(self.program, tensors)  # data on the host: torch's rule
             for fl, a in zip(steps, arg_lists):
                 fl.fn[fl.grid](*a, **fl.consts, **fl.options)
             return

@@ -1,0 +1,102 @@
+"""Indices read from data on the GPU (``lowering/data_indices.py``): torch's rule.
+
+    python bench/data_index_gpu.py [--S 4096] [--out DIR]
+
+1. ``ne.flex_attention`` with a jagged mask ``offsets[doc[q]]`` whose ids follow torch's
+   rule -- padding id -1 (``offsets[-1]`` is the packed length: the row sees nothing) and
+   ids counting back from the end -- against torch's own reading of the mask (fp32).
+2. An id past the table, in a child process (a device assert ends its CUDA context): the
+   call must fail with the pre-pass's assert, never return.
+3. The pre-pass's device time in such calls (it asserts the ids now), from the profiler.
+Writes data_index_gpu.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import neptune_eq as ne  # noqa: E402
+
+H, D = 16, 128
+
+
+def case(S: int, n_docs: int = 13, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randperm(S - 1, generator=g)[:n_docs - 1] + 1).values
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([S])])
+    ids = torch.repeat_interleave(torch.arange(n_docs), offs.diff())
+    ids = torch.where(torch.rand(S, generator=g) < 0.1, ids - (n_docs + 1), ids)  # from the end
+    ids[-S // 8:] = -1  # padding
+    return ids.to(torch.int32).cuda(), offs.to(torch.int32).cuda()
+
+
+def reference(q, k, v, visible):
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    return p @ v.float()
+
+
+def child(S: int) -> None:
+    """Called with an id past the table: prints what happened (the parent reads it)."""
+    doc, offsets = case(S)
+    doc[S // 3] = offsets.numel()  # one past the last entry
+
+    def jagged(b, h, q_idx, kv_idx):
+        return (kv_idx >= offsets[doc[q_idx]]) & (q_idx >= kv_idx)
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    try:
+        ne.flex_attention(q, k, v, mask_mod=jagged)
+        torch.cuda.synchronize()
+        print("RETURNED")
+    except Exception as e:  # noqa: BLE001 - reported
+        print(f"RAISED {type(e).__name__}: {str(e)[:300]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--S", type=int, default=4096)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--child", action="store_true")
+    a = ap.parse_args()
+    if a.child:
+        return child(a.S)
+    S = a.S
+    doc, offsets = case(S)
+
+    def jagged(b, h, q_idx, kv_idx):
+        return (kv_idx >= offsets[doc[q_idx]]) & (q_idx >= kv_idx)
+    row = {"S": S, "H": H, "D": D, "device": torch.cuda.get_device_name()}
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    got = ne.flex_attention(q, k, v, mask_mod=jagged)
+    i, j = torch.arange(S, device="cuda")[:, None], torch.arange(S, device="cuda")[None, :]
+    want = reference(q, k, v, (j >= offsets[doc.long()][i]) & (j <= i))  # torch wraps
+    row["max_err_vs_torch"] = (got.float() - want).abs().max().item()
+    row["padding_rows_zero"] = bool((got[:, :, -S // 8:] == 0).all())
+    row["ok"] = row["max_err_vs_torch"] < 5e-3 and row["padding_rows_zero"]
+    from host_profile import kernel_times
+    times = kernel_times(lambda: ne.flex_attention(q, k, v, mask_mod=jagged), 20)
+    row["us_prepass"] = sum(us for name, us, _ in times if name.endswith("_summaries"))
+    row["us_main"] = sum(us for name, us, _ in times
+                         if name.startswith("neptune_") and not name.endswith("_summaries"))
+    res = subprocess.run([sys.executable, __file__, "--child", "--S", str(S)],
+                         capture_output=True, text=True, timeout=300)
+    row["past_the_table"] = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
+    row["past_the_table_assert_message"] = "neptune_eq: an id in" in res.stderr
+    row["past_the_table_ok"] = (row["past_the_table"].startswith("RAISED")
+                                and row["past_the_table_assert_message"])
+    print(json.dumps(row), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "data_index_gpu.json").write_text(json.dumps(row, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
