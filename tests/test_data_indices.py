@@ -126,3 +126,31 @@ def test_the_reference_interpreter_rejects_an_index_past_the_table(jagged_kernel
     with pytest.raises(ProgramError, match="torch's rule"):
         evaluate(jagged_kernel.input_program, dict(q=q, k=k, v=v, doc=ids,
                                                    offsets=torch.zeros(N_OFFS, dtype=torch.int32)))
+
+
+def test_score_mod_and_key_side_reads_follow_the_rule_too():
+    """A bias table read at a document id in a score_mod (no mask, no pre-pass), and a
+    decode whose key-side ids index the offsets: negative ids wrap as in torch; a stray
+    one raises."""
+    S = 32
+    bias = torch.randn(4, dtype=torch.float32)
+    doc = torch.tensor([-4, -1, 0, 3] * (S // 4), dtype=torch.int32)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[q_idx]]
+    q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+    got = ne.flex_attention(q, k, v, score_mod=biased).double()
+    s = (q.double() @ k.double().transpose(-1, -2)) / 4.0 + bias.double()[doc.long()][:, None]
+    assert torch.allclose(got, torch.softmax(s, -1) @ v.double(), atol=1e-5)
+    doc[5] = 4
+    with pytest.raises(ProgramError, match=r"'bias' \(4 entries\).*got 4"):
+        ne.flex_attention(q, k, v, score_mod=biased)
+    offsets = torch.tensor([0, 10, 25, 40], dtype=torch.int32)
+    ids = torch.tensor([-2] * 4 + [0] * 6 + [1] * 15 + [2] * 15, dtype=torch.int32)
+
+    def keys(b, h, q_idx, kv_idx):
+        return kv_idx >= offsets[ids[kv_idx]]
+    q1, k1, v1 = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    got = ne.flex_attention(q1, k1, v1, mask_mod=keys).double()
+    j = torch.arange(40)[None, :]
+    assert torch.allclose(got, torch_attention(q1, k1, v1, j >= offsets[ids.long()][j]), atol=1e-5)

@@ -161,19 +161,24 @@ def test_prepass_with_several_summaries_compiles_for_sm90(tmp_path):
     locals differ in type (a tile of blocks vs a scalar), which Triton's compiler refuses
     in a shared name ("Mismatched type for first between then block and else block", met
     on an H100 with Triton 3.6).  Compiled here for sm_90 without a GPU."""
-    from sm90_compile import compile_for_sm90
     specs = [SummarySpec("bs_doc_i", "doc", 0, "B_i"), SummarySpec("bs_doc_L", "doc", 0, "B_L"),
              SummarySpec("bs_doc_all", "doc", None, None)]
     text, _ = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__)
+    res = compile_prepass_for_sm90(tmp_path, text)
+    assert res["ok"], res
+
+
+def compile_prepass_for_sm90(tmp_path, text: str, options: dict | None = None) -> dict:
+    """``sm90_compile``'s line for pre-pass ``t_summaries`` (int32 tensors, blocks of 32)."""
+    from sm90_compile import compile_for_sm90
     path = tmp_path / "prepass_sm90.py"
     path.write_text("import triton\nimport triton.language as tl\n" + text)
     params = text.split("def t_summaries(")[1].split("):")[0]
     names = [p.strip().split(":")[0] for p in params.split(",") if p.strip()]
     spec = {"dtypes": {n: "*i32" for n in names if n.endswith("_ptr")},
             "constexprs": {n: 32 for n in names if "constexpr" in params.split(n, 1)[1].split(",")[0]},
-            "num_warps": NUM_WARPS, "num_stages": 1}
-    res = compile_for_sm90(path, "t_summaries", spec, timeout=300)
-    assert res["ok"], res
+            "num_warps": NUM_WARPS, "num_stages": 1, "options": options or {}}
+    return compile_for_sm90(path, "t_summaries", spec, timeout=300)
 
 
 def test_prepass_asserts_ids_in_range_on_the_device(tmp_path):
@@ -182,7 +187,6 @@ def test_prepass_asserts_ids_in_range_on_the_device(tmp_path):
     Triton's overflow checks of every integer op).  Compiled here for sm_90 without a GPU
     (the interpreter does not run device asserts; CPU calls check on the host,
     ``runtime.index_check``)."""
-    from sm90_compile import compile_for_sm90
     from neptune_eq.runtime.block_summary import SummaryPrepass
     specs = [SummarySpec("bs_doc_i", "doc", 0, "B_i"), SummarySpec("bs_doc_all", "doc", None, None)]
     text, pre = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__,
@@ -191,15 +195,7 @@ def test_prepass_asserts_ids_in_range_on_the_device(tmp_path):
     assert "outside [-14, 14)" in text and "(blk_0 >= nb_0)" in text  # padding blocks pass
     options = SummaryPrepass(pre, {"B_i": 16}, None).options
     assert options["debug"] is True and options["sanitize_overflow"] is False
-    path = tmp_path / "prepass_ids_sm90.py"
-    path.write_text("import triton\nimport triton.language as tl\n" + text)
-    params = text.split("def t_summaries(")[1].split("):")[0]
-    names = [p.strip().split(":")[0] for p in params.split(",") if p.strip()]
-    spec = {"dtypes": {n: "*i32" for n in names if n.endswith("_ptr")},
-            "constexprs": {n: 32 for n in names if "constexpr" in params.split(n, 1)[1].split(",")[0]},
-            "num_warps": NUM_WARPS, "num_stages": 1,
-            "options": {"debug": True, "sanitize_overflow": False}}
-    res = compile_for_sm90(path, "t_summaries", spec, timeout=300)
+    res = compile_prepass_for_sm90(tmp_path, text, {"debug": True, "sanitize_overflow": False})
     assert res["ok"] and res["asserts"], res
     _, plain = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__)
     assert not plain.checks and "debug" not in SummaryPrepass(plain, {"B_i": 16}, None).options
