@@ -252,7 +252,22 @@ def run_one(name: str, S: int, dtype: torch.dtype, flex, sweep: bool = False,
         row.update(config_sweep(q, k, v, mask))
     else:
         row["config"] = str(launcher_of(q, k, v, mask)[1].config)
+    row["chooser_timed"] = chooser_timings(q, k, v, mask)
     return row
+
+
+def chooser_timings(q, k, v, mask) -> list | None:
+    """The cold choice's own timings of this call's size bucket, [config, ms] per timed
+    config: what a near tie between forms looked like to the chooser (at S=4096 jagged
+    took the one-consumer Gluon form in one run and the tl tiles in another, session 39)."""
+    try:
+        kern, _, bound = launcher_of(q, k, v, mask)
+        rows = (kern.candidates if kern._dispatch is None else
+                kern._dispatch.choice_for(sizes_of(kern.input_program, bound)).rows)
+        return [[str(c), ms] for r in rows for c, ms, _ in r.timings]
+    except Exception as e:  # noqa: BLE001 - a diagnostic, never a crash of the table
+        print(f"  chooser timings not read: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
 
 
 def graphed_ms(fn) -> float | None:
