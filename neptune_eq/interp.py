@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ir import Program, ProgramError, Term, fmt
+from .ir import Program, ProgramError, Term, fmt, reads_data
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -179,9 +179,9 @@ class Interpreter:
         its = [i.long() for i in its]
         for k, (term, i) in enumerate(zip(idx, its)):
             n = src.shape[k]
-            data = any(x.op == "load" for x in term.walk())
-            if data:  # an index read from data: torch's rule, -n <= i < n, negative from
-                # the end (lowering/data_indices.py); an affine index must lie in [0, n)
+            # an index read from data: torch's rule, -n <= i < n, a negative one counting
+            # from the end (lowering/data_indices.py); an affine index must lie in [0, n)
+            if reads_data(term):
                 if i.numel() and (int(i.min()) < -n or int(i.max()) >= n):
                     raise ProgramError(
                         f"Expected the index {k} of a read of shape {tuple(src.shape)}, "

@@ -153,6 +153,12 @@ def free_axes(t: Term) -> frozenset[str]:
     return out
 
 
+def reads_data(t: Term) -> bool:
+    """Whether a term reads a tensor -- as an index, its value comes from data
+    (``offsets[doc[i]]``: lowering/data_indices.py)."""
+    return any(n.op == "load" for n in t.walk())
+
+
 def accessed(t: Term, ops=("ref", "run", "prev")) -> set[str]:
     """Names of the tensors a term reads through the given access ops."""
     return {n.val for n in t.walk() if n.op in ops}

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import re
 
-from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes
+from ..ir import FLOAT_DTYPES, MASKED, Term, free_axes, reads_data
 from . import block_shift, descriptors
-from .data_indices import reads_data, safe_index
+from .data_indices import safe_index
 from .tile import Tile
 from .lower import LoweringError, TilePlan, max_before_scale
 

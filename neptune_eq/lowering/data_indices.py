@@ -19,12 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Program, Term
-
-
-def reads_data(t: Term) -> bool:
-    """Whether an index term reads a tensor (its value comes from data)."""
-    return any(n.op == "load" for n in t.walk())
+from ..ir import Program, Term, reads_data
 
 
 @dataclass(frozen=True)
