@@ -248,20 +248,21 @@ def run_one(name: str, S: int, dtype: torch.dtype, flex, sweep: bool = False,
                                         if row["ms_ours_graph"] and row["ms_flex_prebuilt_graph"]
                                         else None)
     row["prepass_share"] = row["ms_prepass_device"] / (row["ms_prepass_device"] + row["ms_main_device"])
+    kern, la, bound = launcher_of(q, k, v, mask)
     if sweep:
         row.update(config_sweep(q, k, v, mask))
     else:
-        row["config"] = str(launcher_of(q, k, v, mask)[1].config)
-    row["chooser_timed"] = chooser_timings(q, k, v, mask)
+        row["config"] = str(la.config)
+    row["chooser_timed"] = chooser_timings(kern, bound)
     return row
 
 
-def chooser_timings(q, k, v, mask) -> list | None:
-    """The cold choice's own timings of this call's size bucket, [config, ms] per timed
-    config: what a near tie between forms looked like to the chooser (at S=4096 jagged
-    took the one-consumer Gluon form in one run and the tl tiles in another, session 39)."""
+def chooser_timings(kern, bound: dict) -> list | None:
+    """The cold choice's own timings of this call's size bucket (``launcher_of``'s kernel
+    and bound inputs), [config, ms] per timed config: what a near tie between forms looked
+    like to the chooser (at S=4096 jagged took the one-consumer Gluon form in one run and
+    the tl tiles in another, session 39)."""
     try:
-        kern, _, bound = launcher_of(q, k, v, mask)
         rows = (kern.candidates if kern._dispatch is None else
                 kern._dispatch.choice_for(sizes_of(kern.input_program, bound)).rows)
         return [[str(c), ms] for r in rows for c, ms, _ in r.timings]
