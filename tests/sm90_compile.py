@@ -70,7 +70,11 @@ def main():
     out = {"ok": True, "triton": triton.__version__,
            "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx,
            "setmaxnreg": "setmaxnreg" in ptx, "shared": ck.metadata.shared,
-           "asserts": "__assertfail" in ptx}
+           "asserts": "__assertfail" in ptx,
+           # programmatic dependent launch: the wait for the kernel before, the early release
+           "pdl_wait": "griddepcontrol.wait" in ptx,
+           "pdl_launch_dependents": "griddepcontrol.launch_dependents" in ptx,
+           "launch_pdl": bool(getattr(ck.metadata, "launch_pdl", False))}
     if spec.get("resources"):
         out.update(ptxas_resources(ptx, ck.metadata.name))
     print(json.dumps(out))

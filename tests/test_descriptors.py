@@ -209,6 +209,8 @@ def _compile_sm90(kern, **flags):
     consts.update({f: False for f in ks.even_flags})
     consts.update(TMA=flags.get("tma", False), WS=flags.get("ws", False), LOOP_STAGES=3,
                   VDOT=False)
+    if ks.summaries:  # launched dependent on the summaries' pre-pass, or not
+        consts["PDL"] = flags.get("pdl", False)
     of = {sp.name: sp.tensor for sp in ks.summaries}  # a block summary: its tensor's dtype
     dtypes = {f"{n}_ptr": {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32",
                            "int32": "*i32"}[kern.program.dtype_of(of.get(n, n))]
@@ -217,8 +219,8 @@ def _compile_sm90(kern, **flags):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(ks.source)
     spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": flags.get("warps", 4),
-            "num_stages": 3}
-    return compile_for_sm90(path, ks.name, spec, timeout=300)
+            "num_stages": 3, "options": {"launch_pdl": True} if flags.get("pdl") else {}}
+    return compile_for_sm90(path, ks.name, spec, timeout=300, python=flags.get("python"))
 
 
 def test_gpu_form_compiles_for_sm90_with_tma_and_warp_specialization():
@@ -244,9 +246,11 @@ def test_data_mask_key_ranges_compile_for_sm90():
                                          mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i)),
                             target="interpreter", cache=False)
     assert "bs_n" in kern.kernel_source.source and "if mono0_" in kern.kernel_source.source
-    for flags in ({}, {"tma": True}):
+    for flags in ({}, {"tma": True}, {"tma": True, "pdl": True}):
         res = _compile_sm90(kern, **flags)
         assert res["ok"] and res["wgmma"], res
+        # launched dependent on the pre-pass (Hopper): it waits for it, and only then
+        assert res["pdl_wait"] == res["launch_pdl"] == bool(flags.get("pdl")), res
 
 
 def test_a_config_that_fails_to_compile_is_recorded_and_skipped(monkeypatch):

@@ -153,6 +153,9 @@ def _compiles(tmp_path, name: str, program, ks, pipelined: bool = True) -> None:
     assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
     if pipelined:
         assert res["wgmma_serialized"] is None, (name, res)
+    # a data mask's form is launched dependent on its summaries' pre-pass: it waits for it
+    # (a dynamic walk's ranges kernel reads them instead, launched plainly between)
+    assert res["pdl_wait"] == (bool(ks.summaries) and not ks.gluon.ranges), (name, res)
 
 
 def test_the_deferred_product_keeps_its_operand_live_until_its_wait():

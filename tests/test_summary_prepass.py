@@ -197,5 +197,6 @@ def test_prepass_asserts_ids_in_range_on_the_device(tmp_path):
     assert options["debug"] is True and options["sanitize_overflow"] is False
     res = compile_prepass_for_sm90(tmp_path, text, {"debug": True, "sanitize_overflow": False})
     assert res["ok"] and res["asserts"], res
+    assert res["pdl_launch_dependents"], res  # (PDL on: its dependent may launch at once)
     _, plain = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__)
     assert not plain.checks and "debug" not in SummaryPrepass(plain, {"B_i": 16}, None).options

@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 
 from .block_ranges import data_ranges
+from .block_skip import summary_specs
 from .codegen import Emitter, grid_decode
 from .lower import TilePlan
 
@@ -54,6 +55,14 @@ def gl_main(lines: list[str]) -> list[str]:
     return [re.sub(r"gl\.arange\(0, (\w+)\)", r"gl.arange(0, \1, R1)", ln) for ln in gl_lines(lines)]
 
 
+# The first read of the pre-pass's summaries waits for it (``griddepcontrol.wait``, Triton's
+# ``gdc_wait`` written out: the Gluon forms run only on the GPU): the form is launched
+# dependent on the pre-pass (``summary_kernel.PDL_FLAG``), so its launch, shared memory and
+# barrier set-up overlap the pre-pass.  Launched plainly, the wait returns at once.
+WAIT_FOR_PREPASS = ('tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], '
+                    'dtype=tl.int32, is_pure=False, pack=1)')
+
+
 def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS) -> list[str]:
     """The ``tl`` lines fixing a tile's key range ``[j_lo, j_lo + n_blocks·B_L)`` from
     ``row_block`` (and the grid axes) and, with a data mask (``data``), ``dm_lo``..``dm_hi``:
@@ -68,6 +77,8 @@ def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS) -> li
     if data:
         # block_ranges' code over the tile's rows (the launcher builds the row summaries
         # at B_<row axis> = the tile's rows): the may / must key ranges and the flag they need
+        if summary_specs(plan):  # (a mask reading a tensor at the grid's index has none)
+            rng.append(WAIT_FOR_PREPASS)
         em = Emitter(plan, name)
         em.push("")
         em.push("")

@@ -27,7 +27,7 @@ from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_s
 from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
 from . import gluon_sums, gluon_ws
 from .data_indices import checked_ids
-from .summary_kernel import prepass_source
+from .summary_kernel import PDL_FLAG, prepass_source, wait_for_summaries
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 
@@ -460,9 +460,9 @@ def _gluon_form(plan: TilePlan, name: str):
     return None, "; ".join(whys)
 
 
-def _kernel_text(name: str, sig: list[str], em: Emitter) -> list[str]:
+def _kernel_text(name: str, sig: list[str], em: Emitter, summaries: list = ()) -> list[str]:
     body = em.pop()
-    body = em.pop() + body
+    body = wait_for_summaries(em.pop() + body, [sp.name for sp in summaries])
     return ["", "", "@triton.jit", f"def {name}(", *[f"    {s}," for s in sig], "):", *body]
 
 
@@ -493,6 +493,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
         even[f"EVEN_{ECOL}"] = (f"B_{ECOL}", [p.extents[a] for e in plan.epilogue for a in e.loop_axes])
     flags = [descriptors.TMA_FLAG, descriptors.WS_FLAG, descriptors.STAGES_FLAG,  # per config
              VDOT_FLAG, ONE_LOOP_FLAG]
+    if summaries:  # the kernel after the pre-pass: launched dependent on it (Hopper)
+        flags.append(PDL_FLAG)
     consts = [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even) + flags]
     ptrs = [f"{t}_ptr" for t in tensors]
     # Symbolic sizes are runtime ints after the strides (Triton specialises == 1 and % 16).
@@ -516,7 +518,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
         for k in range(len(plan.passes)):
             _pass_loop(em, k, split=False)
         epilogue(em)
-        text = header + _kernel_text(name, ptrs + stride_args + consts, em)
+        text = header + _kernel_text(name, ptrs + stride_args + consts, em, summaries)
         # warp specialisation was right on Triton 3.6 only around a contraction (descriptors)
         has_dot = any("tl.dot(" in line for line in text)
         scattered = tuple(sc.name for ps in plan.passes for sc in ps.scattered)
@@ -535,7 +537,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     vector_dot = em.vector_dots > 0
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
-    part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em)
+    part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em,
+                        summaries)
     states = [em.desc]
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
     width = combine_width_axis(plan)
@@ -556,7 +559,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     _store_partials(em)
     states += [em.desc, _fused_combine(em, plan, name, bf16_dot_in_fp32)]
     fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
-                         + consts + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em)
+                         + consts + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em,
+                         summaries)
     return KernelSource(name, "\n".join(header + part + comb + fused) + "\n" + pre_text, **common,
                         split_extent=plan.passes[0].extent, scratch=scratch, vector_dot=vector_dot,
                         gluon_why=_gluon_form(plan, name)[1],

@@ -43,6 +43,31 @@ TILE = 2048    # elements one per-block program reads (G_k blocks of B)
 CHUNK = 8192
 NUM_WARPS = 32
 
+# Programmatic dependent launch (Hopper on): the kernel after the pre-pass is launched while
+# the pre-pass still runs, and waits (``griddepcontrol.wait``) only before its first read of
+# a summary, so its launch and the work that needs no summary (descriptors, the row tile's
+# load) overlap the pre-pass instead of queueing behind it.  ``PDL`` is a constexpr of the
+# pre-pass and of every kernel that reads summaries, False in the interpreter, so neither
+# instruction is emitted there.  The pre-pass lets its dependents launch at once: they sit
+# in their wait, and the pre-pass's few programs leave the SMs room for them.
+PDL_FLAG = "PDL"
+
+
+def wait_for_summaries(body: list[str], summaries: list[str]) -> list[str]:
+    """``body`` (a kernel's lines, statements at 4 spaces) with ``if PDL: gdc_wait()``
+    before the top-level statement holding its first read of a summary (a name of
+    ``summaries``, read through ``<name>_ptr``): nothing before it may depend on the
+    pre-pass, everything after may.  A body that reads none is returned as it is."""
+    pat = re.compile(r"\b(" + "|".join(re.escape(f"{n}_ptr") for n in summaries) + r")\b")
+    first = next((k for k, ln in enumerate(body) if pat.search(ln)), None) if summaries else None
+    if first is None:
+        return body
+    while first > 0 and not re.match(r"    \S", body[first]):  # the enclosing statement
+        first -= 1
+    return body[:first] + [f"    if {PDL_FLAG}:  # programmatic dependent launch: the "
+                           "summaries are the pre-pass's",
+                           "        tl.extra.cuda.gdc_wait()"] + body[first:]
+
 
 @dataclass(frozen=True)
 class Prepass:
@@ -94,6 +119,7 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
     ints += [f"P_{k}" for k in range(1, len(specs))]
     consts = [f"{b}: tl.constexpr" for b in blocks]
     consts += [f"G_{k}: tl.constexpr" for k, s in enumerate(specs) if s.dim is not None]
+    consts += [f"{PDL_FLAG}: tl.constexpr"]
     floats = any(not _is_int(dtype_of(s.tensor)) for s in specs)
     lines = ["", ""]
     if floats:  # min / max that return NaN when either side is NaN, as torch.aminmax does
@@ -102,7 +128,9 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
                   "", "", "@triton.jit", "def _nan_max(a, b):",
                   "    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))", "", ""]
     lines += ["@triton.jit", f"def {kernel}(", *[f"    {p}," for p in ptrs + ints + consts], "):",
-              "    pid = tl.program_id(0)"]
+              "    pid = tl.program_id(0)",
+              f"    if {PDL_FLAG}:  # the kernel after this one may launch now (it waits)",
+              "        tl.extra.cuda.gdc_launch_dependents()"]
     for k, s in enumerate(specs):
         if len(specs) == 1:
             head, ind = [], "    "

@@ -16,8 +16,31 @@ torch: the reference the pre-pass is tested against, bit for bit.
 """
 from __future__ import annotations
 
-from ..lowering.summary_kernel import NUM_WARPS
+import os
+from functools import lru_cache
+
+from ..lowering.summary_kernel import NUM_WARPS, PDL_FLAG
 from .launch import FastLaunch, written_outputs
+
+
+def dependent_launch(target: str) -> bool:
+    """Whether the kernel after a pre-pass is launched dependent on it (programmatic
+    dependent launch, ``summary_kernel.PDL_FLAG``): on a GPU of compute capability 9.0 or
+    newer, unless ``NEPTUNE_EQ_PDL=0``; never in the interpreter."""
+    return (target == "cuda" and os.environ.get("NEPTUNE_EQ_PDL", "1") != "0"
+            and _hopper_or_newer())
+
+
+@lru_cache(maxsize=1)
+def _hopper_or_newer() -> bool:
+    import torch
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def dependent_options(options: dict, on: bool) -> dict:
+    """Launch options of the kernel right after a pre-pass: with ``launch_pdl`` where the
+    launch is dependent.  Only that launch: a later one (a split-k combine) has no wait."""
+    return {**options, "launch_pdl": True} if on else options
 
 
 def summarize(x, dim: int | None, block: int):
@@ -54,12 +77,14 @@ class SummaryPrepass:
     grid, the summaries' shapes and strides, where each summary's programs start) is
     worked out once per shape."""
 
-    def __init__(self, prepass, consts: dict, fn, options: dict | None = None):
+    def __init__(self, prepass, consts: dict, fn, options: dict | None = None,
+                 pdl: bool = False):
         self.pre, self.fn = prepass, fn
         blocks = sorted({s.block for s in prepass.specs if s.block})
         groups = prepass.groups(consts)
         self.consts = {b: consts[b] for b in blocks}
         self.consts.update({f"G_{k}": g for k, g in enumerate(groups) if g})
+        self.consts[PDL_FLAG] = pdl  # its dependent launches (``dependent_launch``)
         self.block_consts = consts
         self.options = options or {"num_warps": NUM_WARPS, "num_stages": 1}
         if prepass.checks:  # its device_assert of ids in range (summary_kernel): asserts on,

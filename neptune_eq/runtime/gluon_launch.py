@@ -21,7 +21,7 @@ from ..lowering.gluon_tiles import CTA_ROWS, sched_size
 from ..lowering.gluon_form import KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
-from .block_summary import SummaryPrepass
+from .block_summary import SummaryPrepass, dependent_launch, dependent_options
 from .bound_call import _FRESH, _kept
 from .tile_order import one_tile_per_program, tile_order, tile_work
 from .launch import FastLaunch, current_stream, int_classes, launch_hooks, written_outputs
@@ -113,10 +113,15 @@ class GluonLauncher:
         self.consts = dict(B_L=key_block, STAGES=config.num_stages,
                            EVEN_L=_even_keys(ks, key_block))
         self._pre = None
+        # the form right after the pre-pass is launched dependent on it (its key range
+        # waits for the summaries, ``gluon_tiles.WAIT_FOR_PREPASS``); a dynamic walk's
+        # ranges kernel comes between them, and is launched plainly
+        self.pdl = bool(ks.summaries) and not form.ranges and dependent_launch("cuda")
         if ks.summaries:  # the tl module's pre-pass, at this form's blocks
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
             self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": rows,
-                                                    "B_L": key_block}, pre_fn)
+                                                    "B_L": key_block}, pre_fn,
+                                       pdl=self.pdl)
         self._ranges, self._sched_n = None, 0
         if form.ranges:  # a dynamic walk: each tile's key range, after the summaries
             kname, source = form.ranges
@@ -132,7 +137,7 @@ class GluonLauncher:
         # Triton's own launch re-binds ~30 arguments per call (tens of µs, longer than a
         # short prefill runs): after one checked launch per key, ``FastLaunch`` calls the
         # compiled kernel directly, as the tl kernels' ``Launcher`` does
-        self.options = form.options(key_block, config.num_stages)
+        self.options = dependent_options(form.options(key_block, config.num_stages), self.pdl)
         self._launch = FastLaunch(self.fn, self.grid, self.consts, self.options)
         self._checked: dict = {}
         self._described: dict = {}  # descriptor slot -> (signature, its fields but the base)

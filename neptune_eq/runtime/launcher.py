@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..lowering.kernelgen import COMBINE_ROWS, KernelSource
-from .block_summary import SummaryPrepass, build_summaries
+from ..lowering.summary_kernel import PDL_FLAG
+from .block_summary import (SummaryPrepass, build_summaries, dependent_launch,
+                            dependent_options)
 from .descriptors import ensure_allocator, tma_ok
 from .launch import (FastLaunch, _triton_int_specialisation, class_launch_key, current_stream,
                      launch_key, written_outputs)
@@ -159,6 +161,11 @@ class Launcher:
                       LOOP_STAGES=self.config.loop_stages or self.config.num_stages,
                       VDOT=self.config.vector_dot,
                       ONE_LOOP=self.config.one_loop and getattr(self.ks, "one_loop", False))
+        # the kernel after the pre-pass is launched dependent on it where the GPU can
+        # (``block_summary.dependent_launch``): its launch overlaps the pre-pass
+        self.pdl = bool(self.ks.prepass) and dependent_launch(self.target)
+        if self.ks.summaries:
+            consts[PDL_FLAG] = self.pdl
         self.consts = consts
         self.tma = tma
         self._pointer_twin = None  # the pointer form, for calls whose tensors TMA cannot take
@@ -172,7 +179,7 @@ class Launcher:
         # Block summaries are rebuilt from the data on every call by one pre-pass launch
         # (the last kernel of the module); a kernel cached before the pre-pass existed
         # builds them with torch.
-        self._pre = (SummaryPrepass(self.ks.prepass, consts, self.fns[-1])
+        self._pre = (SummaryPrepass(self.ks.prepass, consts, self.fns[-1], pdl=self.pdl)
                      if self.ks.summaries and self.ks.prepass else None)
         self._last_summaries: dict = {}
         if self.size_args and self.fast_ok:
@@ -230,16 +237,17 @@ class Launcher:
 
     def _plan_launches(self):
         """One FastLaunch per kernel, in launch order: fixed per launcher."""
+        first = dependent_options(self.options, self.pdl)  # the launch after the pre-pass
         if not self.ks.split_extent:
-            return [FastLaunch(self.fns[0], self.grid(), self.consts, self.options)]
+            return [FastLaunch(self.fns[0], self.grid(), self.consts, first)]
         _, nsplit = self._chunks
         if self.config.fused:  # one program per row block combines: no width split
             bp = self._combine_shape(nsplit, spread_width=False)[0]
             return [FastLaunch(self.fns[2], self.grid() + (nsplit,),
                                {**self.consts, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
-                               self.options)]
+                               first)]
         bp, over, nw = self._combine_shape(nsplit)
-        return [FastLaunch(self.fns[0], self.grid() + (nsplit,), self.consts, self.options),
+        return [FastLaunch(self.fns[0], self.grid() + (nsplit,), self.consts, first),
                 FastLaunch(self.fns[1], self.grid() + (nw,),
                            {**self.consts, **over, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
                            self.options)]
