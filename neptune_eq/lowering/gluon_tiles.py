@@ -63,10 +63,14 @@ WAIT_FOR_PREPASS = ('tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0
                     'dtype=tl.int32, is_pure=False, pack=1)')
 
 
-def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS) -> list[str]:
+def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS,
+              dependent: bool = True) -> list[str]:
     """The ``tl`` lines fixing a tile's key range ``[j_lo, j_lo + n_blocks·B_L)`` from
     ``row_block`` (and the grid axes) and, with a data mask (``data``), ``dm_lo``..``dm_hi``:
-    the keys every row of the tile sees whole.  ``rows``: the tile's rows (the program's)."""
+    the keys every row of the tile sees whole.  ``rows``: the tile's rows (the program's).
+    ``dependent``: the code runs in a kernel launched dependent on the summaries' pre-pass
+    (a Gluon form), so it waits for it first; the ranges kernel is launched plainly and
+    also runs in the interpreter, which has no inline assembly."""
     ps = plan.passes[0]
     rng = [f"row_first = row_block * {rows}", f"row_last = row_first + {rows - 1}",
            "j_lo = 0", f"j_hi = {ps.extent}"]
@@ -77,8 +81,8 @@ def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS) -> li
     if data:
         # block_ranges' code over the tile's rows (the launcher builds the row summaries
         # at B_<row axis> = the tile's rows): the may / must key ranges and the flag they need
-        if summary_specs(plan):  # (a mask reading a tensor at the grid's index has none)
-            rng.append(WAIT_FOR_PREPASS)
+        if dependent and summary_specs(plan):  # (a mask reading a tensor at the grid's
+            rng.append(WAIT_FOR_PREPASS)        # index has no summaries to wait for)
         em = Emitter(plan, name)
         em.push("")
         em.push("")
@@ -144,7 +148,7 @@ def ranges_kernel(plan: TilePlan, name: str, args: list[str],
            "    pid_grid = tl.program_id(1)",
            "    n_rb = tl.num_programs(0)",
            *["    " + ln for ln in grid_decode(plan)],
-           *["    " + ln for ln in key_range(plan, name, data=True, rows=rows)],
+           *["    " + ln for ln in key_range(plan, name, data=True, rows=rows, dependent=False)],
            *[f"    tl.store({at} + {k}, {f})" for k, f in enumerate(RANGE_FIELDS)],
            "    tl.store(tile_sched_ptr, 0, mask=(row_block == 0) & (pid_grid == 0))"]
     return kname, "\n".join(src) + "\n"
