@@ -39,12 +39,12 @@ REPEATS = 5
 main_only, graph_ms = dm.main_only, dm.graph_ms
 
 
-def twin(la, pdl: bool):
-    """``la``'s tiles built again with dependent launch on or off."""
+def twin(la, pdl: bool, config=None):
+    """``la``'s tiles (or ``config``) built again with dependent launch on or off."""
     old = os.environ.get("NEPTUNE_EQ_PDL")
     os.environ["NEPTUNE_EQ_PDL"] = "1" if pdl else "0"
     try:
-        return make_launcher(la.program, la.ks, la.target, la.config, la.size_args)
+        return make_launcher(la.program, la.ks, la.target, config or la.config, la.size_args)
     finally:
         if old is None:
             os.environ.pop("NEPTUNE_EQ_PDL")

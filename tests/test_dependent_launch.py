@@ -1,7 +1,8 @@
-"""The kernel after a data mask's summary pre-pass is launched dependent on it
-(programmatic dependent launch, ``lowering/summary_kernel.PDL_FLAG``): it may start while
-the pre-pass runs, so it must wait for the pre-pass before its first read of a summary and
-never after.  Compiled here for sm_90 without a GPU; the GPU A/B (same output bit for bit,
+"""The kernel after a data mask's summary pre-pass, and a split-k combine after its
+partials, are launched dependent on the kernel before (programmatic dependent launch,
+``lowering/summary_kernel.PDL_FLAG``): each may start while that kernel runs, so it must
+wait for it before its first read of what it wrote (summaries, fold states) and never
+after.  Compiled here for sm_90 without a GPU; the GPU A/B (same output bit for bit,
 the time the pre-pass adds) is ``bench/prepass_pdl.py``."""
 import re
 
@@ -9,7 +10,7 @@ import pytest
 
 import neptune_eq as ne
 from neptune_eq.lowering.gluon_tiles import WAIT_FOR_PREPASS, gl_main, key_range
-from neptune_eq.lowering.summary_kernel import wait_for_summaries
+from neptune_eq.lowering.summary_kernel import wait_before_reads
 from neptune_eq.runtime import launcher as launcher_mod
 from neptune_eq.runtime.block_summary import dependent_launch, dependent_options
 from neptune_eq.runtime.launcher import Launcher
@@ -37,13 +38,13 @@ def test_the_wait_comes_before_the_statement_holding_the_first_summary_read():
             "        # nested",
             "        x = tl.load(bs_doc_ptr + j)",
             "    y = tl.load(bs_doc_ptr)"]
-    got = wait_for_summaries(body, ["bs_doc"])
+    got = wait_before_reads(body, ["bs_doc"])
     assert got[:2] == body[:2] and got[2:4] == ["    if PDL:  # programmatic dependent launch: "
-                                                "the summaries are the pre-pass's",
+                                                "wait for the kernel before",
                                                 f"        {WAIT}"]
     assert got[4:] == body[2:]
-    assert wait_for_summaries(body, ["bs_other"]) == body  # reads no summary: untouched
-    assert wait_for_summaries(body, []) == body
+    assert wait_before_reads(body, ["bs_other"]) == body  # reads no summary: untouched
+    assert wait_before_reads(body, []) == body
 
 
 def test_a_data_mask_kernel_waits_once_after_its_row_loads_and_its_prepass_releases_it():
@@ -54,7 +55,7 @@ def test_a_data_mask_kernel_waits_once_after_its_row_loads_and_its_prepass_relea
              if any(f"{sp.name}_ptr" in ln for sp in ks.summaries)]
     waits = [k for k, ln in enumerate(body) if WAIT in ln]
     assert len(waits) == 1 and waits[0] < reads[0] and body[waits[0] - 1].strip() == "if PDL:  " \
-        "# programmatic dependent launch: the summaries are the pre-pass's"
+        "# programmatic dependent launch: wait for the kernel before"
     # the row tile's loads need no summary: they are issued before the wait
     assert any(re.search(r"\bq_ptr\b|q_desc", ln) for ln in body[:waits[0]])
     assert "PDL: tl.constexpr" in ks.source.split(f"def {ks.name}(")[1].split("):")[0]
@@ -66,27 +67,63 @@ def test_a_data_mask_kernel_waits_once_after_its_row_loads_and_its_prepass_relea
     assert "PDL" not in plain and "gdc_" not in plain
 
 
-def test_only_the_launch_right_after_the_prepass_is_dependent(monkeypatch):
-    """A split-k data mask (decode: partials, then a combine): the partials kernel waits
-    and is launched dependent; the combine, launched after it, is not (it has no wait).
-    The interpreter never launches dependent (``PDL`` False: neither instruction emitted)."""
-    kern = _doc_attention(L=1, S=300)
-    row = next(r for r in kern.candidates if r.kernel is not None and r.kernel.split_extent)
+def _split_row(kern):
+    return next(r for r in kern.candidates if r.kernel is not None and r.kernel.split_extent)
+
+
+def _split_launchers(row, monkeypatch):
+    """(plain, dependent) launchers of a split-k candidate's two-launch config; the
+    dependent one built with the GPU's answer forced (built, not run: PDL needs a GPU)."""
+    cfg = TileConfig(blocks={"B_i": 16, "B_L": 32}, num_warps=4, num_stages=2, splits=4)
+    plain = Launcher(row.program, row.kernel, "interpreter", cfg)
+    monkeypatch.setattr(launcher_mod, "dependent_launch", lambda target: True)
+    monkeypatch.setenv("NEPTUNE_EQ_PDL_COMBINE", "1")  # (measured off by default)
+    return plain, Launcher(row.program, row.kernel, "interpreter", cfg)
+
+
+def test_each_launch_waits_for_the_one_before_and_only_its_reads(monkeypatch):
+    """A split-k data mask (decode: pre-pass, partials, combine): the partials wait for the
+    pre-pass's summaries, the combine for the partials' fold states, each launched
+    dependent.  The interpreter never launches dependent (``PDL`` False: neither
+    instruction emitted)."""
+    row = _split_row(_doc_attention(L=1, S=300))
     ks = row.kernel
     assert ks.prepass
-    cfg = TileConfig(blocks={"B_i": 16, "B_L": 32}, num_warps=4, num_stages=2, splits=4)
-    plain = Launcher(row.program, ks, "interpreter", cfg)
+    plain, dep = _split_launchers(row, monkeypatch)
     assert not plain.pdl and plain.consts["PDL"] is False and not dependent_launch("interpreter")
     assert all("launch_pdl" not in fl.options for fl in plain._launches)
-    monkeypatch.setattr(launcher_mod, "dependent_launch", lambda target: True)
-    dep = Launcher(row.program, ks, "interpreter", cfg)   # (built, not run: PDL needs a GPU)
     assert dep.pdl and dep.consts["PDL"] is True and dep._pre.consts["PDL"] is True
-    first, combine = dep._launches
-    assert first.options.get("launch_pdl") is True and "launch_pdl" not in combine.options
+    partials, combine = dep._launches
+    assert partials.options.get("launch_pdl") is True and combine.options.get("launch_pdl") is True
     partial = _body(ks.source, f"{ks.name}_partial")
     comb = _body(ks.source, f"{ks.name}_combine")
-    assert sum(WAIT in ln for ln in partial) == 1 and not any(WAIT in ln for ln in comb)
+    assert sum(WAIT in ln for ln in partial) == 1 and sum(WAIT in ln for ln in comb) == 1
+    first_read = next(k for k, ln in enumerate(comb) if re.search(r"\bws_\w+_ptr\b", ln))
+    assert next(k for k, ln in enumerate(comb) if WAIT in ln) < first_read
+    # the one-launch form (its last chunk combines) follows only the pre-pass
+    fused = _body(ks.source, f"{ks.name}_fused")
+    assert sum(WAIT in ln for ln in fused) == 1
     assert dependent_options({"num_warps": 4}, False) == {"num_warps": 4}
+
+
+def test_a_plain_decode_s_combine_waits_for_its_partials(monkeypatch):
+    """No data mask, no pre-pass: the partials launch plainly, the combine dependent where
+    ``NEPTUNE_EQ_PDL_COMBINE=1`` asks for it; by default both plainly, and without the flag
+    on no wait is emitted."""
+    row = _split_row(ne.superoptimize(ne.attention(1, 4, 1, 300, 32, "float16", kv_heads=4),
+                                      target="interpreter", cache=False))
+    ks = row.kernel
+    assert not ks.summaries and not ks.prepass
+    _, dep = _split_launchers(row, monkeypatch)
+    partials, combine = dep._launches
+    assert not dep.pdl and dep.pdl_combine and dep.consts["PDL"] is True
+    assert "launch_pdl" not in partials.options and combine.options.get("launch_pdl") is True
+    assert not any(WAIT in ln for ln in _body(ks.source, f"{ks.name}_partial"))
+    assert sum(WAIT in ln for ln in _body(ks.source, f"{ks.name}_combine")) == 1
+    monkeypatch.delenv("NEPTUNE_EQ_PDL_COMBINE")
+    default = Launcher(row.program, ks, "interpreter", dep.config)
+    assert not default.pdl_combine and default.consts["PDL"] is False
+    assert all("launch_pdl" not in fl.options for fl in default._launches)
 
 
 def test_the_gluon_forms_key_range_waits_before_reading_summaries():

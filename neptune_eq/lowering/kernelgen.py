@@ -27,7 +27,7 @@ from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_s
 from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
 from . import gluon_sums, gluon_ws
 from .data_indices import checked_ids
-from .summary_kernel import PDL_FLAG, prepass_source, wait_for_summaries
+from .summary_kernel import PDL_FLAG, prepass_source, wait_before_reads
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 
@@ -460,9 +460,11 @@ def _gluon_form(plan: TilePlan, name: str):
     return None, "; ".join(whys)
 
 
-def _kernel_text(name: str, sig: list[str], em: Emitter, summaries: list = ()) -> list[str]:
+def _kernel_text(name: str, sig: list[str], em: Emitter, waits_for: list = ()) -> list[str]:
+    """The kernel's text; ``waits_for``: what the kernel launched before it wrote (summary
+    or scratch names), waited for before its first read (``wait_before_reads``)."""
     body = em.pop()
-    body = wait_for_summaries(em.pop() + body, [sp.name for sp in summaries])
+    body = wait_before_reads(em.pop() + body, list(waits_for))
     return ["", "", "@triton.jit", f"def {name}(", *[f"    {s}," for s in sig], "):", *body]
 
 
@@ -493,7 +495,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
         even[f"EVEN_{ECOL}"] = (f"B_{ECOL}", [p.extents[a] for e in plan.epilogue for a in e.loop_axes])
     flags = [descriptors.TMA_FLAG, descriptors.WS_FLAG, descriptors.STAGES_FLAG,  # per config
              VDOT_FLAG, ONE_LOOP_FLAG]
-    if summaries:  # the kernel after the pre-pass: launched dependent on it (Hopper)
+    if summaries or plan.split:  # launched dependent on the pre-pass / the partials (Hopper)
         flags.append(PDL_FLAG)
     consts = [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even) + flags]
     ptrs = [f"{t}_ptr" for t in tensors]
@@ -518,7 +520,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
         for k in range(len(plan.passes)):
             _pass_loop(em, k, split=False)
         epilogue(em)
-        text = header + _kernel_text(name, ptrs + stride_args + consts, em, summaries)
+        text = header + _kernel_text(name, ptrs + stride_args + consts, em,
+                                     [sp.name for sp in summaries])
         # warp specialisation was right on Triton 3.6 only around a contraction (descriptors)
         has_dot = any("tl.dot(" in line for line in text)
         scattered = tuple(sc.name for ps in plan.passes for sc in ps.scattered)
@@ -538,7 +541,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
     part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em,
-                        summaries)
+                        [sp.name for sp in summaries])
     states = [em.desc]
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
     width = combine_width_axis(plan)
@@ -549,7 +552,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     _combine(em)
     epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
-                        + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em)
+                        + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em,
+                        list(scratch))  # launched dependent on the partials, on Hopper
     states.append(em.desc)
     # ... or both in one launch
     em = Emitter(plan, name, bf16_dot_in_fp32)
@@ -560,7 +564,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     states += [em.desc, _fused_combine(em, plan, name, bf16_dot_in_fp32)]
     fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
                          + consts + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em,
-                         summaries)
+                         [sp.name for sp in summaries])
     return KernelSource(name, "\n".join(header + part + comb + fused) + "\n" + pre_text, **common,
                         split_extent=plan.passes[0].extent, scratch=scratch, vector_dot=vector_dot,
                         gluon_why=_gluon_form(plan, name)[1],

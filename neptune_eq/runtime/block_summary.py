@@ -33,8 +33,21 @@ def dependent_launch(target: str) -> bool:
 
 @lru_cache(maxsize=1)
 def _hopper_or_newer() -> bool:
+    """A GPU of compute capability 9.0 or newer, and a Triton with both halves of PDL: the
+    ``launch_pdl`` launch option and ``tl.extra.cuda.gdc_wait`` (3.6 has them; a later
+    release that moved either turns the dependent launch off, not the kernel)."""
+    import dataclasses
+
     import torch
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return (hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+            and any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions)))
 
 
 def dependent_options(options: dict, on: bool) -> dict:

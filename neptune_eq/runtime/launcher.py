@@ -161,11 +161,20 @@ class Launcher:
                       LOOP_STAGES=self.config.loop_stages or self.config.num_stages,
                       VDOT=self.config.vector_dot,
                       ONE_LOOP=self.config.one_loop and getattr(self.ks, "one_loop", False))
-        # the kernel after the pre-pass is launched dependent on it where the GPU can
-        # (``block_summary.dependent_launch``): its launch overlaps the pre-pass
-        self.pdl = bool(self.ks.prepass) and dependent_launch(self.target)
-        if self.ks.summaries:
-            consts[PDL_FLAG] = self.pdl
+        # the kernel after the pre-pass, and a split-k combine after the partials, are
+        # launched dependent on the kernel before where the GPU can
+        # (``block_summary.dependent_launch``): their launch overlaps that kernel
+        dependent = dependent_launch(self.target)
+        self.pdl = bool(self.ks.prepass) and dependent
+        # The combine after the partials is launched dependent only with
+        # NEPTUNE_EQ_PDL_COMBINE=1: replayed from a CUDA graph it ran 0.976-0.997x its plain
+        # launch (GQA and causal decode at 2048 / 32768 keys, H200, ``bench/decode_pdl.py``,
+        # 5 alternated passes each); only as called, with launches queued behind a busy
+        # GPU, did it gain (1.3-1.5 us a call).
+        self.pdl_combine = (bool(self.ks.split_extent) and dependent
+                            and os.environ.get("NEPTUNE_EQ_PDL_COMBINE", "0") == "1")
+        if self.ks.summaries or self.ks.split_extent:  # (the modules with the flag)
+            consts[PDL_FLAG] = self.pdl or self.pdl_combine
         self.consts = consts
         self.tma = tma
         self._pointer_twin = None  # the pointer form, for calls whose tensors TMA cannot take
@@ -250,7 +259,7 @@ class Launcher:
         return [FastLaunch(self.fns[0], self.grid() + (nsplit,), self.consts, first),
                 FastLaunch(self.fns[1], self.grid() + (nw,),
                            {**self.consts, **over, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
-                           self.options)]
+                           dependent_options(self.options, self.pdl_combine))]
 
     def _arg_lists(self, tensors: dict) -> tuple[list[list], tuple | None, int | None, list]:
         """Arguments of each kernel in launch order, the fast-launch key, the stream the
