@@ -4,7 +4,7 @@ launch), against launched plainly: same tiles, same process, same output bit for
 measured here: graphed it ran 0.976-0.997x the plain launch on an H200, session 40.)
 
 The two-launch split-k decode writes each chunk's fold states, then a combine kernel folds
-them.  With PDL (``lowering/summary_kernel.PDL_FLAG``) the combine is launched while the
+them.  With PDL (``lowering/dependent_launch.py``) the combine is launched while the
 partials run and waits for them before its first read of a fold state.  For each operator
 of ``bench/neptune_ops.py`` named, the bench superoptimizes it cold, takes the chosen
 split-k tiles in their two-launch form (the chosen config itself where that is two-launch)

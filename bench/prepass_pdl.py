@@ -3,7 +3,7 @@ dependent launch (PDL), same tiles, same process (issue 17's "< 3 % of the call"
 
 A data mask's call is two launches: the pre-pass (one launch, O(S)) and the attention
 kernel, which reads the summaries.  Launched plainly, the attention kernel starts only
-after the pre-pass has finished; with PDL (``lowering/summary_kernel.PDL_FLAG``) it is
+after the pre-pass has finished; with PDL (``lowering/dependent_launch.py``) it is
 launched while the pre-pass runs and waits for it only at its first read of a summary.
 For each case the bench builds the chosen tiles' launcher twice -- ``NEPTUNE_EQ_PDL=0``
 and on -- checks both give the same output (bit for bit) and times:

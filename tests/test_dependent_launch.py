@@ -1,6 +1,6 @@
 """The kernel after a data mask's summary pre-pass, and a split-k combine after its
 partials, are launched dependent on the kernel before (programmatic dependent launch,
-``lowering/summary_kernel.PDL_FLAG``): each may start while that kernel runs, so it must
+``lowering/dependent_launch.py``): each may start while that kernel runs, so it must
 wait for it before its first read of what it wrote (summaries, fold states) and never
 after.  Compiled here for sm_90 without a GPU; the GPU A/B (same output bit for bit,
 the time the pre-pass adds) is ``bench/prepass_pdl.py``."""
@@ -9,10 +9,10 @@ import re
 import pytest
 
 import neptune_eq as ne
-from neptune_eq.lowering.gluon_tiles import WAIT_FOR_PREPASS, gl_main, key_range
-from neptune_eq.lowering.summary_kernel import wait_before_reads
+from neptune_eq.lowering.dependent_launch import WAIT_FOR_PREPASS, wait_before_reads
+from neptune_eq.lowering.gluon_tiles import gl_main, key_range
 from neptune_eq.runtime import launcher as launcher_mod
-from neptune_eq.runtime.block_summary import dependent_launch, dependent_options
+from neptune_eq.runtime.launch import dependent_launch, dependent_options
 from neptune_eq.runtime.launcher import Launcher
 from neptune_eq.runtime.tile_configs import TileConfig
 

@@ -36,6 +36,7 @@ import re
 
 from .block_ranges import data_ranges
 from .block_skip import summary_specs
+from .dependent_launch import WAIT_FOR_PREPASS
 from .codegen import Emitter, grid_decode
 from .lower import TilePlan
 
@@ -53,14 +54,6 @@ def gl_main(lines: list[str]) -> list[str]:
     """``gl_lines`` for code that runs before the warpgroups split (4 warps): a bare
     ``arange`` (the summary counts of ``block_skip``) gets the 1-D layout ``R1``."""
     return [re.sub(r"gl\.arange\(0, (\w+)\)", r"gl.arange(0, \1, R1)", ln) for ln in gl_lines(lines)]
-
-
-# The first read of the pre-pass's summaries waits for it (``griddepcontrol.wait``, Triton's
-# ``gdc_wait`` written out: the Gluon forms run only on the GPU): the form is launched
-# dependent on the pre-pass (``summary_kernel.PDL_FLAG``), so its launch, shared memory and
-# barrier set-up overlap the pre-pass.  Launched plainly, the wait returns at once.
-WAIT_FOR_PREPASS = ('tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], '
-                    'dtype=tl.int32, is_pure=False, pack=1)')
 
 
 def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS,

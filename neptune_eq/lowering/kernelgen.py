@@ -27,7 +27,8 @@ from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_s
 from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
 from . import gluon_sums, gluon_ws
 from .data_indices import checked_ids
-from .summary_kernel import PDL_FLAG, prepass_source, wait_before_reads
+from .dependent_launch import PDL_FLAG, wait_before_reads
+from .summary_kernel import prepass_source
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 

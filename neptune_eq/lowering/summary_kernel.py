@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from .block_predicate import SummarySpec
 from .codegen import _TL_DTYPE
+from .dependent_launch import PDL_FLAG
 
 TILE = 2048    # elements one per-block program reads (G_k blocks of B)
 # Elements per step of a global summary's walk, and the pre-pass's warps.  A walk is one
@@ -42,35 +43,6 @@ TILE = 2048    # elements one per-block program reads (G_k blocks of B)
 # order); walks remain for tables read at a computed index (``offsets[doc[i]]``).
 CHUNK = 8192
 NUM_WARPS = 32
-
-# Programmatic dependent launch (Hopper on): a kernel that reads what the kernel before it
-# wrote -- the summaries of the pre-pass, a split-k combine the partials' fold states -- is
-# launched while that kernel still runs, and waits (``griddepcontrol.wait``) only before its
-# first such read, so its launch and the work that needs none (descriptors, the row tile's
-# load) overlap the kernel before instead of queueing behind it (the combine's dependent
-# launch is measured off by default: ``runtime/launcher.py``).  ``PDL`` is a constexpr of
-# every kernel of a module with a pre-pass or a split-k combine, False in the interpreter
-# and wherever no launch of the module is dependent, so no instruction is emitted there.  The pre-pass lets its dependents launch at once:
-# they sit in their wait, and the pre-pass's few programs leave the SMs room for them.
-PDL_FLAG = "PDL"
-
-
-def wait_before_reads(body: list[str], written: list[str]) -> list[str]:
-    """``body`` (a kernel's lines, statements at 4 spaces) with ``if PDL: gdc_wait()``
-    before the top-level statement holding its first read of a buffer the kernel before
-    wrote (a name of ``written``, read through ``<name>_ptr``): nothing before it may
-    depend on that kernel, everything after may.  A body that reads none is returned as it
-    is."""
-    pat = re.compile(r"\b(" + "|".join(re.escape(f"{n}_ptr") for n in written) + r")\b")
-    first = next((k for k, ln in enumerate(body) if pat.search(ln)), None) if written else None
-    if first is None:
-        return body
-    while first > 0 and not re.match(r"    [^\s#]", body[first]):  # the enclosing statement
-        first -= 1
-    return body[:first] + [f"    if {PDL_FLAG}:  # programmatic dependent launch: wait for "
-                           "the kernel before",
-                           "        tl.extra.cuda.gdc_wait()"] + body[first:]
-
 
 @dataclass(frozen=True)
 class Prepass:

@@ -16,44 +16,9 @@ torch: the reference the pre-pass is tested against, bit for bit.
 """
 from __future__ import annotations
 
-import os
-from functools import lru_cache
-
-from ..lowering.summary_kernel import NUM_WARPS, PDL_FLAG
+from ..lowering.dependent_launch import PDL_FLAG
+from ..lowering.summary_kernel import NUM_WARPS
 from .launch import FastLaunch, written_outputs
-
-
-def dependent_launch(target: str) -> bool:
-    """Whether the kernel after a pre-pass is launched dependent on it (programmatic
-    dependent launch, ``summary_kernel.PDL_FLAG``): on a GPU of compute capability 9.0 or
-    newer, unless ``NEPTUNE_EQ_PDL=0``; never in the interpreter."""
-    return (target == "cuda" and os.environ.get("NEPTUNE_EQ_PDL", "1") != "0"
-            and _hopper_or_newer())
-
-
-@lru_cache(maxsize=1)
-def _hopper_or_newer() -> bool:
-    """A GPU of compute capability 9.0 or newer, and a Triton with both halves of PDL: the
-    ``launch_pdl`` launch option and ``tl.extra.cuda.gdc_wait`` (3.6 has them; a later
-    release that moved either turns the dependent launch off, not the kernel)."""
-    import dataclasses
-
-    import torch
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra import cuda
-    except ImportError:
-        return False
-    return (hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
-            and any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions)))
-
-
-def dependent_options(options: dict, on: bool) -> dict:
-    """Launch options of the kernel right after a pre-pass: with ``launch_pdl`` where the
-    launch is dependent.  Only that launch: a later one (a split-k combine) has no wait."""
-    return {**options, "launch_pdl": True} if on else options
 
 
 def summarize(x, dim: int | None, block: int):

@@ -21,10 +21,11 @@ from ..lowering.gluon_tiles import CTA_ROWS, sched_size
 from ..lowering.gluon_form import KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
-from .block_summary import SummaryPrepass, dependent_launch, dependent_options
+from .block_summary import SummaryPrepass
 from .bound_call import _FRESH, _kept
 from .tile_order import one_tile_per_program, tile_order, tile_work
-from .launch import FastLaunch, current_stream, int_classes, launch_hooks, written_outputs
+from .launch import (FastLaunch, current_stream, dependent_launch, dependent_options,
+                     int_classes, launch_hooks, written_outputs)
 from .tma_launch import EncodedLaunch
 from .launcher import Launcher, import_source, same_outputs
 from .tile_configs import TileConfig
@@ -114,7 +115,7 @@ class GluonLauncher:
                            EVEN_L=_even_keys(ks, key_block))
         self._pre = None
         # the form right after the pre-pass is launched dependent on it (its key range
-        # waits for the summaries, ``gluon_tiles.WAIT_FOR_PREPASS``); a dynamic walk's
+        # waits for the summaries, ``dependent_launch.WAIT_FOR_PREPASS``); a dynamic walk's
         # ranges kernel comes between them, and is launched plainly
         self.pdl = bool(ks.summaries) and not form.ranges and dependent_launch("cuda")
         if ks.summaries:  # the tl module's pre-pass, at this form's blocks

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import lru_cache
 
 
 def _hook_source():
@@ -50,6 +51,40 @@ def launch_hooks(hooks: tuple) -> tuple:
     if _set(enter) is None and _set(exit_) is None:
         return None, None
     return enter, exit_
+
+
+def dependent_launch(target: str) -> bool:
+    """Whether a kernel that reads what the kernel before it wrote (the pre-pass's
+    summaries) may be launched dependent on it (programmatic dependent launch,
+    ``lowering/dependent_launch.py``): on a GPU of compute capability 9.0 or newer, unless
+    ``NEPTUNE_EQ_PDL=0``; never in the interpreter."""
+    return (target == "cuda" and os.environ.get("NEPTUNE_EQ_PDL", "1") != "0"
+            and _hopper_or_newer())
+
+
+@lru_cache(maxsize=1)
+def _hopper_or_newer() -> bool:
+    """A GPU of compute capability 9.0 or newer, and a Triton with both halves of PDL: the
+    ``launch_pdl`` launch option and ``tl.extra.cuda.gdc_wait`` (3.6 has them; a later
+    release that moved either turns the dependent launch off, not the kernel)."""
+    import dataclasses
+
+    import torch
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return (hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+            and any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions)))
+
+
+def dependent_options(options: dict, on: bool) -> dict:
+    """``options`` with ``launch_pdl`` where the launch is dependent (``on``): only for a
+    kernel that waits before its first read of what the kernel before wrote."""
+    return {**options, "launch_pdl": True} if on else options
 
 
 def current_stream(device: int):

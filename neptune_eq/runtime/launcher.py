@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..lowering.kernelgen import COMBINE_ROWS, KernelSource
-from ..lowering.summary_kernel import PDL_FLAG
-from .block_summary import (SummaryPrepass, build_summaries, dependent_launch,
-                            dependent_options)
+from ..lowering.dependent_launch import PDL_FLAG
+from .block_summary import SummaryPrepass, build_summaries
 from .descriptors import ensure_allocator, tma_ok
 from .launch import (FastLaunch, _triton_int_specialisation, class_launch_key, current_stream,
-                     launch_key, written_outputs)
+                     dependent_launch, dependent_options, launch_key, written_outputs)
 from ..ir import Program, ProgramError
 from .index_check import check_data_indices
 from .triton_mode import check_interpreter_importable, enable_interpreter
@@ -163,7 +162,7 @@ class Launcher:
                       ONE_LOOP=self.config.one_loop and getattr(self.ks, "one_loop", False))
         # the kernel after the pre-pass, and a split-k combine after the partials, are
         # launched dependent on the kernel before where the GPU can
-        # (``block_summary.dependent_launch``): their launch overlaps that kernel
+        # (``launch.dependent_launch``): their launch overlaps that kernel
         dependent = dependent_launch(self.target)
         self.pdl = bool(self.ks.prepass) and dependent
         # The combine after the partials is launched dependent only with

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL, Hopper on): a kernel launched while the kernel before
+it still runs, waiting for it only where it first reads what that kernel wrote.
+
+Two launches of one call depend on each other through memory: the summary pre-pass writes
+the per-block summaries a data mask's kernel reads (``summary_kernel``), and a split-k
+partials kernel writes the fold states its combine reads (``kernelgen``).  Launched
+plainly, the second starts only after the first has finished and the GPU's launch path has
+run.  Launched dependent (Triton's ``launch_pdl``), its programs become resident while the
+first runs and stop at ``griddepcontrol.wait`` (Triton's ``gdc_wait``), which returns once
+the first kernel has completed and its writes are visible; everything before the wait --
+the launch, descriptors, the row tile's load -- overlaps the kernel before.
+
+This module writes the device side: the ``PDL`` constexpr every kernel of such a module
+takes (False in the interpreter and wherever no launch of the module is dependent, so no
+instruction is emitted there), the wait placed before the first read, and the Gluon forms'
+wait.  ``runtime.launch.dependent_launch`` decides where a launch is dependent.
+"""
+from __future__ import annotations
+
+import re
+
+# The constexpr of every kernel of a module with a pre-pass or a split-k combine.  The
+# pre-pass lets its dependents launch at once (``gdc_launch_dependents`` first thing): they
+# sit in their wait, and the pre-pass's few programs leave the SMs room for them.  The
+# combine's dependent launch is measured off by default (``runtime/launcher.py``).
+PDL_FLAG = "PDL"
+
+
+def wait_before_reads(body: list[str], written: list[str]) -> list[str]:
+    """``body`` (a kernel's lines, statements at 4 spaces) with ``if PDL: gdc_wait()``
+    before the top-level statement holding its first read of a buffer the kernel before
+    wrote (a name of ``written``, read through ``<name>_ptr``): nothing before it may
+    depend on that kernel, everything after may.  A body that reads none is returned as it
+    is."""
+    pat = re.compile(r"\b(" + "|".join(re.escape(f"{n}_ptr") for n in written) + r")\b")
+    first = next((k for k, ln in enumerate(body) if pat.search(ln)), None) if written else None
+    if first is None:
+        return body
+    while first > 0 and not re.match(r"    [^\s#]", body[first]):  # the enclosing statement
+        first -= 1
+    return body[:first] + [f"    if {PDL_FLAG}:  # programmatic dependent launch: wait for "
+                           "the kernel before",
+                           "        tl.extra.cuda.gdc_wait()"] + body[first:]
+
+
+# The first read of the pre-pass's summaries waits for it (``griddepcontrol.wait``, Triton's
+# ``gdc_wait`` written out: the Gluon forms run only on the GPU): the form is launched
+# dependent on the pre-pass, so its launch, shared memory and barrier set-up overlap the
+# pre-pass.  Launched plainly, the wait returns at once.
+WAIT_FOR_PREPASS = ('tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], '
+                    'dtype=tl.int32, is_pure=False, pack=1)')
