@@ -155,3 +155,39 @@ def test_a_dependent_call_in_the_interpreter_is_the_plain_call(pdl, monkeypatch)
     ref = torch.softmax(s.masked_fill(~vis, float("-inf")), -1) @ v.float()
     out = got[0] if isinstance(got, (tuple, list)) else got
     assert (out.float() - ref).abs().max() < 2e-3
+
+
+def _reads_wait_first(text: str, names: list[str], wait: str) -> bool:
+    """In ``text`` (one function), the wait comes before every read of ``names``' pointers."""
+    lines = text.splitlines()
+    reads = [k for k, ln in enumerate(lines) if any(re.search(rf"\b{n}_ptr\b", ln) for n in names)]
+    waits = [k for k, ln in enumerate(lines) if wait in ln]
+    return bool(waits) and all(waits[0] < k for k in reads)
+
+
+def test_every_kernel_reading_summaries_waits_first_forward_and_backward(monkeypatch):
+    """The invariant PDL needs, over every form a document mask takes: in each kernel of
+    the module but the pre-pass (the tl forward, the backward's dK/dV and dQ kernels), and
+    in each Gluon form's main function (its partitions start after it), the wait comes
+    before every read of a summary.  A read before it could see the last call's summaries."""
+    import test_gluon_sums as gs
+    fwd = _doc_attention()
+    kernels = [fwd] + [gs._backward_kernel(monkeypatch, g, mask=gs.DOC_CAUSAL)
+                       for g in (("k", "v"), ("q",))]
+    for kern in kernels:
+        ks = kern.kernel_source
+        names = [sp.name for sp in ks.summaries]
+        assert names and ks.prepass
+        reading = [fn for fn in ks.source.split("@triton.jit")[1:]
+                   if not fn.lstrip().startswith(f"def {ks.prepass.kernel}(")
+                   and any(f"{n}_ptr" in fn.split("):\n", 1)[1] for n in names)]
+        assert reading, ks.name
+        for fn in reading:
+            assert _reads_wait_first(fn.split("):\n", 1)[1], names, WAIT), (ks.name, fn[:80])
+        form = ks.gluon
+        assert form is not None, ks.gluon_why
+        main = form.source[form.source.index(f"def {form.name}("):]
+        body = main.split("):\n", 1)[1]
+        assert _reads_wait_first(body, names, "griddepcontrol.wait"), form.name
+        # the partitions run after the warp split, which comes after the wait
+        assert body.index("griddepcontrol.wait") < body.index("gl.warp_specialize(")

@@ -175,3 +175,4 @@ def test_a_document_mask_bounds_both_gradient_loops_by_the_summaries(tmp_path, m
     res = compile_for_sm90(path, form.name, sm90_spec(kern.program, ks, key_block=64))
     assert res["ok"], res["error"]
     assert res["tma"] and res["wgmma"], res
+    assert res["pdl_wait"], res  # launched dependent on the pre-pass: it waits for it
