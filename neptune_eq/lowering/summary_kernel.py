@@ -44,6 +44,7 @@ TILE = 2048    # elements one per-block program reads (G_k blocks of B)
 CHUNK = 8192
 NUM_WARPS = 32
 
+
 @dataclass(frozen=True)
 class Prepass:
     """How to launch the pre-pass: ``tensors`` are the captured tensors it reads, each
