@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -65,12 +66,8 @@ def measure(op: str, S: int) -> dict:
         row[f"combine_dependent_{key}"] = bool(t.pdl_combine)
         runs[key] = (lambda t=t, x=mine: t(x))
     row["same_output"] = bool(torch.equal(outs[False], outs[True]))
-    times = {key: [] for key in runs}
-    for _ in range(REPEATS):
-        for key, fn in runs.items():
-            times[key].append(dm.graph_ms(fn))
-    for key, ts in times.items():
-        row[f"ms_graph_{key}"] = sorted(ts)[len(ts) // 2]
+    for key, ts in dm.alternated_graph_ms(runs, REPEATS).items():
+        row[f"ms_graph_{key}"] = statistics.median(ts)
         row[f"ms_graph_{key}_all"] = ts
         row[f"ms_call_{key}"] = do_bench(runs[key], return_mode="median")
         row[f"{unit.replace('/', 'p')}_graph_{key}"] = work / (row[f"ms_graph_{key}"] * 1e-3)

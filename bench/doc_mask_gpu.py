@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -270,8 +271,8 @@ def prepass_added(la, bound: dict, passes: int = 3) -> dict:
     try:
         tensors = {n: (x.clone() if n in la.program.outputs else x) for n, x in bound.items()}
         runs = {"call": lambda: la(tensors), "main": main_only(la, tensors)}
-        ts = {key: sorted(graph_ms(fn) for _ in range(passes)) for key, fn in runs.items()}
-        call, main = ts["call"][passes // 2], ts["main"][passes // 2]
+        ts = alternated_graph_ms(runs, passes)
+        call, main = statistics.median(ts["call"]), statistics.median(ts["main"])
         return {"ms_call_graph20": call, "ms_main_only_graph20": main,
                 "ms_prepass_added": call - main, "prepass_added_share": (call - main) / call}
     except Exception as e:  # noqa: BLE001 - a measurement, never a crash of the table
@@ -327,6 +328,17 @@ def graph_ms(fn) -> float:
         for _ in range(GRAPH_CALLS):
             fn()
     return do_bench(g.replay, return_mode="median") / GRAPH_CALLS
+
+
+def alternated_graph_ms(runs: dict, passes: int) -> dict[str, list[float]]:
+    """``graph_ms`` of each of ``runs`` (key -> function), ``passes`` times, the runs
+    alternated within each pass: differences of ~1 us on calls of 50-200 us, which one
+    pass each moved by about as much (session 40).  Key -> its times in pass order."""
+    times = {key: [] for key in runs}
+    for _ in range(passes):
+        for key, fn in runs.items():
+            times[key].append(graph_ms(fn))
+    return times
 
 
 def write(rows: list[dict], out: str) -> None:

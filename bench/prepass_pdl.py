@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 from neptune_eq.runtime.gluon_launch import make_launcher  # noqa: E402
 
 REPEATS = 5
-main_only, graph_ms = dm.main_only, dm.graph_ms
+main_only = dm.main_only
 
 
 def twin(la, pdl: bool, config=None):
@@ -97,14 +98,8 @@ def measure(name: str, S: int, dtype: torch.dtype, tl_tiles: bool = False) -> di
     ref = reference(mask, q, k, v)
     row["max_abs_diff_vs_fp32"] = max((results[p][:1].float() - ref).abs().max().item()
                                       for p in results)
-    # the three replayed ``REPEATS`` times, alternated (differences of ~1 us on calls of
-    # 50-200 us: one pass each moved by about as much), the median of each kept
-    times = {key: [] for key in runs}
-    for _ in range(REPEATS):
-        for key, fn in runs.items():
-            times[key].append(graph_ms(fn))
-    for key, ts in times.items():
-        row[f"ms_graph_{key}" if key != "main_only" else "ms_main_only"] = sorted(ts)[len(ts) // 2]
+    for key, ts in dm.alternated_graph_ms(runs, REPEATS).items():  # the median of each kept
+        row[f"ms_graph_{key}" if key != "main_only" else "ms_main_only"] = statistics.median(ts)
         row[f"ms_graph_{key}_all"] = ts
     from triton.testing import do_bench
     for key in ("off", "on"):
