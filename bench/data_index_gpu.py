@@ -8,6 +8,11 @@
 2. An id past the table, in a child process (a device assert ends its CUDA context): the
    call must fail with the pre-pass's assert, never return.
 3. The pre-pass's device time in such calls (it asserts the ids now), from the profiler.
+4. ``--score``: a score_mod reading ``bias[doc[q]]`` -- no mask, nothing to summarise, so
+   the pre-pass is a guard that only asserts the ids (``summary_kernel``): right against
+   torch with padding -1 and ids from the end; an id past the table fails in a child; and
+   what the guard costs a call: 20 calls replayed from a CUDA graph against the attention
+   kernel alone, PDL on and off, medians of 5 alternated passes.
 Writes data_index_gpu.json under --out.
 """
 from __future__ import annotations
@@ -44,20 +49,82 @@ def reference(q, k, v, visible):
     return p @ v.float()
 
 
-def child(S: int) -> None:
+def child(S: int, score: bool = False) -> None:
     """Called with an id past the table: prints what happened (the parent reads it)."""
     doc, offsets = case(S)
     doc[S // 3] = offsets.numel()  # one past the last entry
 
     def jagged(b, h, q_idx, kv_idx):
         return (kv_idx >= offsets[doc[q_idx]]) & (q_idx >= kv_idx)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + offsets[doc[q_idx]].float() * 1e-3
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
     try:
-        ne.flex_attention(q, k, v, mask_mod=jagged)
+        if score:
+            ne.flex_attention(q, k, v, score_mod=biased)
+        else:
+            ne.flex_attention(q, k, v, mask_mod=jagged)
         torch.cuda.synchronize()
         print("RETURNED")
     except Exception as e:  # noqa: BLE001 - reported
         print(f"RAISED {type(e).__name__}: {str(e)[:300]}")
+
+
+def past_the_table(S: int, score: bool) -> dict:
+    """The call with an id past the table, in a child process: raised, with our message."""
+    res = subprocess.run([sys.executable, __file__, "--child", "--S", str(S)]
+                         + (["--score"] if score else []),
+                         capture_output=True, text=True, timeout=300)
+    row = {"past_the_table": (res.stdout.strip().splitlines() or ["(no output)"])[-1],
+           "past_the_table_assert_message": "neptune_eq: an id in" in res.stderr}
+    row["past_the_table_ok"] = (row["past_the_table"].startswith("RAISED")
+                                and row["past_the_table_assert_message"])
+    return row
+
+
+def score_guard(S: int) -> dict:
+    """Item 4: ``offsets[doc[q]]`` read in a score_mod, guarded by a pre-pass that only
+    asserts."""
+    import statistics
+
+    import doc_mask_gpu as dm
+    from prepass_pdl import twin
+    doc, offsets = case(S)
+    bias = offsets.float() * 1e-3
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + offsets[doc[q_idx]].float() * 1e-3
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    got = ne.flex_attention(q, k, v, score_mod=biased)
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D) + bias[doc.long()][:, None]
+    want = torch.softmax(s, -1) @ v.float()  # torch wraps the negative ids
+    row = {"case": "score_mod offsets[doc[q]]", "S": S,
+           "max_err_vs_torch": (got.float() - want).abs().max().item()}
+    _, la, bound = dm.launcher_of(q, k, v, None, score=biased)
+    pre = la._pre.pre if la._pre is not None else None
+    row["guard_only_prepass"] = bool(pre and not pre.specs and pre.guards)
+    row["config"] = str(la.config)
+    runs = {}
+    for pdl in (False, True):
+        t = twin(la, pdl)
+        tensors = {n: (x.clone() if n in la.program.outputs else x) for n, x in bound.items()}
+        t(tensors)
+        runs["pdl_on" if pdl else "pdl_off"] = (lambda t=t, x=tensors: t(x))
+        if not pdl:
+            runs["main_only"] = dm.main_only(t, tensors)
+    torch.cuda.synchronize()
+    times = dm.alternated_graph_ms(runs, 5)
+    for key, ts in times.items():
+        row[f"us_graphed_{key}"] = statistics.median(ts) * 1e3
+    for key in ("pdl_off", "pdl_on"):
+        added = row[f"us_graphed_{key}"] - row["us_graphed_main_only"]
+        row[f"us_guard_added_{key}"] = added
+        row[f"guard_share_{key}"] = added / row[f"us_graphed_{key}"]
+    row.update(past_the_table(S, score=True))
+    row["ok"] = (row["max_err_vs_torch"] < 5e-3 and row["guard_only_prepass"]
+                 and row["past_the_table_ok"])
+    return row
 
 
 def main():
@@ -65,10 +132,19 @@ def main():
     ap.add_argument("--S", type=int, default=4096)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--child", action="store_true")
+    ap.add_argument("--score", action="store_true",
+                    help="the score_mod case (item 4) instead of the jagged mask")
     a = ap.parse_args()
     if a.child:
-        return child(a.S)
+        return child(a.S, a.score)
     S = a.S
+    if a.score:
+        row = score_guard(S)
+        print(json.dumps(row), flush=True)
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "data_index_gpu_score.json").write_text(json.dumps(row, indent=1) + "\n")
+        return
     doc, offsets = case(S)
 
     def jagged(b, h, q_idx, kv_idx):
@@ -86,12 +162,7 @@ def main():
     row["us_prepass"] = sum(us for name, us, _ in times if name.endswith("_summaries"))
     row["us_main"] = sum(us for name, us, _ in times
                          if name.startswith("neptune_") and not name.endswith("_summaries"))
-    res = subprocess.run([sys.executable, __file__, "--child", "--S", str(S)],
-                         capture_output=True, text=True, timeout=300)
-    row["past_the_table"] = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
-    row["past_the_table_assert_message"] = "neptune_eq: an id in" in res.stderr
-    row["past_the_table_ok"] = (row["past_the_table"].startswith("RAISED")
-                                and row["past_the_table_assert_message"])
+    row.update(past_the_table(S, score=False))
     print(json.dumps(row), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

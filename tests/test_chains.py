@@ -1,6 +1,7 @@
 """Reduction chains beyond attention (issue 15): each one written plainly superoptimizes,
 equals a torch fp64 reference on odd sizes and large-magnitude inputs, and runs as one
-kernel launch in the passes its fused form needs."""
+kernel launch in the passes its fused form needs (after a check of the ids, where it
+gathers at ids read from data)."""
 import pytest
 import torch
 
@@ -8,9 +9,11 @@ import neptune_eq as ne
 from neptune_eq.frontend.chains import CHAINS, random_inputs
 from neptune_eq.lowering.inline import inline_derived, isolate_reductions
 from neptune_eq.ir import fmt
+from neptune_eq.lowering.data_indices import checked_ids
 
 # Odd sizes, none a multiple of a block; the second has a single row.
 SHAPES = [dict(N=5, M=37, E=7, K=11, V=29, R=13), dict(N=1, M=50, E=5, K=19, V=41, R=6)]
+GATHERED_AT_IDS = {"cross-entropy", "gathered-values", "linear-cross-entropy"}  # x[i, target[i]]
 
 
 def _check(chain, kern, sizes, seed, scale):
@@ -29,13 +32,21 @@ def _check(chain, kern, sizes, seed, scale):
         assert err <= bound, f"{chain.name}: {name} max error {err:.3e} > {bound:.3e} (scale {scale})"
 
 
+def launches(kern) -> list[str]:
+    """One launch, whatever the passes, named after the chain's output -- after a check of
+    the ids where the chain gathers at them (``x[i, target[i]]``): the GPU asserts them in
+    range before the chain reads off a clamp (``summary_kernel``'s guard)."""
+    main = "neptune_" + "_".join(kern.program.outputs)
+    return ([f"{main}_check_ids"] if checked_ids(kern.program) else []) + [main]
+
+
 @pytest.mark.parametrize("sizes", SHAPES, ids=["5-rows", "1-row"])
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_chain_superoptimizes_and_equals_torch(name, sizes):
     chain = CHAINS[name]
     kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
-    # one launch, whatever the passes, named after the chain's output
-    assert kern.launches == ["neptune_" + "_".join(kern.program.outputs)]
+    assert kern.launches == launches(kern)
+    assert bool(checked_ids(kern.program)) == (name in GATHERED_AT_IDS)
     assert kern.plan.n_passes == chain.passes, kern.plan.describe()
     for seed, scale in [(0, 1.0), (1, 1.0), (2, 300.0)]:   # large magnitudes: no raw exp
         _check(chain, kern, sizes, seed, scale)
@@ -101,7 +112,7 @@ def test_contraction_wider_than_registers_loops_inside_the_vocabulary_loop(name)
     sizes = dict(N=3, K=300, V=29)
     chain = CHAINS[name]
     kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
-    assert kern.launches == ["neptune_" + "_".join(kern.program.outputs)] and kern.plan.chunked
+    assert kern.launches == launches(kern) and kern.plan.chunked
     src = kern.source
     v_loop = src.index("for l0 in tl.range(0, j_wh0, B_L")  # the V loop's whole blocks
     k_loop = src.index("for c", v_loop)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import neptune_eq as ne
+from neptune_eq.dropin import flex
 from neptune_eq.interp import evaluate
 from neptune_eq.ir import ProgramError
 
@@ -139,12 +140,19 @@ def test_score_mod_and_key_side_reads_follow_the_rule_too():
     def biased(score, b, h, q_idx, kv_idx):
         return score + bias[doc[q_idx]]
     q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+    before = set(flex.STRUCTURES)
     got = ne.flex_attention(q, k, v, score_mod=biased).double()
     s = (q.double() @ k.double().transpose(-1, -2)) / 4.0 + bias.double()[doc.long()][:, None]
     assert torch.allclose(got, torch.softmax(s, -1) @ v.double(), atol=1e-5)
     doc[5] = 4
     with pytest.raises(ProgramError, match=r"'bias' \(4 entries\).*got 4"):
         ne.flex_attention(q, k, v, score_mod=biased)
+    # on the GPU the host does not see the ids: a pre-pass guards them (nothing to
+    # summarise, so it only asserts), and the attention kernel does not wait for it
+    (src,) = {flex.STRUCTURES[sk].kernel.source for sk in set(flex.STRUCTURES) - before}
+    main, pre = src.split("_check_ids(")
+    assert "guard: every entry of doc indexes bias inside [-4, 4)" in pre
+    assert "tl.device_assert(" in pre and "gdc_wait" not in main
     offsets = torch.tensor([0, 10, 25, 40], dtype=torch.int32)
     ids = torch.tensor([-2] * 4 + [0] * 6 + [1] * 15 + [2] * 15, dtype=torch.int32)
 

@@ -4,6 +4,7 @@ reads, bit-identical to the torch reference ``summarize`` -- odd sizes, several 
 sizes at once, int / float / bool data (NaN and inf included), non-contiguous tensors,
 and one compiled pre-pass reused at other sizes (symbolic sizes are runtime arguments)."""
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -22,18 +23,7 @@ _MODULES: dict[str, object] = {}
 def compile_prepass(specs, dtypes: dict, ranks: dict, tmp_path_factory):
     """The generated pre-pass, imported as Triton needs it (from a file)."""
     text, pre = prepass_source("t", specs, dtypes.__getitem__, ranks.__getitem__)
-    src = "import triton\nimport triton.language as tl\n" + text
-    if src not in _MODULES:
-        enable_interpreter()
-        path = tmp_path_factory.mktemp("prepass") / f"prepass_{len(_MODULES)}.py"
-        path.write_text(src)
-        name = f"neptune_eq_test_prepass_{len(_MODULES)}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        _MODULES[src] = mod
-    return getattr(_MODULES[src], pre.kernel), pre, text
+    return _compile_text(text, pre, tmp_path_factory)
 
 
 def run(fn, pre, tensors: dict, consts: dict) -> dict:
@@ -173,12 +163,13 @@ def compile_prepass_for_sm90(tmp_path, text: str, options: dict | None = None) -
     from sm90_compile import compile_for_sm90
     path = tmp_path / "prepass_sm90.py"
     path.write_text("import triton\nimport triton.language as tl\n" + text)
-    params = text.split("def t_summaries(")[1].split("):")[0]
+    kernel = re.search(r"def (t_\w+)\(", text).group(1)
+    params = text.split(f"def {kernel}(")[1].split("):")[0]
     names = [p.strip().split(":")[0] for p in params.split(",") if p.strip()]
     spec = {"dtypes": {n: "*i32" for n in names if n.endswith("_ptr")},
             "constexprs": {n: 32 for n in names if "constexpr" in params.split(n, 1)[1].split(",")[0]},
             "num_warps": NUM_WARPS, "num_stages": 1, "options": options or {}}
-    return compile_for_sm90(path, "t_summaries", spec, timeout=300)
+    return compile_for_sm90(path, kernel, spec, timeout=300)
 
 
 def test_prepass_asserts_ids_in_range_on_the_device(tmp_path):
@@ -200,3 +191,53 @@ def test_prepass_asserts_ids_in_range_on_the_device(tmp_path):
     assert res["pdl_launch_dependents"], res  # (PDL on: its dependent may launch at once)
     _, plain = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__)
     assert not plain.checks and "debug" not in SummaryPrepass(plain, {"B_i": 16}, None).options
+
+
+def test_ids_no_summary_reads_get_a_guard_that_only_asserts(tmp_path, tmp_path_factory):
+    """Ids that index a table but that no summary reads (``bias[doc[q]]`` in a score_mod:
+    no mask, nothing to summarise) get a guard section: ``TILE`` entries a program, each
+    asserted in [-n, n) on the device, nothing written.  Alone it is the whole pre-pass --
+    the GPU's one check of those ids; beside summaries it is one more branch."""
+    from neptune_eq.lowering.summary_kernel import TILE
+    text, pre = prepass_source("t", [], {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__,
+                               ids={"doc": (4, "bias")})
+    assert pre.specs == () and pre.guards == (("doc", 4, "bias"),) and pre.checks
+    assert pre.kernel == "t_check_ids"
+    assert text.count("tl.device_assert(") == 1 and "indexes bias (4 entries) outside [-4, 4)" in text
+    assert pre.programs({"doc": (2 * TILE + 1,)}, {}) == [3]
+    # run in the interpreter (which skips device asserts): one launch, no summaries
+    fn, _, _ = _compile_text(text, pre, tmp_path_factory)
+    drv = SummaryPrepass(pre, {}, fn)
+    outs, launch, args, ints = drv.prepare({"doc": torch.arange(2 * TILE + 1, dtype=torch.int32) % 4})
+    assert outs == {} and launch.grid[0] == 3
+    launch.fn[launch.grid](*args, *ints, **launch.consts, **launch.options)
+    assert drv.options["debug"] is True and drv.options["sanitize_overflow"] is False
+    res = compile_prepass_for_sm90(tmp_path, text, {"debug": True, "sanitize_overflow": False})
+    assert res["ok"] and res["asserts"] and res["pdl_launch_dependents"], res
+    # beside a summary of another tensor: that tensor's summary, then the guard
+    mixed, both = prepass_source("t", [SummarySpec("bs_pre_all", "pre", None, None)],
+                                 {"doc": "int32", "pre": "int32"}.__getitem__,
+                                 {"doc": 1, "pre": 1}.__getitem__, ids={"doc": (4, "bias")})
+    assert both.tensors == (("pre", 1), ("doc", 1)) and "elif" not in mixed and "else:" in mixed
+    assert both.programs({"doc": (10,), "pre": (3,)}, {}) == [1, 1]
+    # a tensor a summary reads is asserted there, not twice
+    _, once = prepass_source("t", doc_specs(), {"doc": "int32"}.__getitem__,
+                             {"doc": 1}.__getitem__, ids={"doc": (4, "bias")})
+    assert once.guards == ()
+    with pytest.raises(ValueError, match="at least one summary"):
+        prepass_source("t", [], {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__)
+
+
+def _compile_text(text, pre, tmp_path_factory):
+    src = "import triton\nimport triton.language as tl\n" + text
+    if src not in _MODULES:
+        enable_interpreter()
+        path = tmp_path_factory.mktemp("prepass") / f"prepass_{len(_MODULES)}.py"
+        path.write_text(src)
+        name = f"neptune_eq_test_prepass_{len(_MODULES)}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        _MODULES[src] = mod
+    return getattr(_MODULES[src], pre.kernel), pre, text

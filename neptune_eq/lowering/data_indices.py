@@ -12,8 +12,9 @@ error.  The generated code follows it:
   a valid index reads what torch reads, and no data makes a kernel read outside a tensor;
 * the block tests (``block_skip``) bound such a read by the monotone table's ends only
   where the index range lies in [0, n) -- wrapped indices are not ordered;
-* an index outside [-n, n) is an error of the call (``runtime.index_check``), never a
-  value read off the clamp.
+* an index outside [-n, n) is an error of the call, never a value read off the clamp:
+  on the host in the interpreter (``runtime.index_check``), and on the GPU a device
+  assert in the pre-pass for ids read whole along their axis (``checked_ids``).
 """
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def checked_ids(program: Program) -> dict[str, tuple[int, str]]:
     """The 1-D tensors whose every entry is an index read from data -- ``doc`` in
     ``offsets[doc[q]]``, read whole along its axis -- each with the bound n its entries
     must meet (-n <= id < n: the smallest table it indexes) and that table's name.  The
-    summary pre-pass, which reads them anyway, asserts it on the device
-    (``summary_kernel``).  An id read at a shifted or partial index, or into a table of a
+    summary pre-pass asserts it on the device (``summary_kernel``): in the summaries of
+    such a tensor where a mask reads it per block, else in a guard that only asserts (a
+    score_mod's ``bias[doc[q]]``, a chain's ``x[i, t[i]]``).  An id read at a shifted or partial index, or into a table of a
     named size, is left to the clamp on the GPU (and to ``runtime.index_check`` on CPU)."""
     out: dict[str, tuple[int, str]] = {}
     for di in data_indices(program):

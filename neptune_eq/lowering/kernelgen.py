@@ -507,9 +507,13 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
               *[f"#   {line}" for line in str(p).splitlines()],
               "import triton", "import triton.language as tl"]
     pre_text, prepass = "", None
-    if summaries:  # one launch builds every summary, per call (summary_kernel)
+    ids = checked_ids(p)
+    # one launch builds every summary, per call (summary_kernel), and asserts the ids that
+    # index a table in range -- also where there is nothing to summarise (a score_mod's
+    # ``bias[doc[q]]``): on the GPU that launch is the ids' only check
+    if summaries or ids:
         pre_text, prepass = prepass_source(name, summaries, p.dtype_of,
-                                           lambda t: len(p.shape_of(t)), checked_ids(p))
+                                           lambda t: len(p.shape_of(t)), ids)
     common = dict(params=ptrs, stride_params=strides, tunables={**tunables, **fixed},
                   grid_axes=plan.grid_axes, block_axis=ba, even_flags=even,
                   row_extent=plan.row_extent, grid_size=_grid_size(plan), size_params=size_params,

@@ -13,7 +13,10 @@ them over a flat 1-D grid.  Programs ``[P_k, P_{k+1})`` belong to summary ``k``:
   index of every other dimension), read as a ``[G_k, B]`` tile -- ``G_k = TILE // B``, so
   a program reads about ``TILE`` elements however small the blocks are;
 * a global summary is one program that walks the flattened tensor in chunks of ``CHUNK``
-  (the tensors it is used for -- offsets tables, per-sample prefixes -- are short).
+  (the tensors it is used for -- offsets tables, per-sample prefixes -- are short);
+* a guard summarises nothing: its programs read a tensor of ids that no summary reads
+  (``bias[doc[q]]`` in a score_mod, with no mask to summarise) ``TILE`` entries each, and
+  assert them in range on the device -- the one check such ids get on the GPU.
 
 Sizes and strides are runtime arguments, so one compiled pre-pass serves every size (the
 symbolic-size kernels).  The values are those of ``torch.aminmax`` (the reference,
@@ -54,6 +57,7 @@ class Prepass:
     tensors: tuple
     specs: tuple
     checks: bool = False   # it asserts ids in range on the device: compile with asserts on
+    guards: tuple = ()     # (tensor, n, table): 1-D ids no summary reads, asserted in [-n, n)
 
     def groups(self, consts: dict) -> list[int]:
         """``G_k`` of each summary (0 for a global one) at the launch's block sizes."""
@@ -73,6 +77,8 @@ class Prepass:
                 if k != s.dim:
                     rows *= n
             out.append(rows * -(-nb // g))
+        for t, _, _ in self.guards:
+            out.append(-(-shapes[t][0] // TILE))
         return out
 
 
@@ -83,16 +89,22 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
     a captured tensor's dtype name and number of dimensions.  ``ids``: tensor -> (n,
     table) for tensors whose entries index a table of n entries
     (``data_indices.checked_ids``): each summary of one asserts -n <= entry < n, torch's
-    rule, on the device -- an id past the table is an error of the call, not a read."""
-    if not specs:
-        raise ValueError("A summary pre-pass needs at least one summary.")
-    kernel = f"{name}_summaries"
-    tensors = tuple(dict.fromkeys((s.tensor, rank_of(s.tensor)) for s in specs))
+    rule, on the device -- an id past the table is an error of the call, not a read --
+    and one no summary reads gets a guard that asserts only.  ``specs`` may then be empty:
+    the pre-pass is the call's check of its ids."""
+    ids = ids or {}
+    read = {s.tensor for s in specs}
+    guards = tuple((t, n, table) for t, (n, table) in ids.items() if t not in read)
+    if not specs and not guards:
+        raise ValueError("A summary pre-pass needs at least one summary or guarded id tensor.")
+    kernel = f"{name}_summaries" if specs else f"{name}_check_ids"  # (as profiles name it)
+    tensors = tuple(dict.fromkeys([(s.tensor, rank_of(s.tensor)) for s in specs]
+                                  + [(t, rank_of(t)) for t, _, _ in guards]))
     blocks = sorted({s.block for s in specs if s.block})
     ptrs = [f"x_{t}_ptr" for t, _ in tensors] + [f"{s.name}_ptr" for s in specs]
     ints = [f"x_{t}_{w}{k}" for t, r in tensors for w in ("n", "s") for k in range(r)]
     ints += [f"{s.name}_s{k}" for s in specs for k in range(_out_rank(s, rank_of))]
-    ints += [f"P_{k}" for k in range(1, len(specs))]
+    ints += [f"P_{k}" for k in range(1, len(specs) + len(guards))]
     consts = [f"{b}: tl.constexpr" for b in blocks]
     consts += [f"G_{k}: tl.constexpr" for k, s in enumerate(specs) if s.dim is not None]
     consts += [f"{PDL_FLAG}: tl.constexpr"]
@@ -107,29 +119,50 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
               "    pid = tl.program_id(0)",
               f"    if {PDL_FLAG}:  # the kernel after this one may launch now (it waits)",
               "        tl.extra.cuda.gdc_launch_dependents()"]
-    for k, s in enumerate(specs):
-        if len(specs) == 1:
+    sections = len(specs) + len(guards)
+    for k in range(sections):
+        if sections == 1:
             head, ind = [], "    "
         elif k == 0:
             head, ind = ["    if pid < P_1:"], "        "
-        elif k < len(specs) - 1:
+        elif k < sections - 1:
             head, ind = [f"    elif pid < P_{k + 1}:"], "        "
         else:
             head, ind = ["    else:"], "        "
-        dt = dtype_of(s.tensor)
-        body = (_block_body(k, s, rank_of(s.tensor), dt) if s.dim is not None
-                else _global_body(s, rank_of(s.tensor), dt))
-        if s.tensor in (ids or {}):
-            n, table = ids[s.tensor]
-            ok = "((lo >= -{0}) & (hi < {0})) | (blk >= nb)" if s.dim is not None \
-                else "(lo >= -{0}) & (hi < {0})"
-            body.append(f"tl.device_assert({ok.format(n)}, \"neptune_eq: an id in "
-                        f"{s.tensor} indexes {table} ({n} entries) outside [-{n}, {n})\")")
-        if len(specs) > 1:
+        if k >= len(specs):  # a guard: assert the ids, write nothing
+            t, n, table = guards[k - len(specs)]
+            body = _guard_body(k, t, n, table)
+            what = f"guard: every entry of {t} indexes {table} inside [-{n}, {n})"
+        else:
+            s = specs[k]
+            dt = dtype_of(s.tensor)
+            body = (_block_body(k, s, rank_of(s.tensor), dt) if s.dim is not None
+                    else _global_body(s, rank_of(s.tensor), dt))
+            if s.tensor in ids:
+                n, table = ids[s.tensor]
+                ok = "((lo >= -{0}) & (hi < {0})) | (blk >= nb)" if s.dim is not None \
+                    else "(lo >= -{0}) & (hi < {0})"
+                body.append(f"tl.device_assert({ok.format(n)}, {_message(s.tensor, n, table)})")
+            what = f"{s.name}: {_describe(s)}"
+        if sections > 1:
             body = _own_names(body, k)
-        lines += head + [f"{ind}# {s.name}: {_describe(s)}"] + [ind + ln for ln in body]
-    checks = any(s.tensor in (ids or {}) for s in specs)
-    return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs), checks)
+        lines += head + [f"{ind}# {what}"] + [ind + ln for ln in body]
+    checks = bool(guards) or any(s.tensor in ids for s in specs)
+    return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs), checks, guards)
+
+
+def _message(t: str, n: int, table: str) -> str:
+    return f"\"neptune_eq: an id in {t} indexes {table} ({n} entries) outside [-{n}, {n})\""
+
+
+def _guard_body(k: int, t: str, n: int, table: str) -> list[str]:
+    """TILE consecutive entries of the 1-D id tensor ``t`` per program, asserted in range."""
+    return [f"p = pid{f' - P_{k}' if k else ''}",
+            f"pos = p * {TILE} + tl.arange(0, {TILE})",
+            f"ok = pos < x_{t}_n0",
+            f"v = tl.load(x_{t}_ptr + pos * x_{t}_s0, mask=ok, other=0)",
+            f"tl.device_assert(((v >= -{n}) & (v < {n})) | (pos >= x_{t}_n0), "
+            f"{_message(t, n, table)})"]
 
 
 def _own_names(body: list[str], k: int) -> list[str]:

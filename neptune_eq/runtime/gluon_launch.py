@@ -117,8 +117,8 @@ class GluonLauncher:
         # the form right after the pre-pass is launched dependent on it (its key range
         # waits for the summaries, ``dependent_launch.WAIT_FOR_PREPASS``); a dynamic walk's
         # ranges kernel comes between them, and is launched plainly
-        self.pdl = bool(ks.summaries) and not form.ranges and dependent_launch("cuda")
-        if ks.summaries:  # the tl module's pre-pass, at this form's blocks
+        self.pdl = bool(ks.prepass) and not form.ranges and dependent_launch("cuda")
+        if ks.prepass:  # the tl module's pre-pass, at this form's blocks
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
             self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": rows,
                                                     "B_L": key_block}, pre_fn,

@@ -162,7 +162,8 @@ class Launcher:
                       ONE_LOOP=self.config.one_loop and getattr(self.ks, "one_loop", False))
         # the kernel after the pre-pass, and a split-k combine after the partials, are
         # launched dependent on the kernel before where the GPU can
-        # (``launch.dependent_launch``): their launch overlaps that kernel
+        # (``launch.dependent_launch``): their launch overlaps that kernel.  After a pre-pass
+        # that only guards ids (no summaries) the kernel never waits: the two run side by side
         dependent = dependent_launch(self.target)
         self.pdl = bool(self.ks.prepass) and dependent
         # The combine after the partials is launched dependent only with
@@ -188,7 +189,7 @@ class Launcher:
         # (the last kernel of the module); a kernel cached before the pre-pass existed
         # builds them with torch.
         self._pre = (SummaryPrepass(self.ks.prepass, consts, self.fns[-1], pdl=self.pdl)
-                     if self.ks.summaries and self.ks.prepass else None)
+                     if self.ks.prepass else None)
         self._last_summaries: dict = {}
         if self.size_args and self.fast_ok:
             # A kernel with runtime sizes meets a new size on most calls (a growing KV
