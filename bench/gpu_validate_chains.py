@@ -7,6 +7,8 @@ small odd size and at a realistic one, compared with its torch fp64 reference on
 inputs (unit scale and scores at scale 300), and timed against the same reference run
 by torch in fp32 (eager).  Writes gpu_validate_chains.json and .md after every case;
 exits non-zero on any mismatch.  ``--small`` runs the odd sizes only (a quick check).
+A chain that gathers at ids (``x[i, t[i]]``) runs a launch that asserts them first; its
+row also says what that launch adds to a graphed call (``guard_cost``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from pathlib import Path
 import torch
 import triton
 
-import neptune_eq as ne
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import neptune_eq as ne  # noqa: E402
 from neptune_eq.frontend.chains import CHAINS, random_inputs
 
 SMALL = dict(N=5, M=37, E=7, K=11, V=29, R=13)
@@ -45,7 +48,8 @@ def run_case(name: str, sizes: dict, compiled: bool = False) -> dict:
     row = dict(chain=name, sizes=dict(sizes),
                launches=len(kern.launches), passes=kern.plan.n_passes,
                expected_passes=chain.passes, build_s=round(build_s, 1),
-               chosen=kern.chosen_row.structure if kern.chosen_row else "", ok=True,
+               chosen=kern.chosen_row.structure if kern.chosen_row else "",
+               config=str(kern.config), ok=True,
                max_err=0.0, bound=0.0)
     for seed, scale in [(0, 1.0), (1, 300.0)]:
         ins = random_inputs(chain, prog, sizes, seed, scale)
@@ -66,11 +70,29 @@ def run_case(name: str, sizes: dict, compiled: bool = False) -> dict:
     row["neptune_us"] = triton.testing.do_bench(lambda: kern(*args)) * 1e3
     row["torch_eager_us"] = triton.testing.do_bench(lambda: chain.reference(dev)) * 1e3
     row["speedup"] = row["torch_eager_us"] / row["neptune_us"]
+    if kern.launches[0].endswith("_check_ids"):  # it gathers at ids: what their check costs
+        row.update(guard_cost(kern, args))
     if compiled:  # torch.compile of the same reference (Inductor fuses it its own way)
         ref = torch.compile(chain.reference)
         ref(dev)
         row["torch_compile_us"] = triton.testing.do_bench(lambda: ref(dev)) * 1e3
     return row
+
+
+def guard_cost(kern, args: list) -> dict:
+    """What the launch that asserts the gathered ids costs the call on the device: 20
+    calls replayed from a CUDA graph against the chain's kernel alone (its inputs checked
+    once beforehand), medians of 5 alternated passes (``doc_mask_gpu``'s helpers)."""
+    import statistics
+
+    import doc_mask_gpu as dm
+    bound, la = kern._bind_static(tuple(args), {})
+    la(bound)
+    runs = {"call": lambda: kern(*args), "kernel_alone": dm.main_only(la, bound)}
+    times = {k: statistics.median(v) * 1e3 for k, v in dm.alternated_graph_ms(runs, 5).items()}
+    return {"guard_pdl": bool(getattr(la, "pdl", False)), "us_graphed_call": times["call"],
+            "us_graphed_kernel_alone": times["kernel_alone"],
+            "us_guard_added": times["call"] - times["kernel_alone"]}
 
 
 def _markdown(rows: list[dict], device: str) -> str:

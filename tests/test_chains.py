@@ -162,3 +162,34 @@ def test_a_crash_while_lowering_one_candidate_is_recorded_not_raised(monkeypatch
     kern = ne.superoptimize(chain.build(SHAPES[0]), target="interpreter", cache=False)
     assert "lowering failed (KeyError" in kern.candidate_table()
     _check(chain, kern, SHAPES[0], 0, 1.0)
+
+
+@pytest.mark.parametrize("name", ["variance", "log-softmax"])
+def test_row_wise_chains_offer_few_rows_a_program_and_each_is_right(name):
+    """A chain without a contraction whose rows would fill few programs at 32+ rows a
+    program is offered a few rows a program too (``tile_configs.ROW_WISE_SHAPES``): each
+    such config, split-k ones included, equals the reference in the interpreter; a chain
+    with a contraction (a tensor-core tile of >= 16 rows) is not offered them."""
+    from dataclasses import replace
+
+    from neptune_eq.runtime.gluon_launch import make_launcher
+    from neptune_eq.runtime.tile_configs import ROW_WISE_SHAPES, candidate_configs
+    sizes = dict(N=37, M=300, E=7, K=11, V=29, R=13)
+    chain = CHAINS[name]
+    kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
+    ks, prog = kern.kernel_source, kern.input_program
+    rows = {bi for bi, *_ in ROW_WISE_SHAPES}
+    cfgs = [c for c in candidate_configs(ks, "cuda") if c.blocks[f"B_{ks.block_axis}"] in rows]
+    assert {c.blocks[f"B_{ks.block_axis}"] for c in cfgs} == rows
+    ins = {k: (v.float() if v.is_floating_point() else v)
+           for k, v in random_inputs(chain, prog, sizes, 0, 30.0).items()}
+    ref = chain.reference(ins)
+    for c in {str(c): c for c in cfgs}.values():
+        bound, _ = kern._bind_static(tuple(ins[ph.name] for ph in prog.inputs), {})
+        make_launcher(kern.program, ks, "interpreter", replace(c, num_stages=1))(bound)
+        for o in prog.outputs:
+            err = (bound[o].double() - ref[o]).abs().max().item()
+            assert err <= 2e-4 * max(1.0, ref[o].abs().max().item()), (c, o, err)
+    dot = ne.superoptimize(CHAINS["linear-lse"].build(dict(N=37, K=11, V=29)),
+                           target="interpreter", cache=False).kernel_source
+    assert not any(c.blocks[f"B_{dot.block_axis}"] in rows for c in candidate_configs(dot, "cuda"))

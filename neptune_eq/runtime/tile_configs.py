@@ -83,6 +83,16 @@ def _tiled_blocks(ks: KernelSource) -> list[str]:
     return [k for k in ks.tunables if k in ("B_L", "B_C") or k == f"B_{ks.block_axis}"]
 
 
+# A chain without a contraction (a norm, a softmax, a log-sum-exp over rows) has no
+# tensor-core tile to fill, and at 32+ rows a program 4096 rows make at most 128 programs:
+# under one per SM, each streaming 32 whole rows.  H200, fp32, 4096 x 4099
+# (``bench/gpu_validate_chains.py``, session 41): variance ran 234 us against torch eager's
+# 50, log-softmax 190 against 56.  Where so few programs would run, a few rows a program
+# are offered too -- timing decides.
+FEW_PROGRAMS = 4   # x the SM count: below it, rows-per-program shapes are offered
+ROW_WISE_SHAPES = ((4, 512, 4, 3), (8, 256, 4, 3), (2, 1024, 4, 3))
+
+
 def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
     """Tile configs to try: one small config in the interpreter, a handful on the GPU."""
     tun = _tiled_blocks(ks)
@@ -105,6 +115,9 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             # key block (TilePlan.block_rebase), one exact p = 1 each; 64 keys match the
             # split length of FlashDecoding-style kernels.
             shapes = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 3), (16, 32, 4, 3))
+    if not decode and "tl.dot(" not in ks.source and \
+            -(-ks.row_extent // 32) * ks.grid_size < FEW_PROGRAMS * sms:
+        shapes += ROW_WISE_SHAPES
     out = []
     for bi, bl, w, s in shapes:
         if wide > 128 and bi * bl > 128 * 64:
