@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass
 
 from ..ir import Term, free_axes, rename_axis
-from ..lowering.lower import TilePlan, split_factors
+from ..lowering.lower import TilePlan
+from ..lowering.split_plan import split_factors
 
 SFU_OPS = {"exp", "exp2", "log", "tanh", "sqrt", "rsqrt", "sin", "cos", "erf"}
 ELEMENTWISE = {"add", "sub", "mul", "div", "maximum", "minimum", "where", "neg", "abs", "lt",
@@ -146,7 +147,9 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
         inner = math.prod(math.ceil(ex[a] / plan.whole_axes[a]) for a in plan.chunked
                           if any(n.kind == "reduce" and n.val == a for f in ps.folds
                                  for n in f.term.walk()))
-        steps = max(steps, math.ceil(iters / max(1, splits)) * inner)
+        # (a pass after the split one runs whole in the combine: not cut by the split)
+        cut = max(1, splits) if ps is plan.passes[0] else 1
+        steps = max(steps, math.ceil(iters / cut) * inner)
         dims = {plan.block_axis: block_rows, **plan.whole_axes}
         # an inner contraction looped in chunks still does all of its work per key block
         dims.update({a: ex[a] for a in plan.chunked})

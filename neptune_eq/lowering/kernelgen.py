@@ -366,6 +366,13 @@ def _combine(em: Emitter, cache: str = "") -> None:
     em.scopes[1][0].extend(em.pop())
 
 
+def _after_split(em: Emitter) -> None:
+    """The passes after the split one (``split_plan.why_not_splittable``), whole, in the
+    combine: they may read the folded states, which are final here."""
+    for k in range(1, len(em.plan.passes)):
+        _pass_loop(em, k, split=False)
+
+
 def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: bool):
     """Split-k in one launch: after storing its partials, each chunk program counts itself
     in on its row block's semaphore; the last to arrive folds all partials and runs the
@@ -391,6 +398,7 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     last.emit("tl.store(sem, 0)")
     _init_states(last)
     _combine(last, cache=", cache_modifier='.cg'")
+    _after_split(last)
     epilogue(last)
     body = last.pop()
     em.scopes[-1][0].extend(_renamed_locals(last.pop() + body, "_c"))
@@ -555,6 +563,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
     _combine(em)
+    _after_split(em)
     epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
                         + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em,

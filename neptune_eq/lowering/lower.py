@@ -16,7 +16,8 @@ The plan is derived from the IR, never from a per-operator template:
   normalisation);
 * a pass holding a ``splitk`` fold is **split**: its loop is cut into chunks run by
   parallel programs that store partial states, and a second kernel combines them with
-  the folds' own corrections (FlashDecoding, derived -- see ``codegen``);
+  the folds' own corrections (FlashDecoding, derived -- see ``codegen``); only the first
+  pass splits, a later one runs whole in the combine (``split_plan``);
 * **head-group packing** (GQA): when every load that moves with the loop reads a head
   axis ``y`` only as ``y // G``, the ``G`` query heads of a group are packed into the
   row block, so they share each K/V tile instead of loading it ``G`` times.  Chosen
@@ -31,6 +32,7 @@ from ..ir import (MASKED, Program, ProgramError, Term, accessed, free_axes, posi
                   rename_axis)
 from . import block_shift, scatter
 from .inline import loop_level, inline_derived
+from .split_plan import why_not_splittable
 
 MAX_WHOLE_AXIS = 256  # widest axis held whole in registers (head dim, inner contraction)
 INNER_CHUNK = 64      # chunk of a wider inner contraction, looped inside the pass
@@ -303,7 +305,9 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     tp = TilePlan(program, row_axes, row_axes[-1], row_axes[:-1], passes, epilogue,
                   fold_outputs, whole, state_of, chunked=frozenset(chunked))
     if tp.split:
-        _check_splittable(tp)
+        why = why_not_splittable(tp)
+        if why:
+            raise LoweringError(why)
         if scattered:
             raise LoweringError("A scattered output accumulates per row block; split-k "
                                 "partials of the same pass are not combined with it.")
@@ -358,18 +362,6 @@ def _contraction_columns_out(program: Program, folds: list[Fold],
             break
         rows.pop()
     return tuple(rows)
-
-
-def _check_splittable(tp: TilePlan) -> None:
-    if len(tp.passes) != 1:
-        raise LoweringError(f"A split-k fold must be in the only pass over memory; this plan has "
-                            f"{len(tp.passes)} passes (a producer read by name needs its own pass).")
-    for f in tp.passes[0].folds:
-        if tp.block_axis not in f.state_axes:
-            raise LoweringError(f"Split-k stores every fold's partial state per row; {f.name} "
-                                f"does not keep the row axis {tp.block_axis}.")
-        if f.op not in ("sum", "max", "min", "rollsum", "rollmax", "splitk"):
-            raise LoweringError(f"Cannot combine partials of a {f.op} fold ({f.name}).")
 
 
 def _packable_head_axis(tp: TilePlan) -> tuple[str, int] | None:
@@ -563,13 +555,6 @@ def _simplify_cond(c: Term, atoms: frozenset) -> Term | None:
             return b if a is None else a
         return Term("and", (a, b))
     return c
-
-
-def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
-    """Split factors worth considering for a grid of ``programs``: enough programs to fill
-    ``sms`` one, two and four times over, with chunks of at least two key blocks."""
-    most = max(1, extent // (2 * block_keys))
-    return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})
 
 
 def replace_folds(t: Term, state_of: dict[Term, str]) -> Term:

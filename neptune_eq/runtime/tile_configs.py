@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from ..lowering.codegen import VDOT_ROWS
 from ..lowering.gluon_form import SMEM_BYTES
 from ..lowering.kernelgen import KernelSource
-from ..lowering.lower import split_factors
+from ..lowering.split_plan import split_factors
 from .gluon_device import gluon_unavailable
 
 

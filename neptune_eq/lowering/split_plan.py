@@ -1,0 +1,43 @@
+"""Split-k plans: which tile plans a split-k kernel can run, and the split factors to time.
+
+A pass holding a ``splitk`` fold is cut into chunks of its loop, each run by its own
+program (the partials kernel), and a combine folds the chunks' states, re-based by each
+fold's correction (``kernelgen._combine``).  Only the first pass is cut.  A later pass
+runs whole in the combine, once its row block's states are final: the target's logit of
+linear + cross-entropy, ``Σ_k x[i, k] w[k, t[i]]``, beside the vocabulary's log-sum-exp.
+Before that was allowed, such a plan could not split, and at N=512, V=32003 its 4-32 row
+programs ran 19x torch eager's time (H200, session 41).
+"""
+from __future__ import annotations
+
+_COMBINABLE = ("sum", "max", "min", "rollsum", "rollmax", "splitk")
+
+
+def why_not_splittable(tp) -> str | None:
+    """Why split-k cannot run tile plan ``tp`` (a ``lower.TilePlan`` with a ``splitk``
+    fold), or None when it can."""
+    split = [k for k, ps in enumerate(tp.passes) if any(f.op == "splitk" for f in ps.folds)]
+    if split != [0]:
+        return ("A split-k fold must be in the first pass over memory and no other; this "
+                f"plan has it in pass(es) {[k + 1 for k in split]}.")
+    for ps in tp.passes[1:]:
+        if ps.extent == tp.passes[0].extent:  # a second stream over the split loop, serial
+            return ("A pass after the split one runs whole in the combine; one over the "
+                    f"split loop's {ps.extent} again would undo the split.")
+        if ps.scattered or ps.gate_atoms:
+            return ("A pass after the split one runs whole in the combine, which has no "
+                    "masks or scattered outputs.")
+    for f in tp.passes[0].folds:
+        if tp.block_axis not in f.state_axes:
+            return (f"Split-k stores every fold's partial state per row; {f.name} does not "
+                    f"keep the row axis {tp.block_axis}.")
+        if f.op not in _COMBINABLE:
+            return f"Cannot combine partials of a {f.op} fold ({f.name})."
+    return None
+
+
+def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
+    """Split factors worth considering for a grid of ``programs``: enough programs to fill
+    ``sms`` one, two and four times over, with chunks of at least two key blocks."""
+    most = max(1, extent // (2 * block_keys))
+    return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})
