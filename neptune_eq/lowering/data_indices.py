@@ -61,8 +61,9 @@ def checked_ids(program: Program) -> dict[str, tuple[int, str]]:
     must meet (-n <= id < n: the smallest table it indexes) and that table's name.  The
     summary pre-pass asserts it on the device (``summary_kernel``): in the summaries of
     such a tensor where a mask reads it per block, else in a guard that only asserts (a
-    score_mod's ``bias[doc[q]]``, a chain's ``x[i, t[i]]``).  An id read at a shifted or partial index, or into a table of a
-    named size, is left to the clamp on the GPU (and to ``runtime.index_check`` on CPU)."""
+    score_mod's ``bias[doc[q]]``, a chain's ``x[i, t[i]]``).  An id read at a shifted or
+    partial index, or into a table of a named size, is left to the clamp on the GPU (and
+    to ``runtime.index_check`` on CPU)."""
     out: dict[str, tuple[int, str]] = {}
     for di in data_indices(program):
         x = di.index
