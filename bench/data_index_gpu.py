@@ -49,6 +49,13 @@ def reference(q, k, v, visible):
     return p @ v.float()
 
 
+def offset_bias(doc, offsets):
+    """Item 4's score_mod: the score plus the query's document offset, read at its id."""
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + offsets[doc[q_idx]].float() * 1e-3
+    return biased
+
+
 def child(S: int, score: bool = False) -> None:
     """Called with an id past the table: prints what happened (the parent reads it)."""
     doc, offsets = case(S)
@@ -56,9 +63,7 @@ def child(S: int, score: bool = False) -> None:
 
     def jagged(b, h, q_idx, kv_idx):
         return (kv_idx >= offsets[doc[q_idx]]) & (q_idx >= kv_idx)
-
-    def biased(score, b, h, q_idx, kv_idx):
-        return score + offsets[doc[q_idx]].float() * 1e-3
+    biased = offset_bias(doc, offsets)
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
     try:
         if score:
@@ -92,9 +97,7 @@ def score_guard(S: int) -> dict:
     from prepass_pdl import twin
     doc, offsets = case(S)
     bias = offsets.float() * 1e-3
-
-    def biased(score, b, h, q_idx, kv_idx):
-        return score + offsets[doc[q_idx]].float() * 1e-3
+    biased = offset_bias(doc, offsets)
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
     got = ne.flex_attention(q, k, v, score_mod=biased)
     s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D) + bias[doc.long()][:, None]

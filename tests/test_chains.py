@@ -164,6 +164,15 @@ def test_a_crash_while_lowering_one_candidate_is_recorded_not_raised(monkeypatch
     _check(chain, kern, SHAPES[0], 0, 1.0)
 
 
+def _run_config(kern, program, ks, config, ins: dict) -> dict:
+    """The chain's inputs and outputs by name after one interpreter run of kernel ``ks``
+    (of ``program``, a candidate of ``kern``) at tile config ``config``."""
+    from neptune_eq.runtime.gluon_launch import make_launcher
+    bound, _ = kern._bind_static(tuple(ins[ph.name] for ph in kern.input_program.inputs), {})
+    make_launcher(program, ks, "interpreter", config)(bound)
+    return bound
+
+
 @pytest.mark.parametrize("name", ["variance", "log-softmax"])
 def test_row_wise_chains_offer_few_rows_a_program_and_each_is_right(name):
     """A chain without a contraction whose rows would fill few programs at 32+ rows a
@@ -172,7 +181,6 @@ def test_row_wise_chains_offer_few_rows_a_program_and_each_is_right(name):
     with a contraction (a tensor-core tile of >= 16 rows) is not offered them."""
     from dataclasses import replace
 
-    from neptune_eq.runtime.gluon_launch import make_launcher
     from neptune_eq.runtime.tile_configs import ROW_WISE_SHAPES, candidate_configs
     sizes = dict(N=37, M=300, E=7, K=11, V=29, R=13)
     chain = CHAINS[name]
@@ -185,10 +193,9 @@ def test_row_wise_chains_offer_few_rows_a_program_and_each_is_right(name):
            for k, v in random_inputs(chain, prog, sizes, 0, 30.0).items()}
     ref = chain.reference(ins)
     for c in {str(c): c for c in cfgs}.values():
-        bound, _ = kern._bind_static(tuple(ins[ph.name] for ph in prog.inputs), {})
-        make_launcher(kern.program, ks, "interpreter", replace(c, num_stages=1))(bound)
+        got = _run_config(kern, kern.program, ks, replace(c, num_stages=1), ins)
         for o in prog.outputs:
-            err = (bound[o].double() - ref[o]).abs().max().item()
+            err = (got[o].double() - ref[o]).abs().max().item()
             assert err <= 2e-4 * max(1.0, ref[o].abs().max().item()), (c, o, err)
     dot = ne.superoptimize(CHAINS["linear-lse"].build(dict(N=37, K=11, V=29)),
                            target="interpreter", cache=False).kernel_source
@@ -206,7 +213,6 @@ def test_split_vocabulary_runs_the_gathered_dot_in_the_combine(sizes):
     forms equal the reference, on large-magnitude inputs too."""
     from dataclasses import replace
 
-    from neptune_eq.runtime.gluon_launch import make_launcher
     from neptune_eq.runtime.tile_configs import candidate_configs
     chain = CHAINS["linear-cross-entropy"]
     kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
@@ -220,8 +226,6 @@ def test_split_vocabulary_runs_the_gathered_dot_in_the_combine(sizes):
                for k, v in random_inputs(chain, prog, sizes, seed, scale).items()}
         ref = chain.reference(ins)["loss"]
         for fused in (False, True):
-            bound, _ = kern._bind_static(tuple(ins[ph.name] for ph in prog.inputs), {})
-            la = make_launcher(row.program, row.kernel, "interpreter", replace(cfg, fused=fused))
-            la(bound)
-            err = (bound["loss"].double() - ref).abs().max().item()
+            got = _run_config(kern, row.program, row.kernel, replace(cfg, fused=fused), ins)
+            err = (got["loss"].double() - ref).abs().max().item()
             assert err <= 2e-4 * max(1.0, ref.abs().max().item()), (fused, scale, err)
