@@ -162,3 +162,49 @@ def test_score_mod_and_key_side_reads_follow_the_rule_too():
     got = ne.flex_attention(q1, k1, v1, mask_mod=keys).double()
     j = torch.arange(40)[None, :]
     assert torch.allclose(got, torch_attention(q1, k1, v1, j >= offsets[ids.long()][j]), atol=1e-5)
+
+
+def _ids_checked(mod_of, shape=(2, 40), table=4, L=33, **kw):
+    """``checked_ids`` of attention over L rows whose score_mod reads ``bias[<ids>]``."""
+    from neptune_eq.frontend.dsl import build_program
+    from neptune_eq.lowering.data_indices import checked_ids
+    doc = ne.placeholder(shape, "int32", "doc")
+    bias = ne.placeholder((table,), "float32", "bias")
+    out = ne.attention(2, 1, L, L, D, "float32",
+                       score_mod=lambda s, b, h, i, j: s + bias[mod_of(doc, b, i)], **kw)
+    return {(c.tensor, c.box, c.n, c.table) for c in checked_ids(build_program(out))}
+
+
+def test_the_device_checks_exactly_the_ids_entries_that_are_read():
+    """Which entries of an id tensor the GPU pre-pass asserts (``IdCheck``): all of them
+    where the kernel reads them all, per sample or not; the box read at a shifted or
+    constant index; nothing -- the clamp, and the host check on CPU -- where a box cannot
+    say what is read (a diagonal)."""
+    assert _ids_checked(lambda d, b, i: d[b, i], shape=(2, 33)) == {("doc", (None, None), 4, "bias")}
+    assert _ids_checked(lambda d, b, i: d[b, i]) == {("doc", (None, (0, 33)), 4, "bias")}
+    assert _ids_checked(lambda d, b, i: d[b, i + 2]) == {("doc", (None, (2, 35)), 4, "bias")}
+    assert _ids_checked(lambda d, b, i: d[1, i]) == {("doc", ((1, 2), (0, 33)), 4, "bias")}
+    assert _ids_checked(lambda d, b, i: d[i, i], shape=(33, 33)) == set()
+
+
+def test_per_sample_ids_in_a_score_mod_are_guarded_on_the_device():
+    """``bias[doc[b, q]]`` -- per-sample document ids, as batched packing writes them: the
+    drop-in's kernel carries a guard over all of doc (the GPU's check of them), the call
+    follows torch's rule on CPU, and a stray id raises."""
+    S = 24
+    bias = torch.randn(5, dtype=torch.float32)
+    doc = torch.randint(-5, 5, (2, S), dtype=torch.int32)
+
+    def per_sample(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[b, q_idx]]
+    q, k, v = (torch.randn(2, 2, S, 16) for _ in range(3))
+    before = set(flex.STRUCTURES)
+    got = ne.flex_attention(q, k, v, score_mod=per_sample).double()
+    s = (q.double() @ k.double().transpose(-1, -2)) / 4.0 \
+        + bias.double()[doc.long()][:, None, :, None]
+    assert torch.allclose(got, torch.softmax(s, -1) @ v.double(), atol=1e-5)
+    (src,) = {flex.STRUCTURES[sk].kernel.source for sk in set(flex.STRUCTURES) - before}
+    assert "guard: every entry of doc indexes bias inside [-5, 5)" in src.split("_check_ids(")[1]
+    doc[1, 7] = 5
+    with pytest.raises(ProgramError, match=r"'bias' \(5 entries\).*got 5"):
+        ne.flex_attention(q, k, v, score_mod=per_sample)

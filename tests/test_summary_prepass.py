@@ -9,15 +9,17 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import neptune_eq  # noqa: F401 - chooses the Triton interpreter before triton is imported
 from neptune_eq.lowering.block_predicate import SummarySpec
+from neptune_eq.lowering.data_indices import IdCheck
 from neptune_eq.lowering.summary_kernel import CHUNK, NUM_WARPS, prepass_source
 from neptune_eq.runtime.block_summary import SummaryPrepass, summarize
 from neptune_eq.runtime.triton_mode import enable_interpreter
 
 _MODULES: dict[str, object] = {}
+BIAS_IDS = IdCheck("doc", 4, "bias", (None,))  # bias[doc[q]]: doc read whole, 4 entries
 
 
 def compile_prepass(specs, dtypes: dict, ranks: dict, tmp_path_factory):
@@ -181,7 +183,7 @@ def test_prepass_asserts_ids_in_range_on_the_device(tmp_path):
     from neptune_eq.runtime.block_summary import SummaryPrepass
     specs = [SummarySpec("bs_doc_i", "doc", 0, "B_i"), SummarySpec("bs_doc_all", "doc", None, None)]
     text, pre = prepass_source("t", specs, {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__,
-                               ids={"doc": (14, "offsets")})
+                               ids=[IdCheck("doc", 14, "offsets", (None,))])
     assert pre.checks and text.count("tl.device_assert(") == 2
     assert "outside [-14, 14)" in text and "(blk_0 >= nb_0)" in text  # padding blocks pass
     options = SummaryPrepass(pre, {"B_i": 16}, None).options
@@ -200,8 +202,8 @@ def test_ids_no_summary_reads_get_a_guard_that_only_asserts(tmp_path, tmp_path_f
     the GPU's one check of those ids; beside summaries it is one more branch."""
     from neptune_eq.lowering.summary_kernel import TILE
     text, pre = prepass_source("t", [], {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__,
-                               ids={"doc": (4, "bias")})
-    assert pre.specs == () and pre.guards == (("doc", 4, "bias"),) and pre.checks
+                               ids=[BIAS_IDS])
+    assert pre.specs == () and pre.guards == (BIAS_IDS,) and pre.checks
     assert pre.kernel == "t_check_ids"
     assert text.count("tl.device_assert(") == 1 and "indexes bias (4 entries) outside [-4, 4)" in text
     assert pre.programs({"doc": (2 * TILE + 1,)}, {}) == [3]
@@ -217,12 +219,12 @@ def test_ids_no_summary_reads_get_a_guard_that_only_asserts(tmp_path, tmp_path_f
     # beside a summary of another tensor: that tensor's summary, then the guard
     mixed, both = prepass_source("t", [SummarySpec("bs_pre_all", "pre", None, None)],
                                  {"doc": "int32", "pre": "int32"}.__getitem__,
-                                 {"doc": 1, "pre": 1}.__getitem__, ids={"doc": (4, "bias")})
+                                 {"doc": 1, "pre": 1}.__getitem__, ids=[BIAS_IDS])
     assert both.tensors == (("pre", 1), ("doc", 1)) and "elif" not in mixed and "else:" in mixed
     assert both.programs({"doc": (10,), "pre": (3,)}, {}) == [1, 1]
     # a tensor a summary reads is asserted there, not twice
     _, once = prepass_source("t", doc_specs(), {"doc": "int32"}.__getitem__,
-                             {"doc": 1}.__getitem__, ids={"doc": (4, "bias")})
+                             {"doc": 1}.__getitem__, ids=[BIAS_IDS])
     assert once.guards == ()
     with pytest.raises(ValueError, match="at least one summary"):
         prepass_source("t", [], {"doc": "int32"}.__getitem__, {"doc": 1}.__getitem__)
@@ -241,3 +243,60 @@ def _compile_text(text, pre, tmp_path_factory):
         spec.loader.exec_module(mod)
         _MODULES[src] = mod
     return getattr(_MODULES[src], pre.kernel), pre, text
+
+
+@pytest.fixture
+def device_asserts(monkeypatch):
+    """The interpreter with ``tl.device_assert`` on (it skips them by default), so a
+    guard's assert can be seen to fire on CPU."""
+    import dataclasses
+    import triton.runtime.interpreter as interp
+    b = interp.interpreter_builder
+    monkeypatch.setattr(b, "options", dataclasses.replace(b.options, debug=True))
+
+
+BOXES = {"2-D whole": ((None, None), (3, 37)),            # bias[doc[b, q]]
+         "shifted": (((1, 30),), (33,)),                 # bias[doc[q + 1]], q < 29
+         "row of 2-D": (((2, 3), None), (4, 2 * 1024 + 5)),  # bias[doc[2, q]]: 3 programs
+         "2-D block": (((1, 3), (5, 9)), (4, 11))}
+
+
+@pytest.mark.parametrize("box, shape", BOXES.values(), ids=BOXES.keys())
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # (asserts stay on)
+@given(data=st.data())
+def test_a_guard_asserts_exactly_the_entries_of_its_box(box, shape, data, device_asserts,
+                                                        tmp_path_factory):
+    """A guard reads the box of entries the kernel reads (``data_indices.IdCheck``): an id
+    past the table inside it stops the call, one outside it -- never read -- does not."""
+    ids = IdCheck("doc", 4, "bias", box)
+    text, pre = prepass_source("t", [], {"doc": "int32"}.__getitem__,
+                               {"doc": len(shape)}.__getitem__, ids=[ids])
+    fn, _, _ = _compile_text(text, pre, tmp_path_factory)
+    drv = SummaryPrepass(pre, {}, fn)
+    base = torch.randint(-4, 4, (2 * shape[0], shape[1]) if len(shape) == 2 else (2 * shape[0],),
+                         dtype=torch.int32)
+    doc = base[::2]  # strided: the guard must follow the tensor's strides
+    at = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    inside = all(b is None or b[0] <= i < b[1] for i, b in zip(at, box))
+    doc[at] = data.draw(st.sampled_from([4, -5, 1000]))
+
+    def run():
+        _, launch, args, ints = drv.prepare({"doc": doc})
+        launch.fn[launch.grid](*args, *ints, **launch.consts, **launch.options)
+    if inside:
+        with pytest.raises(Exception, match="indexes bias"):
+            run()
+    else:
+        run()
+    doc[at] = 3
+    run()  # every id in range: no assert
+
+
+def test_a_boxed_guard_compiles_for_sm90(tmp_path):
+    text, pre = prepass_source("t", [], {"doc": "int32"}.__getitem__, {"doc": 2}.__getitem__,
+                               ids=[IdCheck("doc", 4, "bias", ((1, 3), None))])
+    assert "guard: every entry of doc[1:3, :] indexes bias inside [-4, 4)" in text
+    assert pre.programs({"doc": (5, 3000)}, {}) == [3]
+    res = compile_prepass_for_sm90(tmp_path, text, {"debug": True, "sanitize_overflow": False})
+    assert res["ok"] and res["asserts"] and res["pdl_launch_dependents"], res

@@ -14,7 +14,7 @@ error.  The generated code follows it:
   where the index range lies in [0, n) -- wrapped indices are not ordered;
 * an index outside [-n, n) is an error of the call, never a value read off the clamp:
   on the host in the interpreter (``runtime.index_check``), and on the GPU a device
-  assert in the pre-pass for ids read whole along their axis (``checked_ids``).
+  assert in the pre-pass over the ids' entries that are read (``checked_ids``).
 """
 from __future__ import annotations
 
@@ -55,23 +55,83 @@ def safe_index(code: str, extent) -> str:
     return f"tl.minimum(tl.maximum({wrapped}, 0), {extent} - 1)"
 
 
-def checked_ids(program: Program) -> dict[str, tuple[int, str]]:
-    """The 1-D tensors whose every entry is an index read from data -- ``doc`` in
-    ``offsets[doc[q]]``, read whole along its axis -- each with the bound n its entries
-    must meet (-n <= id < n: the smallest table it indexes) and that table's name.  The
-    summary pre-pass asserts it on the device (``summary_kernel``): in the summaries of
-    such a tensor where a mask reads it per block, else in a guard that only asserts (a
-    score_mod's ``bias[doc[q]]``, a chain's ``x[i, t[i]]``).  An id read at a shifted or
-    partial index, or into a table of a named size, is left to the clamp on the GPU (and
-    to ``runtime.index_check`` on CPU)."""
-    out: dict[str, tuple[int, str]] = {}
+@dataclass(frozen=True)
+class IdCheck:
+    """Entries of ``tensor`` read as an index into ``table`` (``n`` entries): each must lie
+    in [-n, n).  ``box`` gives, per dimension of ``tensor``, the entries read: ``None`` for
+    the whole dimension (its size known only at the call), else ``(start, stop)`` --
+    ``doc[q + 1]`` reads ``(1, 1 + L)``, ``doc[0, q]`` reads ``(0, 1)`` of dimension 0."""
+    tensor: str
+    n: int
+    table: str
+    box: tuple
+
+    @property
+    def whole(self) -> bool:
+        return all(b is None for b in self.box)
+
+
+def checked_ids(program: Program) -> list[IdCheck]:
+    """The ids the pre-pass checks on the device (``summary_kernel``): for each tensor
+    read as an index into a table of a known size -- ``doc`` in ``offsets[doc[q]]`` or in
+    ``bias[doc[b, q]]`` -- the box of its entries that is read, and the bound n its
+    entries must meet (-n <= id < n: the smallest table they index).  A tensor read whole
+    is checked in its summaries where a mask reads it per block, else in a guard that only
+    asserts (a score_mod's ``bias[doc[q]]``, a chain's ``x[i, t[i]]``); a part read at a
+    shifted or constant index (``doc[q + 1]``, ``doc[0, q]``) in a guard over that box.
+    What the box cannot name -- an id index that is not an axis plus a constant, an axis
+    twice, a named size that is not the whole dimension, a table of a named size -- is
+    left to the clamp on the GPU (and to ``runtime.index_check`` on CPU)."""
+    bound: dict[tuple, tuple[int, str]] = {}
     for di in data_indices(program):
         x = di.index
-        if (x.op != "load" or len(x.args) != 1 or x.args[0].op != "var"
-                or not isinstance(di.extent, int) or isinstance(di.extent, bool)):
+        if x.op != "load" or not isinstance(di.extent, int) or isinstance(di.extent, bool):
             continue
-        if program.extents.get(x.args[0].val) != program.shape_of(x.val)[0]:
+        box = _box(program, x)
+        if box is None:
             continue
-        if x.val not in out or di.extent < out[x.val][0]:
-            out[x.val] = (di.extent, di.tensor)
-    return out
+        key = (x.val, box)
+        if key not in bound or di.extent < bound[key][0]:
+            bound[key] = (di.extent, di.tensor)
+    return [IdCheck(t, n, table, box) for (t, box), (n, table) in bound.items()]
+
+
+def _box(program: Program, x: Term) -> tuple | None:
+    """Per dimension of the ids ``x`` reads, ``None`` (all of it) or ``(start, stop)``;
+    ``None`` for the whole box when its index is not an axis plus a constant."""
+    shape, box, axes = program.shape_of(x.val), [], []
+    for a, size in zip(x.args, shape):
+        start, axis = _axis_plus_constant(a)
+        if start is None:
+            return None
+        if axis is None:
+            box.append((start, start + 1))
+            continue
+        axes.append(axis)
+        extent = program.extents.get(axis)
+        if start == 0 and extent == size:
+            box.append(None)
+        elif isinstance(extent, int) and not isinstance(extent, bool):
+            box.append((start, start + extent))
+        else:
+            return None
+    if len(set(axes)) != len(axes):  # doc[q, q] reads a diagonal, not the box
+        return None
+    return tuple(box)
+
+
+def _axis_plus_constant(a: Term) -> tuple:
+    """``(c, axis)`` for an index ``axis + c`` / ``c + axis`` / ``axis - c`` / ``axis``,
+    ``(c, None)`` for a constant ``c``, ``(None, None)`` otherwise."""
+    def const_of(t):
+        return t.val if t.op == "int" and t.val >= 0 else None
+    if a.op == "var":
+        return 0, a.val
+    if const_of(a) is not None:
+        return a.val, None
+    if a.op in ("add", "sub") and a.args[0].op == "var" and const_of(a.args[1]) is not None:
+        c = a.args[1].val if a.op == "add" else -a.args[1].val
+        return (c, a.args[0].val) if c >= 0 else (None, None)
+    if a.op == "add" and a.args[1].op == "var" and const_of(a.args[0]) is not None:
+        return a.args[0].val, a.args[1].val
+    return None, None

@@ -14,8 +14,9 @@ them over a flat 1-D grid.  Programs ``[P_k, P_{k+1})`` belong to summary ``k``:
   a program reads about ``TILE`` elements however small the blocks are;
 * a global summary is one program that walks the flattened tensor in chunks of ``CHUNK``
   (the tensors it is used for -- offsets tables, per-sample prefixes -- are short);
-* a guard summarises nothing: its programs read a tensor of ids that no summary reads
-  (``bias[doc[q]]`` in a score_mod, with no mask to summarise) ``TILE`` entries each, and
+* a guard summarises nothing: its programs read ids that no summary reads (``bias[doc[q]]``
+  in a score_mod, with no mask to summarise; ``bias[doc[b, q]]``; ``doc[q + 1]``) ``TILE``
+  entries each, over the box of entries the kernel reads (``data_indices.IdCheck``), and
   assert them in range on the device -- the one check such ids get on the GPU.
 
 Sizes and strides are runtime arguments, so one compiled pre-pass serves every size (the
@@ -57,7 +58,7 @@ class Prepass:
     tensors: tuple
     specs: tuple
     checks: bool = False   # it asserts ids in range on the device: compile with asserts on
-    guards: tuple = ()     # (tensor, n, table): 1-D ids no summary reads, asserted in [-n, n)
+    guards: tuple = ()     # IdCheck: ids no summary reads, asserted in [-n, n) over their box
 
     def groups(self, consts: dict) -> list[int]:
         """``G_k`` of each summary (0 for a global one) at the launch's block sizes."""
@@ -77,29 +78,32 @@ class Prepass:
                 if k != s.dim:
                     rows *= n
             out.append(rows * -(-nb // g))
-        for t, _, _ in self.guards:
-            out.append(-(-shapes[t][0] // TILE))
+        for g in self.guards:
+            count = 1
+            for size, b in zip(shapes[g.tensor], g.box):
+                count *= size if b is None else b[1] - b[0]
+            out.append(-(-count // TILE))
         return out
 
 
 def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
-                   ids: dict | None = None) -> tuple[str, Prepass]:
+                   ids: list | None = None) -> tuple[str, Prepass]:
     """Source text of the pre-pass kernel (to append to the kernel's module, which
     imports ``triton`` and ``tl``) and its launch description.  ``dtype_of`` / ``rank_of``:
-    a captured tensor's dtype name and number of dimensions.  ``ids``: tensor -> (n,
-    table) for tensors whose entries index a table of n entries
-    (``data_indices.checked_ids``): each summary of one asserts -n <= entry < n, torch's
-    rule, on the device -- an id past the table is an error of the call, not a read --
-    and one no summary reads gets a guard that asserts only.  ``specs`` may then be empty:
-    the pre-pass is the call's check of its ids."""
-    ids = ids or {}
+    a captured tensor's dtype name and number of dimensions.  ``ids``: the
+    ``data_indices.IdCheck`` of the kernel, entries that index a table of n entries.
+    Each summary of a tensor read whole asserts -n <= entry < n, torch's rule, on the
+    device -- an id past the table is an error of the call, not a read -- and ids no
+    summary covers get a guard that asserts only.  ``specs`` may then be empty: the
+    pre-pass is the call's check of its ids."""
     read = {s.tensor for s in specs}
-    guards = tuple((t, n, table) for t, (n, table) in ids.items() if t not in read)
+    whole = {c.tensor: (c.n, c.table) for c in ids or () if c.whole and c.tensor in read}
+    guards = tuple(c for c in ids or () if not (c.whole and c.tensor in read))
     if not specs and not guards:
         raise ValueError("A summary pre-pass needs at least one summary or guarded id tensor.")
     kernel = f"{name}_summaries" if specs else f"{name}_check_ids"  # (as profiles name it)
     tensors = tuple(dict.fromkeys([(s.tensor, rank_of(s.tensor)) for s in specs]
-                                  + [(t, rank_of(t)) for t, _, _ in guards]))
+                                  + [(g.tensor, rank_of(g.tensor)) for g in guards]))
     blocks = sorted({s.block for s in specs if s.block})
     ptrs = [f"x_{t}_ptr" for t, _ in tensors] + [f"{s.name}_ptr" for s in specs]
     ints = [f"x_{t}_{w}{k}" for t, r in tensors for w in ("n", "s") for k in range(r)]
@@ -130,16 +134,17 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
         else:
             head, ind = ["    else:"], "        "
         if k >= len(specs):  # a guard: assert the ids, write nothing
-            t, n, table = guards[k - len(specs)]
-            body = _guard_body(k, t, n, table)
-            what = f"guard: every entry of {t} indexes {table} inside [-{n}, {n})"
+            g = guards[k - len(specs)]
+            body = _guard_body(k, g)
+            what = (f"guard: every entry of {g.tensor}{_box_text(g.box)} indexes {g.table} "
+                    f"inside [-{g.n}, {g.n})")
         else:
             s = specs[k]
             dt = dtype_of(s.tensor)
             body = (_block_body(k, s, rank_of(s.tensor), dt) if s.dim is not None
                     else _global_body(s, rank_of(s.tensor), dt))
-            if s.tensor in ids:
-                n, table = ids[s.tensor]
+            if s.tensor in whole:
+                n, table = whole[s.tensor]
                 ok = "((lo >= -{0}) & (hi < {0})) | (blk >= nb)" if s.dim is not None \
                     else "(lo >= -{0}) & (hi < {0})"
                 body.append(f"tl.device_assert({ok.format(n)}, {_message(s.tensor, n, table)})")
@@ -147,7 +152,7 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
         if sections > 1:
             body = _own_names(body, k)
         lines += head + [f"{ind}# {what}"] + [ind + ln for ln in body]
-    checks = bool(guards) or any(s.tensor in ids for s in specs)
+    checks = bool(guards) or bool(whole)
     return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs), checks, guards)
 
 
@@ -155,14 +160,35 @@ def _message(t: str, n: int, table: str) -> str:
     return f"\"neptune_eq: an id in {t} indexes {table} ({n} entries) outside [-{n}, {n})\""
 
 
-def _guard_body(k: int, t: str, n: int, table: str) -> list[str]:
-    """TILE consecutive entries of the 1-D id tensor ``t`` per program, asserted in range."""
-    return [f"p = pid{f' - P_{k}' if k else ''}",
-            f"pos = p * {TILE} + tl.arange(0, {TILE})",
-            f"ok = pos < x_{t}_n0",
-            f"v = tl.load(x_{t}_ptr + pos * x_{t}_s0, mask=ok, other=0)",
-            f"tl.device_assert(((v >= -{n}) & (v < {n})) | (pos >= x_{t}_n0), "
-            f"{_message(t, n, table)})"]
+def _guard_body(k: int, g) -> list[str]:
+    """``TILE`` entries of the ids ``g.tensor`` per program, asserted in range: the box
+    ``g.box`` flattened, the last dimension fastest (a whole dimension's size is the
+    runtime ``x_<t>_n<d>``; a boxed one is read from ``start``)."""
+    t, n = g.tensor, g.n
+    lines = [f"p = pid{f' - P_{k}' if k else ''}",
+             f"pos = p * {TILE} + tl.arange(0, {TILE})"]
+    if g.box == (None,):  # a 1-D tensor read whole: the position is the address
+        lines += [f"count = x_{t}_n0", f"addr = pos * x_{t}_s0"]
+    else:
+        extents = [f"x_{t}_n{d}" if b is None else str(b[1] - b[0]) for d, b in enumerate(g.box)]
+        lines += [f"count = {' * '.join(extents)}", "rest = pos", "addr = pos * 0"]
+        for d in reversed(range(len(g.box))):
+            start = "" if g.box[d] is None or not g.box[d][0] else f"{g.box[d][0]} + "
+            at = "rest" if d == 0 else f"rest % {extents[d]}"
+            lines.append(f"addr += ({start}{at}) * x_{t}_s{d}")
+            if d:
+                lines.append(f"rest = rest // {extents[d]}")
+    return lines + ["ok = pos < count",
+                    f"v = tl.load(x_{t}_ptr + addr, mask=ok, other=0)",
+                    f"tl.device_assert(((v >= -{n}) & (v < {n})) | (pos >= count), "
+                    f"{_message(t, n, g.table)})"]
+
+
+def _box_text(box: tuple) -> str:
+    """``[1:33]`` / ``[:, 0:1]`` -- the entries a guard reads, as a slice (empty if all)."""
+    if all(b is None for b in box):
+        return ""
+    return "[" + ", ".join(":" if b is None else f"{b[0]}:{b[1]}" for b in box) + "]"
 
 
 def _own_names(body: list[str], k: int) -> list[str]:
