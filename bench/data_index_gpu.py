@@ -13,7 +13,10 @@
    torch with padding -1 and ids from the end; an id past the table fails in a child; and
    what the guard costs a call: 20 calls replayed from a CUDA graph against the attention
    kernel alone, PDL on and off, medians of 5 alternated passes.
-Writes data_index_gpu.json under --out.
+5. ``--per-sample``: two samples, each with its own ids, read ``bias[doc[b, q]]`` (the
+   guard reads all of the 2-D ``doc``, session 42): right against torch, and an id past
+   the table in the second sample fails in a child.
+Writes data_index_gpu.json (``_score``, ``_per_sample``) under --out.
 """
 from __future__ import annotations
 
@@ -56,8 +59,32 @@ def offset_bias(doc, offsets):
     return biased
 
 
-def child(S: int, score: bool = False) -> None:
+def per_sample_case(S: int):
+    """Two samples' ids (13 and 4 documents), a [2, S] tensor, and a bias table of 14
+    entries (ids run from -14, counted from the end)."""
+    docs = torch.stack([case(S, 13, 0)[0], case(S, 4, 1)[0]])
+    return docs, torch.randn(14, dtype=torch.float32)
+
+
+def per_sample_bias(doc, bias):
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[b, q_idx]]
+    return biased
+
+
+def child(S: int, score: bool = False, per_sample: bool = False) -> None:
     """Called with an id past the table: prints what happened (the parent reads it)."""
+    if per_sample:
+        doc, bias = per_sample_case(S)
+        doc[1, S // 3] = bias.numel()  # the second sample's ids: one past the table
+        q, k, v = (torch.randn(2, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        try:
+            ne.flex_attention(q, k, v, score_mod=per_sample_bias(doc.cuda(), bias.cuda()))
+            torch.cuda.synchronize()
+            print("RETURNED")
+        except Exception as e:  # noqa: BLE001 - reported
+            print(f"RAISED {type(e).__name__}: {str(e)[:300]}")
+        return
     doc, offsets = case(S)
     doc[S // 3] = offsets.numel()  # one past the last entry
 
@@ -76,10 +103,11 @@ def child(S: int, score: bool = False) -> None:
         print(f"RAISED {type(e).__name__}: {str(e)[:300]}")
 
 
-def past_the_table(S: int, score: bool) -> dict:
+def past_the_table(S: int, score: bool, per_sample: bool = False) -> dict:
     """The call with an id past the table, in a child process: raised, with our message."""
     res = subprocess.run([sys.executable, __file__, "--child", "--S", str(S)]
-                         + (["--score"] if score else []),
+                         + (["--score"] if score else [])
+                         + (["--per-sample"] if per_sample else []),
                          capture_output=True, text=True, timeout=300)
     row = {"past_the_table": (res.stdout.strip().splitlines() or ["(no output)"])[-1],
            "past_the_table_assert_message": "neptune_eq: an id in" in res.stderr}
@@ -130,6 +158,22 @@ def score_guard(S: int) -> dict:
     return row
 
 
+def per_sample_guard(S: int) -> dict:
+    """Item 5: ``bias[doc[b, q]]``, per-sample ids guarded over the whole 2-D tensor."""
+    doc, bias = per_sample_case(S)
+    doc, bias = doc.cuda(), bias.cuda()
+    q, k, v = (torch.randn(2, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    got = ne.flex_attention(q, k, v, score_mod=per_sample_bias(doc, bias))
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D) \
+        + bias[doc.long()][:, None, :, None]
+    want = torch.softmax(s, -1) @ v.float()
+    row = {"case": "score_mod bias[doc[b, q]]", "S": S, "B": 2,
+           "max_err_vs_torch": (got.float() - want).abs().max().item()}
+    row.update(past_the_table(S, score=True, per_sample=True))
+    row["ok"] = row["max_err_vs_torch"] < 5e-3 and row["past_the_table_ok"]
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--S", type=int, default=4096)
@@ -137,16 +181,19 @@ def main():
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--score", action="store_true",
                     help="the score_mod case (item 4) instead of the jagged mask")
+    ap.add_argument("--per-sample", action="store_true",
+                    help="per-sample ids bias[doc[b, q]] (item 5)")
     a = ap.parse_args()
     if a.child:
-        return child(a.S, a.score)
+        return child(a.S, a.score, a.per_sample)
     S = a.S
-    if a.score:
-        row = score_guard(S)
+    if a.score or a.per_sample:
+        row = per_sample_guard(S) if a.per_sample else score_guard(S)
         print(json.dumps(row), flush=True)
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "data_index_gpu_score.json").write_text(json.dumps(row, indent=1) + "\n")
+        name = "data_index_gpu_per_sample.json" if a.per_sample else "data_index_gpu_score.json"
+        (out / name).write_text(json.dumps(row, indent=1) + "\n")
         return
     doc, offsets = case(S)
 

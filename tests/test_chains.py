@@ -229,3 +229,19 @@ def test_split_vocabulary_runs_the_gathered_dot_in_the_combine(sizes):
             got = _run_config(kern, row.program, row.kernel, replace(cfg, fused=fused), ins)
             err = (got["loss"].double() - ref).abs().max().item()
             assert err <= 2e-4 * max(1.0, ref.abs().max().item()), (fused, scale, err)
+    # the two-launch combine runs the later pass a row a program (it has no tl.dot); the
+    # one-launch form's last program of a row block combines that block's rows
+    from neptune_eq.runtime.gluon_launch import make_launcher
+    assert row.kernel.combine_min_rows == 1
+    n, bi = sizes["N"], cfg.blocks[f"B_{row.kernel.block_axis}"]
+    for fused, grid, rows in [(False, n, 1), (True, -(-n // bi), min(bi, 1 << (n - 1).bit_length()))]:
+        launch = make_launcher(row.program, row.kernel, "interpreter",
+                               replace(cfg, fused=fused))._launches[-1]
+        assert (launch.grid[0], launch.consts["B_IC"]) == (grid, rows), fused
+    # a combine that only folds partials keeps its row blocks; one that writes a row's
+    # columns after them (log-softmax's y = x - lse) spreads its rows too
+    for name, least in [("linear-lse", 0), ("log-softmax", 1)]:
+        other = ne.superoptimize(CHAINS[name].build(dict(N=37, M=300, K=11, V=300)),
+                                 target="interpreter", cache=False)
+        split = [r.kernel for r in other.candidates if r.plan is not None and r.plan.split]
+        assert split and {ks.combine_min_rows for ks in split} == {least}, name

@@ -29,6 +29,7 @@ from . import gluon_sums, gluon_ws
 from .data_indices import checked_ids
 from .dependent_launch import PDL_FLAG, wait_before_reads
 from .summary_kernel import prepass_source
+from .split_plan import combine_min_rows
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 
@@ -65,6 +66,9 @@ class KernelSource:
     gluon_why: str = ""               # ... else why the plan has none
     vector_dot: bool = False          # its contractions have a CUDA-core form (codegen.VDOT)
     one_loop: bool = False            # its data-mask key range has a one-loop form (ONE_LOOP)
+    # >0: the two-launch combine does a row's work beyond folding partials and may take
+    # as few rows a program as this, not a row block (``split_plan.combine_min_rows``)
+    combine_min_rows: int = 0
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -115,13 +119,16 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
         em.env[a] = f"ax_{a}"
     ba = plan.block_axis
     em.env[ba] = ba
-    em.emit(f"offs_{ba} = pid_block * B_{ba} + tl.arange(0, {em.block(ba)})")
+    # A combine's row tile (COMBINE_ROWS) may be smaller than the loop's row block: its
+    # programs start at multiples of their own tile (``combine_min_rows``)
+    blk = em.block(ba)
+    em.emit(f"offs_{ba} = pid_block * {blk} + tl.arange(0, {blk})")
     # EVEN_x (constexpr) is true when the extent is a multiple of the block: the mask
     # folds to a constant and Triton drops it from loads and selects.
     em.emit(f"mask_{ba} = (offs_{ba} < {plan.row_extent}) | EVEN_{ba}")
     if not plan.packed:
-        em.ranges[ba] = (f"pid_block * B_{ba}", f"{plan.row_extent}")
-        em.aranges[ba] = (f"pid_block * B_{ba}", f"tl.arange(0, {em.block(ba)})")
+        em.ranges[ba] = (f"pid_block * {blk}", f"{plan.row_extent}")
+        em.aranges[ba] = (f"pid_block * {blk}", f"tl.arange(0, {blk})")
     if plan.packed:  # row r of the block is head (y % G) = r // S, query i = r % S
         y, g = plan.packed
         s = p.extents[ba]
@@ -133,8 +140,8 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
         em.emit("row_first = 0")
         em.emit(f"row_last = {s - 1}")
     else:
-        em.emit(f"row_first = pid_block * B_{ba}")
-        em.emit(f"row_last = pid_block * B_{ba} + B_{ba} - 1")
+        em.emit(f"row_first = pid_block * {blk}")
+        em.emit(f"row_last = pid_block * {blk} + {blk} - 1")
     for a in plan.whole_axes:
         em.env.setdefault(a, a)
         if a in plan.chunked:  # offsets set per chunk by the inner loop (codegen)
@@ -583,4 +590,6 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
                         split_extent=plan.passes[0].extent, scratch=scratch, vector_dot=vector_dot,
                         gluon_why=_gluon_form(plan, name)[1],
                         descriptors=descriptors.collect(states),
-                        combine_width=(width, plan.whole_axes[width]) if width else None)
+                        combine_width=(width, plan.whole_axes[width]) if width else None,
+                        combine_min_rows=combine_min_rows(
+                            plan, any("tl.dot(" in ln for ln in comb)))

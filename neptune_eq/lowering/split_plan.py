@@ -41,3 +41,14 @@ def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list
     ``sms`` one, two and four times over, with chunks of at least two key blocks."""
     most = max(1, extent // (2 * block_keys))
     return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})
+
+
+def combine_min_rows(tp, has_dot: bool) -> int:
+    """The fewest rows a program of tile plan ``tp``'s two-launch combine may take: 0
+    (its rows are a row block) where it only folds the partials; else 1, or 16 where its
+    code holds a ``tl.dot`` (the tensor core's least M) -- where it runs later passes or
+    writes a row's columns in an epilogue loop (log-softmax's ``y = x - lse``), work a
+    few programs of 64-128 rows would serialise (``runtime.launcher._combine_rows``)."""
+    if len(tp.passes) == 1 and not any(item.loop_axes for item in tp.epilogue):
+        return 0
+    return 16 if has_dot else 1

@@ -227,7 +227,7 @@ class Launcher:
         ``COMBINE_TILE`` values); where the combine may spread the width axis over
         programs, it takes all partials in one step and as many programs as that leaves
         width for."""
-        rows, tile = self._combine_rows(), COMBINE_TILE
+        rows, tile = self._combine_rows(fused=not spread_width), COMBINE_TILE
         all_p = 1 << max(1, (nsplit - 1).bit_length())
         if self.ks.combine_width and spread_width:
             axis, ext = self.ks.combine_width
@@ -238,11 +238,23 @@ class Launcher:
         width = max(self.ks.scratch.values())
         return max(2, min(64, tile // (rows * width), all_p)), {}, 1
 
-    def _combine_rows(self) -> int:
+    def _combine_rows(self, fused: bool) -> int:
         """Rows a combine folds per program (``kernelgen.COMBINE_ROWS``): the
-        row block where it is full, else the row count rounded up to a power of two."""
+        row block where it is full, else the row count rounded up to a power of two.
+        A two-launch combine that runs later passes (``combine_min_rows``) takes fewer,
+        down to that minimum, until it has ``COMBINE_PROGRAMS``: linear + cross-entropy's
+        target logit, a gathered dot over K per row, ran in 4 programs of 128 rows."""
         rows = self.consts[f"B_{self.ks.block_axis}"]
-        return rows if self.ks.row_extent >= rows else 1 << max(0, (self.ks.row_extent - 1).bit_length())
+        if self.ks.row_extent < rows:
+            rows = 1 << max(0, (self.ks.row_extent - 1).bit_length())
+        least = self.ks.combine_min_rows
+        if fused or not least:
+            return rows
+        per = _pow2_floor(max(1, self.ks.row_extent * self.ks.grid_size // COMBINE_PROGRAMS))
+        return max(least, min(rows, per))
+
+    def _combine_grid(self, rows: int) -> tuple[int, int]:
+        return (-(-self.ks.row_extent // rows), self.ks.grid_size)
 
     def _plan_launches(self):
         """One FastLaunch per kernel, in launch order: fixed per launcher."""
@@ -253,12 +265,13 @@ class Launcher:
         if self.config.fused:  # one program per row block combines: no width split
             bp = self._combine_shape(nsplit, spread_width=False)[0]
             return [FastLaunch(self.fns[2], self.grid() + (nsplit,),
-                               {**self.consts, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
+                               {**self.consts, "B_P": bp, COMBINE_ROWS: self._combine_rows(True)},
                                first)]
         bp, over, nw = self._combine_shape(nsplit)
+        rows = self._combine_rows(False)
         return [FastLaunch(self.fns[0], self.grid() + (nsplit,), self.consts, first),
-                FastLaunch(self.fns[1], self.grid() + (nw,),
-                           {**self.consts, **over, "B_P": bp, COMBINE_ROWS: self._combine_rows()},
+                FastLaunch(self.fns[1], self._combine_grid(rows) + (nw,),
+                           {**self.consts, **over, "B_P": bp, COMBINE_ROWS: rows},
                            dependent_options(self.options, self.pdl_combine))]
 
     def _arg_lists(self, tensors: dict) -> tuple[list[list], tuple | None, int | None, list]:
@@ -398,6 +411,7 @@ class Launcher:
 # (32 partials x 8 heads) ran 2.60 vs 3.16 us at 2048 keys and 2.81 vs 3.33 at 8192, the
 # decode 0.90 vs 0.84 TB/s from DRAM (H200, bench/results/decode_s24/).
 COMBINE_TILE = 4096
+COMBINE_PROGRAMS = 512  # a combine with later passes: about 4 programs an SM of an H100/H200
 
 
 def _pow2_floor(n: int) -> int:
