@@ -105,7 +105,7 @@ def test_split_k_combine_spreads_the_head_dim_over_programs(monkeypatch):
     row = _split_row(kern)
     assert row.kernel.combine_width == ("e", 64) and "pid_width" in row.kernel.source
     la = Launcher(row.program, row.kernel, "interpreter", candidate_configs(row.kernel, "interpreter")[0])
-    assert la._combine_rows() == 2 and la._combine_shape(3) == (2, {"B_e": 16}, 4)
+    assert la._combine_rows(fused=False) == 2 and la._combine_shape(3) == (2, {"B_e": 16}, 4)
     ins = random_inputs(kern.input_program)
     got = _run_row(row, kern.input_program, ins, 3)
     ref = evaluate(kern.input_program, ins)["o"]

@@ -288,9 +288,13 @@ def _branch(em: Emitter, k: int, loop_var: str, known: frozenset, indent: str) -
     em.scopes[-1][0].extend(lines)
 
 
-def _scratch_offset(em: Emitter, f: Fold, split: Tile) -> tuple[str, tuple[str, ...], int]:
+def _scratch_offset(em: Emitter, f: Fold, split: Tile, copy: str = "pid_block"
+                   ) -> tuple[str, tuple[str, ...], int]:
     """Offset tile of fold ``f``'s state in its scratch buffer at split(s) ``split``:
-    layout [split, grid program, row, padded whole axes...]."""
+    layout [split, grid program, row, padded whole axes...].  A state without the row
+    axis (``Σ_k w[k, e]`` beside per-row sums) is the same in every row block: each row
+    block's programs store their own copy at row ``pid_block`` (the one-launch combine of
+    a row block may read only what its own chunks wrote), and ``copy`` names the one read."""
     plan = em.plan
     st = em.states[f.name]
     whole = [a for a in st.axes if a != plan.block_axis]
@@ -300,7 +304,8 @@ def _scratch_offset(em: Emitter, f: Fold, split: Tile) -> tuple[str, tuple[str, 
     ba = plan.block_axis
     axes = em.canon(split.axes + st.axes)
     row_split = f"({em.bcast(split, axes)} * {_grid_size(plan)} + pid_grid) * {plan.row_extent}"
-    parts = [f"({row_split} + {em.bcast(Tile(f'offs_{ba}', (ba,), 'int'), axes)}) * {width}"]
+    row = em.bcast(Tile(f'offs_{ba}', (ba,), 'int'), axes) if ba in st.axes else copy
+    parts = [f"({row_split} + {row}) * {width}"]
     stride = width
     for a in whole:
         stride //= plan.whole_axes[a]
@@ -315,13 +320,13 @@ def _store_partials(em: Emitter) -> dict[str, int]:
     for f in em.plan.passes[0].folds:
         st = em.states[f.name]
         off, _, width = _scratch_offset(em, f, Tile("pid_split", (), "int"))
-        m = em.bcast(Tile(f"mask_{ba}", (ba,), "bool"), st.axes)
-        em.emit(f"tl.store(ws_{f.name}_ptr + {off}, {f.name}, mask={m})")
+        m = em.bcast(Tile(f"mask_{ba}", (ba,), "bool"), st.axes) if ba in st.axes else None
+        em.emit(f"tl.store(ws_{f.name}_ptr + {off}, {f.name}{f', mask={m}' if m else ''})")
         scratch[f"ws_{f.name}"] = width
     return scratch
 
 
-def _combine(em: Emitter, cache: str = "") -> None:
+def _combine(em: Emitter, cache: str = "", copy: str = "0") -> None:
     """States = the partials folded together, in one loop of ``B_P`` partials a step.
 
     Each step loads every fold's partials once, as tiles with a leading split axis ``P``,
@@ -343,9 +348,9 @@ def _combine(em: Emitter, cache: str = "") -> None:
     em.emit(f"mask_{SPLIT} = offs_{SPLIT} < NSPLIT")
     split = Tile(f"offs_{SPLIT}", (SPLIT,), "int")
     for f in folds:
-        off, axes, _ = _scratch_offset(em, f, split)
-        m = em.mask([a for a in axes if a in (SPLIT, ba)])
-        m = em.bcast(Tile(f"({m})", em.canon((SPLIT, ba)), "bool"), axes)
+        off, axes, _ = _scratch_offset(em, f, split, copy)  # (row-less: row block 0's copy,
+        present = [a for a in axes if a in (SPLIT, ba)]      # or in one launch its own)
+        m = em.bcast(Tile(f"({em.mask(present)})", em.canon(tuple(present)), "bool"), axes)
         other = ident.get(f.op, "0.0")
         em.emit(f"{f.name}_p = tl.load(ws_{f.name}_ptr + {off}, mask={m}, other={other}{cache})")
         em.states[f"{f.name}_p"] = Tile(f"{f.name}_p", axes, "f32")
@@ -404,7 +409,7 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     _prologue(last, split_axis=False, indent=inner)
     last.emit("tl.store(sem, 0)")
     _init_states(last)
-    _combine(last, cache=", cache_modifier='.cg'")
+    _combine(last, cache=", cache_modifier='.cg'", copy="pid_block")
     _after_split(last)
     epilogue(last)
     body = last.pop()

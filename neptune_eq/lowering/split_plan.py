@@ -10,6 +10,8 @@ programs ran 19x torch eager's time (H200, session 41).
 """
 from __future__ import annotations
 
+from ..ir import accessed
+
 _COMBINABLE = ("sum", "max", "min", "rollsum", "rollmax", "splitk")
 
 
@@ -28,12 +30,20 @@ def why_not_splittable(tp) -> str | None:
             return ("A pass after the split one runs whole in the combine, which has no "
                     "masks or scattered outputs.")
     for f in tp.passes[0].folds:
-        if tp.block_axis not in f.state_axes:
-            return (f"Split-k stores every fold's partial state per row; {f.name} does not "
-                    f"keep the row axis {tp.block_axis}.")
+        if tp.block_axis not in f.state_axes and not _plain(f):
+            return (f"A fold without the row axis {tp.block_axis} ({f.name}) is combined "
+                    "from one row block's copy, so its correction may read no producer.")
         if f.op not in _COMBINABLE:
             return f"Cannot combine partials of a {f.op} fold ({f.name})."
     return None
+
+
+def _plain(f) -> bool:
+    """A fold whose partials combine without re-basing: a sum, max or min, or a split-k
+    sum with a correction that reads no producer (``Σ_k w[k, e]``, h = 1)."""
+    if f.op in ("sum", "max", "min"):
+        return True
+    return f.op == "splitk" and not accessed(f.term.args[1], ("run", "prev"))
 
 
 def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
