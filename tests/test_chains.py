@@ -181,14 +181,19 @@ def test_row_wise_chains_offer_few_rows_a_program_and_each_is_right(name):
     with a contraction (a tensor-core tile of >= 16 rows) is not offered them."""
     from dataclasses import replace
 
-    from neptune_eq.runtime.tile_configs import ROW_WISE_SHAPES, candidate_configs
+    from neptune_eq.runtime.tile_configs import (ROW_WISE_SHAPES, WHOLE_ROW_SHAPES,
+                                                 candidate_configs)
     sizes = dict(N=37, M=300, E=7, K=11, V=29, R=13)
     chain = CHAINS[name]
     kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
     ks, prog = kern.kernel_source, kern.input_program
-    rows = {bi for bi, *_ in ROW_WISE_SHAPES}
+    rows = {bi for bi, *_ in ROW_WISE_SHAPES + WHOLE_ROW_SHAPES}
     cfgs = [c for c in candidate_configs(ks, "cuda") if c.blocks[f"B_{ks.block_axis}"] in rows]
     assert {c.blocks[f"B_{ks.block_axis}"] for c in cfgs} == rows
+    # the whole row (300 columns) in one step of 512, where the kernel does not split
+    whole = {(c.blocks[f"B_{ks.block_axis}"], c.num_warps, c.num_stages) for c in cfgs
+             if c.blocks["B_L"] == 512 and c.num_stages == 1}
+    assert whole == (set() if ks.split_extent else set(WHOLE_ROW_SHAPES))
     ins = {k: (v.float() if v.is_floating_point() else v)
            for k, v in random_inputs(chain, prog, sizes, 0, 30.0).items()}
     ref = chain.reference(ins)

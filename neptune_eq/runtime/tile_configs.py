@@ -91,6 +91,30 @@ def _tiled_blocks(ks: KernelSource) -> list[str]:
 # are offered too -- timing decides.
 FEW_PROGRAMS = 4   # x the SM count: below it, rows-per-program shapes are offered
 ROW_WISE_SHAPES = ((4, 512, 4, 3), (8, 256, 4, 3), (2, 1024, 4, 3))
+# ... and, where a row's loop fits one tile, the whole row in one step: no ragged block,
+# and the epilogue's second read of the row follows the first at once.  Same chains and
+# GPU, every 1-4 rows x 1024-8192 columns x 4-16 warps x 1/3 stages timed
+# (``bench/probe/rowwise_probe.py``, session 42): one-step tiles of 8192 ran 37.8-42.0 us
+# for log-softmax and softmax-one (torch eager 56 / 201; the offered shapes' best 67-70),
+# two steps of 4096 43-66.  These three were within 3% of the best of each chain's plans;
+# 2 rows on 4 warps, as fast, is over the cost model's register cap.
+WHOLE_ROW_MAX = 8192
+WHOLE_ROW_SHAPES = ((1, 4, 1), (1, 8, 1), (2, 8, 1))  # (rows, warps, stages)
+
+
+def whole_row_shapes(ks: KernelSource) -> tuple:
+    """``ROW_WISE_SHAPES``' one-step kin: (rows, keys, warps, stages) with the keys the
+    loops' longest extent rounded up to a power of two, where that is at most
+    ``WHOLE_ROW_MAX`` (extents from the kernel's ``EVEN_`` flags)."""
+    rows = f"B_{ks.block_axis}"
+    if ks.split_extent:  # a split of one chunk is the same loop plus a combine
+        return ()
+    ext = max((n for b, ns in ks.even_flags.values() if b != rows for n in ns
+               if isinstance(n, int)), default=0)
+    if not ext or ext > WHOLE_ROW_MAX:
+        return ()
+    keys = 1 << (ext - 1).bit_length()
+    return tuple((r, keys, w, s) for r, w, s in WHOLE_ROW_SHAPES)
 
 
 def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
@@ -117,7 +141,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             shapes = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 3), (16, 32, 4, 3))
     if not decode and "tl.dot(" not in ks.source and \
             -(-ks.row_extent // 32) * ks.grid_size < FEW_PROGRAMS * sms:
-        shapes += ROW_WISE_SHAPES
+        shapes += ROW_WISE_SHAPES + whole_row_shapes(ks)
     out = []
     for bi, bl, w, s in shapes:
         if wide > 128 and bi * bl > 128 * 64:
