@@ -67,6 +67,18 @@ def structure_of(plan: TilePlan) -> str:
     return f"{len(plan.passes)} pass(es) [{passes}]{extra}, {plan.launches} launch(es)"
 
 
+def _few_row_shapes(ks: KernelSource, device: Device) -> tuple:
+    """(rows, keys, splits) of the few-row pointer configs a kernel is offered (a
+    row-wise chain's, not a decode's CUDA-core ones): weighed by ``best_estimate`` beside
+    its tile grid, so a plan is ranked by shapes it can run."""
+    if ks.size_params:  # (its sizes are symbols: comparing them would add guards)
+        return ()
+    rows = f"B_{ks.block_axis}"
+    return tuple(sorted({(c.blocks[rows], c.blocks.get("B_L", 16), c.splits)
+                         for c in candidate_configs(ks, "cuda", device.sms)
+                         if c.blocks.get(rows, 16) < 16 and not c.vector_dot}))
+
+
 def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) -> list[CandidateRow]:
     """Lower and predict every candidate; one row per plan structure, best first."""
     rows: dict[str, CandidateRow] = {}
@@ -76,7 +88,7 @@ def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) ->
         try:
             row.plan = make_plan(c.program)
             row.kernel = generate(row.plan, bf16_dot_in_fp32=bf16_dot_in_fp32)
-            row.estimate = best_estimate(row.plan, device)
+            row.estimate = best_estimate(row.plan, device, _few_row_shapes(row.kernel, device))
         except Exception as e:  # noqa: BLE001 - any failure means: record it, use the next one
             # A LoweringError is a shape the lowering does not handle; anything else is a
             # lowering bug on this candidate -- recorded in the table all the same, never

@@ -56,6 +56,9 @@ class Device:
     atomic_bytes_per_s: float = 8e12
 
 
+FEW_ROW_RESIDENT = 8  # programs of < 16 rows resident per SM (see ``estimate``)
+
+
 # Measured on the devices (bench/results/README.md: copy and 8192^3 matmul, same process).
 # SFU/ALU from the SM's issue rates (16 MUFU, 128 FP32 lanes per SM per clock, 1.755 GHz).
 DEVICES = {
@@ -178,24 +181,30 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
         hbm += 2.0 * 4 * state * row_blocks * grid * splits  # scratch written, then read
     busy = min(programs, device.sms)
     waves = math.ceil(programs / device.sms)
+    # programs resident on an SM hide each other's round trips; a few-row program (a
+    # row-wise chain's 1-8 rows on 4-8 warps) leaves room for many more than a tile's
+    resident = device.occupancy if block_rows >= 16 else FEW_ROW_RESIDENT
     fill = programs / (waves * device.sms)
     bw = device.hbm_bytes_per_s * min(1.0, device.bw_per_sm_share * busy / device.sms)
     compute = dot / device.dot_flops + sfu / device.sfu_per_s + alu / device.alu_per_s
     launches = plan.launches
-    serial = waves * (len(plan.passes) + len(col_passes)) * device.pass_s
+    starts = waves if block_rows >= 16 else math.ceil(programs / (device.sms * resident))
+    serial = starts * (len(plan.passes) + len(col_passes)) * device.pass_s
     # a program's loop steps are serial: few programs with long loops are latency-bound
-    latency = math.ceil(programs / (device.sms * device.occupancy)) * steps * len(plan.passes) * device.iter_s
+    latency = math.ceil(programs / (device.sms * resident)) * steps * len(plan.passes) * device.iter_s
     seconds = max(hbm / bw + atomics / device.atomic_bytes_per_s, compute / max(fill, 1e-9),
                   latency) + serial + launches * device.launch_s
     cfg = {"block_rows": block_rows, "block_keys": block_keys, "splits": splits}
     return Estimate(seconds, launches, hbm, dot, sfu, alu, programs, fill, cfg)
 
 
-def best_estimate(plan: TilePlan, device: Device) -> Estimate:
-    """The cheapest tile config of the plan under the model (block sizes, split factor)."""
+def best_estimate(plan: TilePlan, device: Device, few_rows: tuple = ()) -> Estimate:
+    """The cheapest tile config of the plan under the model (block sizes, split factor).
+    ``few_rows``: (rows, keys, splits) of the few-row shapes the kernel is offered
+    (``tile_configs.ROW_WISE_SHAPES``, ``whole_row_shapes``), weighed too."""
     rows_opts = (16,) if plan.row_extent <= 16 else (64, 128)
     keys = plan.passes[0].extent if plan.passes else 1
-    out = []
+    out = [estimate(plan, device, br, bk, sp if plan.split else 0) for br, bk, sp in few_rows]
     for br in rows_opts:
         for bk in (32, 64, 128):
             if plan.split:
