@@ -207,6 +207,27 @@ def test_row_wise_chains_offer_few_rows_a_program_and_each_is_right(name):
     assert not any(c.blocks[f"B_{dot.block_axis}"] in rows for c in candidate_configs(dot, "cuda"))
 
 
+def _check_both_split_forms(kern, row, chain, sizes):
+    """Candidate ``row``'s split-k kernel at its first interpreter config, in two launches
+    and in one, equals the chain's reference at scales 1 and 30; returns that config."""
+    from dataclasses import replace
+
+    from neptune_eq.runtime.tile_configs import candidate_configs
+    cfg = candidate_configs(row.kernel, "interpreter")[0]
+    assert cfg.splits >= 2
+    prog = kern.input_program
+    for seed, scale in [(0, 1.0), (1, 30.0)]:
+        ins = {k: (v.float() if v.is_floating_point() else v)
+               for k, v in random_inputs(chain, prog, sizes, seed, scale).items()}
+        ref = chain.reference(ins)
+        for fused in (False, True):
+            got = _run_config(kern, row.program, row.kernel, replace(cfg, fused=fused), ins)
+            for o in prog.outputs:
+                err = (got[o].double() - ref[o]).abs().max().item()
+                assert err <= 2e-4 * max(1.0, ref[o].abs().max().item()), (fused, scale, o, err)
+    return cfg
+
+
 @pytest.mark.parametrize("sizes", [dict(N=37, K=11, V=300), dict(N=5, K=300, V=77)],
                          ids=["37-rows", "5-rows-chunked-k"])
 def test_split_vocabulary_runs_the_gathered_dot_in_the_combine(sizes):
@@ -218,22 +239,11 @@ def test_split_vocabulary_runs_the_gathered_dot_in_the_combine(sizes):
     forms equal the reference, on large-magnitude inputs too."""
     from dataclasses import replace
 
-    from neptune_eq.runtime.tile_configs import candidate_configs
     chain = CHAINS["linear-cross-entropy"]
     kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
     (row,) = [r for r in kern.candidates if r.plan is not None and r.plan.split]
     assert row.structure.startswith("2 pass(es) [max+splitk | sum], split-k")
-    cfg = candidate_configs(row.kernel, "interpreter")[0]
-    assert cfg.splits >= 2
-    prog = kern.input_program
-    for seed, scale in [(0, 1.0), (1, 30.0)]:
-        ins = {k: (v.float() if v.is_floating_point() else v)
-               for k, v in random_inputs(chain, prog, sizes, seed, scale).items()}
-        ref = chain.reference(ins)["loss"]
-        for fused in (False, True):
-            got = _run_config(kern, row.program, row.kernel, replace(cfg, fused=fused), ins)
-            err = (got["loss"].double() - ref).abs().max().item()
-            assert err <= 2e-4 * max(1.0, ref.abs().max().item()), (fused, scale, err)
+    cfg = _check_both_split_forms(kern, row, chain, sizes)
     # the two-launch combine runs the later pass a row a program (it has no tl.dot); the
     # one-launch form's last program of a row block combines that block's rows
     from neptune_eq.runtime.gluon_launch import make_launcher
@@ -258,9 +268,6 @@ def test_a_sum_without_the_row_axis_splits_beside_per_row_sums():
     stores one copy per row block (a one-launch combine may read only its own block's
     chunks) and folds it like the per-row ones: both forms equal the reference, on
     large-magnitude inputs too (4096 rows of 64 columns ran 64 programs unsplit)."""
-    from dataclasses import replace
-
-    from neptune_eq.runtime.tile_configs import candidate_configs
     sizes = dict(N=37, M=300, E=20)
     chain = CHAINS["centered-matmul"]
     kern = ne.superoptimize(chain.build(sizes), target="interpreter", cache=False)
@@ -273,14 +280,4 @@ def test_a_sum_without_the_row_axis_splits_beside_per_row_sums():
     assert "tl.store(ws_y_f1_ptr + ((pid_split * 1 + pid_grid) * 37 + pid_block) * 32" in text
     assert "ws_y_f1_ptr + ((offs_P[:, None] * 1 + pid_grid) * 37 + 0) * 32" in text
     assert "ws_y_f1_ptr + ((offs_P_c[:, None] * 1 + pid_grid_c) * 37 + pid_block_c) * 32" in text
-    cfg = candidate_configs(row.kernel, "interpreter")[0]
-    assert cfg.splits >= 2
-    prog = kern.input_program
-    for seed, scale in [(0, 1.0), (1, 30.0)]:
-        ins = {k: (v.float() if v.is_floating_point() else v)
-               for k, v in random_inputs(chain, prog, sizes, seed, scale).items()}
-        ref = chain.reference(ins)["y"]
-        for fused in (False, True):
-            got = _run_config(kern, row.program, row.kernel, replace(cfg, fused=fused), ins)
-            err = (got["y"].double() - ref).abs().max().item()
-            assert err <= 2e-4 * max(1.0, ref.abs().max().item()), (fused, scale, err)
+    _check_both_split_forms(kern, row, chain, sizes)
