@@ -182,8 +182,8 @@ def test_the_device_checks_exactly_the_ids_entries_that_are_read():
     say what is read (a diagonal)."""
     assert _ids_checked(lambda d, b, i: d[b, i], shape=(2, 33)) == {("doc", (None, None), 4, "bias")}
     assert _ids_checked(lambda d, b, i: d[b, i]) == {("doc", (None, (0, 33)), 4, "bias")}
-    assert _ids_checked(lambda d, b, i: d[b, i + 2]) == {("doc", (None, (2, 35)), 4, "bias")}
-    assert _ids_checked(lambda d, b, i: d[1, i]) == {("doc", ((1, 2), (0, 33)), 4, "bias")}
+    assert _ids_checked(lambda d, b, i: d[b, i + 2]) == {("doc", (None, (2, 33)), 4, "bias")}
+    assert _ids_checked(lambda d, b, i: d[1, i]) == {("doc", ((1, 1), (0, 33)), 4, "bias")}
     assert _ids_checked(lambda d, b, i: d[i, i], shape=(33, 33)) == set()
 
 
@@ -208,3 +208,44 @@ def test_per_sample_ids_in_a_score_mod_are_guarded_on_the_device():
     doc[1, 7] = 5
     with pytest.raises(ProgramError, match=r"'bias' \(5 entries\).*got 5"):
         ne.flex_attention(q, k, v, score_mod=per_sample)
+
+
+def test_ids_read_at_a_shift_run_as_written_and_are_guarded(monkeypatch):
+    """``bias[doc[q_idx + 1]]`` (doc one longer than the rows) and a decode's
+    ``bias[doc[q_idx + S - 1]]``: both in bounds only near the call's sizes, so the check
+    against the reference keeps the ints (or, for the decode, takes the call's sizes);
+    both are right, and the shifted read's ids are guarded on the GPU over the entries
+    read, ``doc[1 : 1 + L]`` with L a runtime size.  Where the check at the call's sizes
+    would be too large, the error says how to write the shift instead."""
+    from neptune_eq.choosing import translation_validation as tv
+    S = 40
+    bias = torch.randn(5, dtype=torch.float32)
+    doc = torch.randint(-5, 5, (S + 1,), dtype=torch.int32)
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[q_idx + 1]]
+    q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+    before = set(flex.STRUCTURES)
+    got = ne.flex_attention(q, k, v, score_mod=shifted).double()
+    s = (q.double() @ k.double().transpose(-1, -2)) / 4.0 + bias.double()[doc[1:].long()][:, None]
+    assert torch.allclose(got, torch.softmax(s, -1) @ v.double(), atol=1e-5)
+    (src,) = {flex.STRUCTURES[sk].kernel.source for sk in set(flex.STRUCTURES) - before}
+    assert "guard: every entry of doc[1:(1 + n_L)] indexes bias inside [-5, 5)" in src
+    doc[0] = 99  # never read
+    ne.flex_attention(q, k, v, score_mod=shifted)
+    doc[7] = 5
+    with pytest.raises(ProgramError, match=r"'bias' \(5 entries\).*got 5"):
+        ne.flex_attention(q, k, v, score_mod=shifted)
+
+    ids = torch.randint(-5, 5, (S,), dtype=torch.int32)
+
+    def last(score, b, h, q_idx, kv_idx):
+        return score + bias[ids[q_idx + (S - 1)]]
+    q1 = torch.randn(1, 2, 1, 16)
+    got = ne.flex_attention(q1, k, v, score_mod=last).double()
+    s = (q1.double() @ k.double().transpose(-1, -2)) / 4.0 + bias.double()[ids[-1].long()]
+    assert torch.allclose(got, torch.softmax(s, -1) @ v.double(), atol=1e-5)
+    monkeypatch.setattr(tv, "MAX_REAL_WORK", 100)
+    with pytest.raises(ProgramError, match=r"in bounds only at the call's sizes.*offset\[0\]"):
+        ne.flex_attention(q1, k[:, :, :S - 1], v[:, :, :S - 1],
+                          score_mod=lambda sc, b, h, qi, ki: sc + bias[ids[qi + (S - 2)]])

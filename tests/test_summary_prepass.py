@@ -255,10 +255,18 @@ def device_asserts(monkeypatch):
     monkeypatch.setattr(b, "options", dataclasses.replace(b.options, debug=True))
 
 
+def _runtime_size(name: str, value: int):
+    from neptune_eq.sizes import Guards, SymInt
+    return SymInt.symbol(name, value, Guards())
+
+
+# box (per dimension: all of it, or (start, count)), the ids' shape
 BOXES = {"2-D whole": ((None, None), (3, 37)),            # bias[doc[b, q]]
-         "shifted": (((1, 30),), (33,)),                 # bias[doc[q + 1]], q < 29
-         "row of 2-D": (((2, 3), None), (4, 2 * 1024 + 5)),  # bias[doc[2, q]]: 3 programs
-         "2-D block": (((1, 3), (5, 9)), (4, 11))}
+         "shifted": (((1, 29),), (33,)),                 # bias[doc[q + 1]], q < 29
+         "row of 2-D": (((2, 1), None), (4, 2 * 1024 + 5)),  # bias[doc[2, q]]: 3 programs
+         "2-D block": (((1, 2), (5, 4)), (4, 11)),
+         "runtime count": (((3, _runtime_size("L", 26)),), (33,)),  # doc[q + 3], q < n_L
+         "0-d": ((), ())}                                  # bias[which[()], q]
 
 
 @pytest.mark.parametrize("box, shape", BOXES.values(), ids=BOXES.keys())
@@ -273,12 +281,12 @@ def test_a_guard_asserts_exactly_the_entries_of_its_box(box, shape, data, device
     text, pre = prepass_source("t", [], {"doc": "int32"}.__getitem__,
                                {"doc": len(shape)}.__getitem__, ids=[ids])
     fn, _, _ = _compile_text(text, pre, tmp_path_factory)
-    drv = SummaryPrepass(pre, {}, fn)
-    base = torch.randint(-4, 4, (2 * shape[0], shape[1]) if len(shape) == 2 else (2 * shape[0],),
-                         dtype=torch.int32)
-    doc = base[::2]  # strided: the guard must follow the tensor's strides
+    drv = SummaryPrepass(pre, {}, fn, sizes={"L": 26})
+    assert pre.sizes == (("L",) if "n_L" in text else ())
+    base = torch.randint(-4, 4, (2 * shape[0], *shape[1:]) if shape else (), dtype=torch.int32)
+    doc = base[::2] if shape else base  # strided: the guard must follow the tensor's strides
     at = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
-    inside = all(b is None or b[0] <= i < b[1] for i, b in zip(at, box))
+    inside = all(b is None or b[0] <= i < b[0] + int(b[1]) for i, b in zip(at, box))
     doc[at] = data.draw(st.sampled_from([4, -5, 1000]))
 
     def run():
@@ -295,7 +303,7 @@ def test_a_guard_asserts_exactly_the_entries_of_its_box(box, shape, data, device
 
 def test_a_boxed_guard_compiles_for_sm90(tmp_path):
     text, pre = prepass_source("t", [], {"doc": "int32"}.__getitem__, {"doc": 2}.__getitem__,
-                               ids=[IdCheck("doc", 4, "bias", ((1, 3), None))])
+                               ids=[IdCheck("doc", 4, "bias", ((1, 2), None))])
     assert "guard: every entry of doc[1:3, :] indexes bias inside [-4, 4)" in text
     assert pre.programs({"doc": (5, 3000)}, {}) == [3]
     res = compile_prepass_for_sm90(tmp_path, text, {"debug": True, "sanitize_overflow": False})

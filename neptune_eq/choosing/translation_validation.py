@@ -152,25 +152,76 @@ def consistent_inputs(program: Program, sizes: dict, seed: int, scale: float,
     return data
 
 
+def _runs_at(program: Program, sizes: dict) -> bool:
+    """Whether ``program`` reads in bounds with its sizes mapped through ``sizes``."""
+    small = shrink(program, sizes)
+    try:
+        validate_program(small)
+        evaluate(small, consistent_inputs(small, sizes, 0, 1.0, 2))
+    except (ProgramError, IndexError, RuntimeError):
+        return False
+    return True
+
+
+# The most loop iterations (a definition's axes and reductions) a check at the real
+# sizes may take in the fp64 interpreter: a decode of 32 heads over 4096 keys at D=128
+# is 2^24; past this the check would take minutes and gigabytes.
+MAX_REAL_WORK = 1 << 25
+
+
+def _work(program: Program) -> int:
+    """The largest loop nest of ``program``: the product of one definition's extents."""
+    most = 1
+    for d in program.defs:
+        axes = set(d.axes) | {n.val for n in d.body.walk() if n.kind == "reduce"}
+        most = max(most, math.prod(int(program.extents[a]) for a in axes))
+    return most
+
+
+def _sizes_it_runs_at(program: Program, sizes: dict, values: dict) -> dict:
+    """The checked sizes of a program whose reads stay in bounds only at sizes near the
+    call's: its ints kept, named sizes still small; else every size as called (``values``
+    gives the named ones), when that is at most ``MAX_REAL_WORK``."""
+    kept = {n: n if isinstance(n, int) else v for n, v in sizes.items()}
+    if kept != sizes and _runs_at(program, kept):
+        return kept
+    named = [n for n in sizes if isinstance(n, Size)]
+    if named and not all(n.name in values for n in named):
+        raise ProgramError(
+            "Expected the program to read in bounds at small values of its named sizes; it "
+            f"does not ({', '.join(n.name for n in named)}), and their values at the call "
+            "are not known here: pass sizes= to ne.superoptimize.")
+    real = {n: values[n.name] if isinstance(n, Size) else n for n in sizes}
+    work = _work(shrink(program, real))
+    if work > MAX_REAL_WORK:
+        raise ProgramError(
+            f"Expected the program to read in bounds at smaller sizes than the call's, to "
+            f"check the kernel against the reference interpreter; an index is in bounds only "
+            f"at the call's sizes (a captured tensor read at a constant shift, such as "
+            f"doc[q_idx + 4095]), and a check there takes {work:.2e} loop iterations, past "
+            f"{MAX_REAL_WORK:.2e}. Write the shift as data (doc[q_idx + offset[0]], offset a "
+            f"captured tensor) or relative to the sizes, so that the check can shrink them.")
+    if not _runs_at(program, real):  # out of bounds as called too: the program's own error
+        validate_program(shrink(program, real))
+        evaluate(shrink(program, real), consistent_inputs(shrink(program, real), real, 0, 1.0, 2))
+    return real
+
+
 def validate_translation(input_program: Program, chosen: Program, blame: Callable[[], str],
-                         run_kernel: Callable[[Program, dict, dict], dict] | None) -> ValidationReport:
+                         run_kernel: Callable[[Program, dict, dict], dict] | None,
+                         values: dict | None = None) -> ValidationReport:
     """Compare ``chosen`` with ``input_program`` (and the kernel ``run_kernel(program,
     sizes, inputs)`` builds for the chosen program with its ints shrunk, at the checked
     values of its named sizes) on random inputs; raise ``TranslationValidationError``
-    with ``blame()`` (the rules on the derivation path) on a mismatch."""
+    with ``blame()`` (the rules on the derivation path) on a mismatch.  ``values``: the
+    named sizes at the call, for a program that reads in bounds only near them."""
     t0 = time.perf_counter()
     sizes = size_map(input_program)
-    small_in, small_out = shrink(input_program, sizes), shrink(chosen, sizes)
-    try:
-        validate_program(small_in)
-        evaluate(small_in, consistent_inputs(small_in, sizes, 0, 1.0, 2))
-    except (ProgramError, IndexError, RuntimeError):
+    if not _runs_at(input_program, sizes):
         # An index that only stays in bounds at the real sizes (x[i + 5] of a size S + 5
-        # tensor): check at the given sizes instead.
-        if any(isinstance(n, Size) for n in sizes):
-            raise
-        sizes = {n: n for n in sizes}
-        small_in, small_out = input_program, chosen
+        # tensor; a decode's doc[q + 4095] into 4096 ids): check at bigger ones instead.
+        sizes = _sizes_it_runs_at(input_program, sizes, values or {})
+    small_in, small_out = shrink(input_program, sizes), shrink(chosen, sizes)
     report = ValidationReport(sizes=sizes)
     kernel_error = None
     for seed, (label, scale, high) in enumerate(CASES):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Program, Term, reads_data
+from ..sizes import SymInt
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,10 @@ def safe_index(code: str, extent) -> str:
 class IdCheck:
     """Entries of ``tensor`` read as an index into ``table`` (``n`` entries): each must lie
     in [-n, n).  ``box`` gives, per dimension of ``tensor``, the entries read: ``None`` for
-    the whole dimension (its size known only at the call), else ``(start, stop)`` --
-    ``doc[q + 1]`` reads ``(1, 1 + L)``, ``doc[0, q]`` reads ``(0, 1)`` of dimension 0."""
+    the whole dimension (its size known only at the call), else ``(start, count)`` --
+    ``doc[q + 1]`` over 32 rows reads ``(1, 32)``, ``doc[0, q]`` ``(0, 1)`` of dimension 0;
+    a count may be a runtime size (``SymInt``: a decode's ``doc[q + 4095]`` over ``L``
+    rows reads ``(4095, n_L)``)."""
     tensor: str
     n: int
     table: str
@@ -80,8 +83,8 @@ def checked_ids(program: Program) -> list[IdCheck]:
     asserts (a score_mod's ``bias[doc[q]]``, a chain's ``x[i, t[i]]``); a part read at a
     shifted or constant index (``doc[q + 1]``, ``doc[0, q]``) in a guard over that box.
     What the box cannot name -- an id index that is not an axis plus a constant, an axis
-    twice, a named size that is not the whole dimension, a table of a named size -- is
-    left to the clamp on the GPU (and to ``runtime.index_check`` on CPU)."""
+    twice, a table of a named size -- is left to the clamp on the GPU (and to
+    ``runtime.index_check`` on CPU)."""
     bound: dict[tuple, tuple[int, str]] = {}
     for di in data_indices(program):
         x = di.index
@@ -90,10 +93,11 @@ def checked_ids(program: Program) -> list[IdCheck]:
         box = _box(program, x)
         if box is None:
             continue
-        key = (x.val, box)
+        # (keyed by the counts' code: comparing two runtime sizes would record a guard)
+        key = (x.val, tuple(b if b is None else (b[0], str(b[1])) for b in box))
         if key not in bound or di.extent < bound[key][0]:
-            bound[key] = (di.extent, di.tensor)
-    return [IdCheck(t, n, table, box) for (t, box), (n, table) in bound.items()]
+            bound[key] = (di.extent, di.tensor, box)
+    return [IdCheck(t, n, table, box) for (t, _), (n, table, box) in bound.items()]
 
 
 def _box(program: Program, x: Term) -> tuple | None:
@@ -105,19 +109,27 @@ def _box(program: Program, x: Term) -> tuple | None:
         if start is None:
             return None
         if axis is None:
-            box.append((start, start + 1))
+            box.append((start, 1))
             continue
         axes.append(axis)
         extent = program.extents.get(axis)
-        if start == 0 and extent == size:
+        if start == 0 and _same(extent, size):
             box.append(None)
-        elif isinstance(extent, int) and not isinstance(extent, bool):
-            box.append((start, start + extent))
+        elif isinstance(extent, SymInt) or (isinstance(extent, int) and not isinstance(extent, bool)):
+            box.append((start, extent))
         else:
             return None
     if len(set(axes)) != len(axes):  # doc[q, q] reads a diagonal, not the box
         return None
     return tuple(box)
+
+
+def _same(a, b) -> bool:
+    """Whether two extents are the same size -- runtime sizes by their code, never by a
+    comparison (which would record a guard on the sizes)."""
+    if isinstance(a, SymInt) or isinstance(b, SymInt):
+        return isinstance(a, SymInt) and isinstance(b, SymInt) and a.code == b.code
+    return a == b
 
 
 def _axis_plus_constant(a: Term) -> tuple:

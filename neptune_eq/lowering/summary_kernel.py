@@ -59,13 +59,15 @@ class Prepass:
     specs: tuple
     checks: bool = False   # it asserts ids in range on the device: compile with asserts on
     guards: tuple = ()     # IdCheck: ids no summary reads, asserted in [-n, n) over their box
+    sizes: tuple = ()      # runtime sizes a guard's box counts read (``n_<name>`` arguments)
 
     def groups(self, consts: dict) -> list[int]:
         """``G_k`` of each summary (0 for a global one) at the launch's block sizes."""
         return [0 if s.dim is None else max(1, TILE // consts[s.block]) for s in self.specs]
 
-    def programs(self, shapes: dict, consts: dict) -> list[int]:
-        """Programs of each summary at the given tensor shapes and block sizes."""
+    def programs(self, shapes: dict, consts: dict, sizes: dict | None = None) -> list[int]:
+        """Programs of each summary at the given tensor shapes and block sizes (and the
+        values of the runtime sizes in ``self.sizes``)."""
         out = []
         for s, g in zip(self.specs, self.groups(consts)):
             if s.dim is None:
@@ -81,7 +83,7 @@ class Prepass:
         for g in self.guards:
             count = 1
             for size, b in zip(shapes[g.tensor], g.box):
-                count *= size if b is None else b[1] - b[0]
+                count *= size if b is None else b[1] if isinstance(b[1], int) else b[1].at(sizes)
             out.append(-(-count // TILE))
         return out
 
@@ -109,6 +111,9 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
     ints = [f"x_{t}_{w}{k}" for t, r in tensors for w in ("n", "s") for k in range(r)]
     ints += [f"{s.name}_s{k}" for s in specs for k in range(_out_rank(s, rank_of))]
     ints += [f"P_{k}" for k in range(1, len(specs) + len(guards))]
+    sizes = tuple(sorted({n for g in guards for b in g.box if b is not None
+                          for n in _symbols(b[1])}))
+    ints += [f"n_{n}" for n in sizes]
     consts = [f"{b}: tl.constexpr" for b in blocks]
     consts += [f"G_{k}: tl.constexpr" for k, s in enumerate(specs) if s.dim is not None]
     consts += [f"{PDL_FLAG}: tl.constexpr"]
@@ -153,7 +158,7 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
             body = _own_names(body, k)
         lines += head + [f"{ind}# {what}"] + [ind + ln for ln in body]
     checks = bool(guards) or bool(whole)
-    return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs), checks, guards)
+    return "\n".join(lines) + "\n", Prepass(kernel, tensors, tuple(specs), checks, guards, sizes)
 
 
 def _message(t: str, n: int, table: str) -> str:
@@ -169,8 +174,10 @@ def _guard_body(k: int, g) -> list[str]:
              f"pos = p * {TILE} + tl.arange(0, {TILE})"]
     if g.box == (None,):  # a 1-D tensor read whole: the position is the address
         lines += [f"count = x_{t}_n0", f"addr = pos * x_{t}_s0"]
+    elif not g.box:  # a 0-d tensor (``bias[h][which[()], q]``): its one entry
+        lines += ["count = 1", "addr = pos * 0"]
     else:
-        extents = [f"x_{t}_n{d}" if b is None else str(b[1] - b[0]) for d, b in enumerate(g.box)]
+        extents = [f"x_{t}_n{d}" if b is None else str(b[1]) for d, b in enumerate(g.box)]
         lines += [f"count = {' * '.join(extents)}", "rest = pos", "addr = pos * 0"]
         for d in reversed(range(len(g.box))):
             start = "" if g.box[d] is None or not g.box[d][0] else f"{g.box[d][0]} + "
@@ -188,7 +195,22 @@ def _box_text(box: tuple) -> str:
     """``[1:33]`` / ``[:, 0:1]`` -- the entries a guard reads, as a slice (empty if all)."""
     if all(b is None for b in box):
         return ""
-    return "[" + ", ".join(":" if b is None else f"{b[0]}:{b[1]}" for b in box) + "]"
+    return "[" + ", ".join(":" if b is None else f"{b[0]}:{b[0] + b[1]}" for b in box) + "]"
+
+
+def _symbols(count) -> set:
+    """Names of the runtime sizes a box count reads (none for an int; ``SymInt.expr`` is
+    a tree of ``("sym", name)`` / ``("const", v)`` / ``(op, a, b)``)."""
+    if isinstance(count, int):
+        return set()
+    out, stack = set(), [count.expr]
+    while stack:
+        e = stack.pop()
+        if e[0] == "sym":
+            out.add(e[1])
+        elif e[0] != "const":
+            stack.extend(e[1:])
+    return out
 
 
 def _own_names(body: list[str], k: int) -> list[str]:

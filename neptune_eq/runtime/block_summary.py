@@ -56,8 +56,10 @@ class SummaryPrepass:
     worked out once per shape."""
 
     def __init__(self, prepass, consts: dict, fn, options: dict | None = None,
-                 pdl: bool = False):
+                 pdl: bool = False, sizes: dict | None = None):
         self.pre, self.fn = prepass, fn
+        # the runtime sizes a guard's box reads (``Prepass.sizes``): fixed per launcher
+        self.sizes = {n: (sizes or {})[n] for n in getattr(prepass, "sizes", ())}
         blocks = sorted({s.block for s in prepass.specs if s.block})
         groups = prepass.groups(consts)
         self.consts = {b: consts[b] for b in blocks}
@@ -96,13 +98,14 @@ class SummaryPrepass:
                 strides.append(acc)
                 acc *= n
             out_strides += reversed(strides)
-        counts = self.pre.programs(by_name, self.block_consts)
+        counts = self.pre.programs(by_name, self.block_consts, self.sizes)
         starts, at = [], 0
         for c in counts[:-1]:
             at += c
             starts.append(at)
         grid = (at + counts[-1],)
-        return outs, out_strides + starts, FastLaunch(self.fn, grid, self.consts, self.options)
+        return outs, out_strides + starts + list(self.sizes.values()), \
+            FastLaunch(self.fn, grid, self.consts, self.options)
 
     def plan_for(self, tensors: dict) -> tuple[list, tuple]:
         """(the captured tensors the pre-pass reads, its plan for their shapes and dtypes:

@@ -122,7 +122,8 @@ class GluonLauncher:
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
             self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": rows,
                                                     "B_L": key_block}, pre_fn,
-                                       pdl=self.pdl)
+                                       pdl=self.pdl,
+                                       sizes=dict(zip(ks.size_params, self.size_args)))
         self._ranges, self._sched_n = None, 0
         if form.ranges:  # a dynamic walk: each tile's key range, after the summaries
             kname, source = form.ranges

@@ -188,7 +188,8 @@ class Launcher:
         # Block summaries are rebuilt from the data on every call by one pre-pass launch
         # (the last kernel of the module); a kernel cached before the pre-pass existed
         # builds them with torch.
-        self._pre = (SummaryPrepass(self.ks.prepass, consts, self.fns[-1], pdl=self.pdl)
+        self._pre = (SummaryPrepass(self.ks.prepass, consts, self.fns[-1], pdl=self.pdl,
+                                    sizes=dict(zip(self.ks.size_params, self.size_args)))
                      if self.ks.prepass else None)
         self._last_summaries: dict = {}
         if self.size_args and self.fast_ok:
