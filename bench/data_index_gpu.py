@@ -16,7 +16,10 @@
 5. ``--per-sample``: two samples, each with its own ids, read ``bias[doc[b, q]]`` (the
    guard reads all of the 2-D ``doc``, session 42): right against torch, and an id past
    the table in the second sample fails in a child.
-Writes data_index_gpu.json (``_score``, ``_per_sample``) under --out.
+6. ``--shifted``: ``bias[doc[q + 1]]`` with doc one longer than the rows (the guard reads
+   ``doc[1 : 1 + L]``, L a runtime size; session 42): right against torch, a stray id at
+   ``doc[0]`` (never read) is no error, one at ``doc[S // 3]`` stops the call in a child.
+Writes data_index_gpu.json (``_score``, ``_per_sample``, ``_shifted``) under --out.
 """
 from __future__ import annotations
 
@@ -72,8 +75,29 @@ def per_sample_bias(doc, bias):
     return biased
 
 
-def child(S: int, score: bool = False, per_sample: bool = False) -> None:
+def shifted_case(S: int):
+    """Ids one longer than the rows, read at ``q + 1``, and a bias table of 14 entries."""
+    doc = torch.cat([case(S, 13, 0)[0], torch.zeros(1, dtype=torch.int32, device="cuda")])
+    bias = torch.randn(14, dtype=torch.float32, device="cuda")
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[q_idx + 1]]
+    return doc, bias, biased
+
+
+def child(S: int, score: bool = False, per_sample: bool = False, shifted: bool = False) -> None:
     """Called with an id past the table: prints what happened (the parent reads it)."""
+    if shifted:
+        doc, bias, biased = shifted_case(S)
+        doc[S // 3] = bias.numel()
+        q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        try:
+            ne.flex_attention(q, k, v, score_mod=biased)
+            torch.cuda.synchronize()
+            print("RETURNED")
+        except Exception as e:  # noqa: BLE001 - reported
+            print(f"RAISED {type(e).__name__}: {str(e)[:300]}")
+        return
     if per_sample:
         doc, bias = per_sample_case(S)
         doc[1, S // 3] = bias.numel()  # the second sample's ids: one past the table
@@ -103,11 +127,12 @@ def child(S: int, score: bool = False, per_sample: bool = False) -> None:
         print(f"RAISED {type(e).__name__}: {str(e)[:300]}")
 
 
-def past_the_table(S: int, score: bool, per_sample: bool = False) -> dict:
+def past_the_table(S: int, score: bool, per_sample: bool = False, shifted: bool = False) -> dict:
     """The call with an id past the table, in a child process: raised, with our message."""
     res = subprocess.run([sys.executable, __file__, "--child", "--S", str(S)]
                          + (["--score"] if score else [])
-                         + (["--per-sample"] if per_sample else []),
+                         + (["--per-sample"] if per_sample else [])
+                         + (["--shifted"] if shifted else []),
                          capture_output=True, text=True, timeout=300)
     row = {"past_the_table": (res.stdout.strip().splitlines() or ["(no output)"])[-1],
            "past_the_table_assert_message": "neptune_eq: an id in" in res.stderr}
@@ -174,6 +199,24 @@ def per_sample_guard(S: int) -> dict:
     return row
 
 
+def shifted_guard(S: int) -> dict:
+    """Item 6: ``bias[doc[q + 1]]``, guarded over ``doc[1 : 1 + L]``."""
+    doc, bias, biased = shifted_case(S)
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    got = ne.flex_attention(q, k, v, score_mod=biased)
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D) + bias[doc[1:].long()][:, None]
+    want = torch.softmax(s, -1) @ v.float()
+    row = {"case": "score_mod bias[doc[q + 1]]", "S": S,
+           "max_err_vs_torch": (got.float() - want).abs().max().item()}
+    doc[0] = 1000  # never read: not an error
+    ne.flex_attention(q, k, v, score_mod=biased)
+    torch.cuda.synchronize()
+    row["unread_stray_ok"] = True
+    row.update(past_the_table(S, score=True, shifted=True))
+    row["ok"] = row["max_err_vs_torch"] < 5e-3 and row["past_the_table_ok"]
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--S", type=int, default=4096)
@@ -183,16 +226,19 @@ def main():
                     help="the score_mod case (item 4) instead of the jagged mask")
     ap.add_argument("--per-sample", action="store_true",
                     help="per-sample ids bias[doc[b, q]] (item 5)")
+    ap.add_argument("--shifted", action="store_true", help="ids read at q + 1 (item 6)")
     a = ap.parse_args()
     if a.child:
-        return child(a.S, a.score, a.per_sample)
+        return child(a.S, a.score, a.per_sample, a.shifted)
     S = a.S
-    if a.score or a.per_sample:
-        row = per_sample_guard(S) if a.per_sample else score_guard(S)
+    if a.score or a.per_sample or a.shifted:
+        row = (shifted_guard(S) if a.shifted else per_sample_guard(S) if a.per_sample
+               else score_guard(S))
         print(json.dumps(row), flush=True)
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        name = "data_index_gpu_per_sample.json" if a.per_sample else "data_index_gpu_score.json"
+        name = ("data_index_gpu_shifted.json" if a.shifted else "data_index_gpu_per_sample.json"
+                if a.per_sample else "data_index_gpu_score.json")
         (out / name).write_text(json.dumps(row, indent=1) + "\n")
         return
     doc, offsets = case(S)
