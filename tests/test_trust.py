@@ -199,3 +199,16 @@ def test_a_value_at_the_edge_of_fp16s_range_may_round_either_way():
     assert edge.tolist() == [True, True, True, True, True, False]
     assert wrong.tolist() == [False, False, False, True, True, False]
     assert not range_edge(r, c, "float32", 1e-3)[0].any()  # fp32 outputs: no edge here
+
+
+def test_a_read_in_bounds_only_near_the_given_sizes_is_checked_there():
+    """``x[i, j + 21]`` over 19 columns of a 40-column x is out of bounds at the shrunk
+    sizes (17 columns of 19), so validation keeps the sizes as given -- and says so."""
+    x = ne.placeholder((3, 40), "float32", "x")
+    j = ne.reduce_axis(19, "j")
+    y = ne.compute((3,), lambda i: ne.sum(x[i, j + 21], axis=j), "y")
+    kern = ne.superoptimize(y, target="interpreter", cache=False)
+    assert kern.trace.validation.sizes == {3: 3, 19: 19, 40: 40}
+    assert "at the given sizes" in str(kern.trace.validation)
+    got = kern(x=torch.arange(120.0).reshape(3, 40))
+    assert torch.equal(got, torch.arange(120.0).reshape(3, 40)[:, 21:].sum(1))

@@ -152,20 +152,26 @@ def consistent_inputs(program: Program, sizes: dict, seed: int, scale: float,
     return data
 
 
+def _check_reads(program: Program, sizes: dict) -> None:
+    """Evaluate ``program`` with its sizes mapped through ``sizes``: a read out of bounds
+    raises (``ProgramError``, or torch's ``IndexError`` / ``RuntimeError``)."""
+    small = shrink(program, sizes)
+    validate_program(small)
+    evaluate(small, consistent_inputs(small, sizes, 0, 1.0, 2))
+
+
 def _runs_at(program: Program, sizes: dict) -> bool:
     """Whether ``program`` reads in bounds with its sizes mapped through ``sizes``."""
-    small = shrink(program, sizes)
     try:
-        validate_program(small)
-        evaluate(small, consistent_inputs(small, sizes, 0, 1.0, 2))
+        _check_reads(program, sizes)
     except (ProgramError, IndexError, RuntimeError):
         return False
     return True
 
 
-# The most loop iterations (a definition's axes and reductions) a check at the real
-# sizes may take in the fp64 interpreter: a decode of 32 heads over 4096 keys at D=128
-# is 2^24; past this the check would take minutes and gigabytes.
+# The most loop iterations (a definition's axes and reductions) a check at the call's
+# named sizes may take in the fp64 interpreter: a decode of 32 heads over 4096 keys at
+# D=128 is 2^24; past this the check would take minutes and gigabytes.
 MAX_REAL_WORK = 1 << 25
 
 
@@ -181,18 +187,19 @@ def _work(program: Program) -> int:
 def _sizes_it_runs_at(program: Program, sizes: dict, values: dict) -> dict:
     """The checked sizes of a program whose reads stay in bounds only at sizes near the
     call's: its ints kept, named sizes still small; else every size as called (``values``
-    gives the named ones), when that is at most ``MAX_REAL_WORK``."""
+    gives the named ones) -- for a program with named sizes only up to
+    ``MAX_REAL_WORK``.  A program out of bounds as called raises its own error."""
     kept = {n: n if isinstance(n, int) else v for n, v in sizes.items()}
     if kept != sizes and _runs_at(program, kept):
         return kept
     named = [n for n in sizes if isinstance(n, Size)]
-    if named and not all(n.name in values for n in named):
+    if any(n.name not in values for n in named):
         raise ProgramError(
             "Expected the program to read in bounds at small values of its named sizes; it "
             f"does not ({', '.join(n.name for n in named)}), and their values at the call "
             "are not known here: pass sizes= to ne.superoptimize.")
     real = {n: values[n.name] if isinstance(n, Size) else n for n in sizes}
-    work = _work(shrink(program, real))
+    work = _work(shrink(program, real)) if named else 0
     if work > MAX_REAL_WORK:
         raise ProgramError(
             f"Expected the program to read in bounds at smaller sizes than the call's, to "
@@ -201,9 +208,7 @@ def _sizes_it_runs_at(program: Program, sizes: dict, values: dict) -> dict:
             f"doc[q_idx + 4095]), and a check there takes {work:.2e} loop iterations, past "
             f"{MAX_REAL_WORK:.2e}. Write the shift as data (doc[q_idx + offset[0]], offset a "
             f"captured tensor) or relative to the sizes, so that the check can shrink them.")
-    if not _runs_at(program, real):  # out of bounds as called too: the program's own error
-        validate_program(shrink(program, real))
-        evaluate(shrink(program, real), consistent_inputs(shrink(program, real), real, 0, 1.0, 2))
+    _check_reads(program, real)  # out of bounds as called too: the program's own error
     return real
 
 
