@@ -87,40 +87,25 @@ def shifted_case(S: int):
 
 def child(S: int, score: bool = False, per_sample: bool = False, shifted: bool = False) -> None:
     """Called with an id past the table: prints what happened (the parent reads it)."""
+    q, k, v = (torch.randn(2 if per_sample else 1, H, S, D, device="cuda", dtype=torch.float16)
+               for _ in range(3))
     if shifted:
         doc, bias, biased = shifted_case(S)
-        doc[S // 3] = bias.numel()
-        q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
-        try:
-            ne.flex_attention(q, k, v, score_mod=biased)
-            torch.cuda.synchronize()
-            print("RETURNED")
-        except Exception as e:  # noqa: BLE001 - reported
-            print(f"RAISED {type(e).__name__}: {str(e)[:300]}")
-        return
-    if per_sample:
+        doc[S // 3] = bias.numel()  # read (at q = S // 3 - 1): one past the table
+        mods = dict(score_mod=biased)
+    elif per_sample:
         doc, bias = per_sample_case(S)
         doc[1, S // 3] = bias.numel()  # the second sample's ids: one past the table
-        q, k, v = (torch.randn(2, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
-        try:
-            ne.flex_attention(q, k, v, score_mod=per_sample_bias(doc.cuda(), bias.cuda()))
-            torch.cuda.synchronize()
-            print("RETURNED")
-        except Exception as e:  # noqa: BLE001 - reported
-            print(f"RAISED {type(e).__name__}: {str(e)[:300]}")
-        return
-    doc, offsets = case(S)
-    doc[S // 3] = offsets.numel()  # one past the last entry
+        mods = dict(score_mod=per_sample_bias(doc.cuda(), bias.cuda()))
+    else:
+        doc, offsets = case(S)
+        doc[S // 3] = offsets.numel()  # one past the last entry
 
-    def jagged(b, h, q_idx, kv_idx):
-        return (kv_idx >= offsets[doc[q_idx]]) & (q_idx >= kv_idx)
-    biased = offset_bias(doc, offsets)
-    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        def jagged(b, h, q_idx, kv_idx):
+            return (kv_idx >= offsets[doc[q_idx]]) & (q_idx >= kv_idx)
+        mods = dict(score_mod=offset_bias(doc, offsets)) if score else dict(mask_mod=jagged)
     try:
-        if score:
-            ne.flex_attention(q, k, v, score_mod=biased)
-        else:
-            ne.flex_attention(q, k, v, mask_mod=jagged)
+        ne.flex_attention(q, k, v, **mods)
         torch.cuda.synchronize()
         print("RETURNED")
     except Exception as e:  # noqa: BLE001 - reported
