@@ -293,5 +293,19 @@ def value(x, values: dict[str, int]):
     return x.at(values) if isinstance(x, SymInt) else x
 
 
+def names_in(x) -> set[str]:
+    """The named sizes ``x`` reads: none for an int, the symbols of a SymInt's tree."""
+    if not isinstance(x, SymInt):
+        return set()
+    out, stack = set(), [x.expr]
+    while stack:
+        e = stack.pop()
+        if e[0] == "sym":
+            out.add(e[1])
+        elif e[0] != "const":
+            stack.extend(e[1:])
+    return out
+
+
 def prod(xs: Iterable) -> "int | SymInt":
     return math.prod(xs, start=1)

@@ -101,7 +101,7 @@ def checked_ids(program: Program) -> list[IdCheck]:
 
 
 def _box(program: Program, x: Term) -> tuple | None:
-    """Per dimension of the ids ``x`` reads, ``None`` (all of it) or ``(start, stop)``;
+    """Per dimension of the ids ``x`` reads, ``None`` (all of it) or ``(start, count)``;
     ``None`` for the whole box when its index is not an axis plus a constant."""
     shape, box, axes = program.shape_of(x.val), [], []
     for a, size in zip(x.args, shape):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from .block_predicate import SummarySpec
 from .codegen import _TL_DTYPE
 from .dependent_launch import PDL_FLAG
+from ..sizes import names_in
 
 TILE = 2048    # elements one per-block program reads (G_k blocks of B)
 # Elements per step of a global summary's walk, and the pre-pass's warps.  A walk is one
@@ -112,7 +113,7 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
     ints += [f"{s.name}_s{k}" for s in specs for k in range(_out_rank(s, rank_of))]
     ints += [f"P_{k}" for k in range(1, len(specs) + len(guards))]
     sizes = tuple(sorted({n for g in guards for b in g.box if b is not None
-                          for n in _symbols(b[1])}))
+                          for n in names_in(b[1])}))
     ints += [f"n_{n}" for n in sizes]
     consts = [f"{b}: tl.constexpr" for b in blocks]
     consts += [f"G_{k}: tl.constexpr" for k, s in enumerate(specs) if s.dim is not None]
@@ -196,21 +197,6 @@ def _box_text(box: tuple) -> str:
     if all(b is None for b in box):
         return ""
     return "[" + ", ".join(":" if b is None else f"{b[0]}:{b[0] + b[1]}" for b in box) + "]"
-
-
-def _symbols(count) -> set:
-    """Names of the runtime sizes a box count reads (none for an int; ``SymInt.expr`` is
-    a tree of ``("sym", name)`` / ``("const", v)`` / ``(op, a, b)``)."""
-    if isinstance(count, int):
-        return set()
-    out, stack = set(), [count.expr]
-    while stack:
-        e = stack.pop()
-        if e[0] == "sym":
-            out.add(e[1])
-        elif e[0] != "const":
-            stack.extend(e[1:])
-    return out
 
 
 def _own_names(body: list[str], k: int) -> list[str]:
