@@ -368,3 +368,30 @@ def test_empty_inputs_under_torch_compile():
     q, k, v = qkv(s=0)
     got = f(q, k, v)
     assert got.shape == (2, 2, 24, 16) and (got == 0).all()
+
+
+def test_a_table_longer_than_the_keys_after_one_exactly_as_long(saturations):
+    """``tab[kv_idx]`` with tab of 24 entries: at 24 keys its dim is named S; at 17 keys the
+    same structure runs on its first 17 entries (torch reads no further), eagerly, with
+    its gradient (zero past 17), and under torch.compile with dynamic shapes.  At more
+    keys than entries the read is out of range: refused by name."""
+    tab = torch.randn(24, requires_grad=True)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + tab[kv_idx]
+    compiled = torch.compile(lambda q, k, v: ne.flex_attention(q, k, v, score_mod=bias),
+                             fullgraph=True, dynamic=True, backend="eager")
+    for s in (24, 17):
+        q, k, v = qkv(lq=9, s=s, seed=s)
+        want = torch_flex(q, k, v, score_mod=bias)
+        got = ne.flex_attention(q, k, v, score_mod=bias)
+        assert_close(got, want.detach())
+        with torch.no_grad():
+            assert_close(compiled(q, k, v), want.detach())
+    (g_want,) = torch.autograd.grad(want.sum(), tab)
+    (g_got,) = torch.autograd.grad(got.sum(), tab)
+    assert g_got.shape == (24,) and torch.all(g_got[17:] == 0)
+    assert_close(g_got, g_want, tol=1e-4)
+    assert saturations[0] <= 2   # the forward; the backward's own program
+    with pytest.raises(ne.ProgramError, match="Size S is 30 .* but 24 in dim 0"):
+        ne.flex_attention(*qkv(lq=9, s=30), score_mod=bias)

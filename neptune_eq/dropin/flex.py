@@ -52,6 +52,8 @@ class Structure:
     row_kernels: dict = field(default_factory=dict)  # program -> row-dot kernel (flex_backward)
     # (lse grad?, size bucket) -> (fused?, timed there?) (flex_backward.fused_is_faster)
     backward_form: dict = field(default_factory=dict)
+    # (captured position, dim, size name) of each captured dim named by a size (fit_captured)
+    named_dims: tuple = ()
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def kernel_at(self, sizes: dict[str, int], example: dict | None = None):
@@ -125,12 +127,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         return _result(*_empty_attention(query, key, value, spec), want_lse, want_max,
                        return_aux)
     if compiling:
-        skey, captured = torch_op.compiled_structure(score_mod, mask_mod, spec)
+        skey, captured, named_dims = torch_op.compiled_structure(score_mod, mask_mod, spec)
+        captured = fit_captured(named_dims, query, key, captured, compiling=True)
         out, lse, mx = torch_op.flex_attention_op(query, key, value, captured, skey, want_max)
         return _result(out, lse, mx, want_lse, want_max, return_aux)
     skey, captured = eager_env.eager_structure(
         score_mod, mask_mod, spec, {SIZES[0]: query.shape[0], SIZES[1]: query.shape[2],
                                     SIZES[2]: key.shape[2]})
+    captured = fit_captured(STRUCTURES[skey].named_dims, query, key, captured)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, *captured)):
         out, lse, mx = torch_op.EagerFlexAttention.apply(query, key, value, skey, want_max,
                                                          want_lse, *captured)
@@ -323,7 +327,8 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
             st = STRUCTURES.setdefault(skey, Structure(skey, text, spec.target, spec.max_scores,
                                                        outputs, symbols(prog),
                                                        {p.name: p.shape for p in prog.inputs},
-                                                       program=prog))
+                                                       program=prog,
+                                                       named_dims=_named_dims(prog)))
     return st, captured
 
 
@@ -395,6 +400,31 @@ def _name_captured_sizes(outputs: list, captured: dict, sizes: dict[str, int] | 
                     shape[k] = as_extent(size)
         ph.shape = tuple(shape)
     return both
+
+
+def _named_dims(prog) -> tuple:
+    """(captured position, dim, size name) of each captured dim the program names
+    (its inputs after q, k, v are the captured tensors, in kernel order)."""
+    return tuple((i, d, ext.name) for i, ph in enumerate(prog.inputs[3:])
+                 for d, ext in enumerate(ph.shape) if not isinstance(ext, int))
+
+
+def fit_captured(named_dims: tuple, q, k, captured: list, compiling: bool = False) -> list:
+    """The captured tensors cut to the sizes the structure names in them.  A dim is named
+    only when every read indexes it at that size's own index (``tab[kv_idx]``), so no
+    read reaches past the size: a table longer than S -- traced where it was exactly S,
+    or a 64-entry bias at 32 keys -- reads the same as its first S entries, as in torch.
+    A shorter one stays, and the kernel refuses it by name.  Under torch.compile the cut
+    is always taken (a slice, which clamps): comparing sizes there would guard on them."""
+    if not named_dims:
+        return captured
+    sizes = {SIZES[0]: q.shape[0], SIZES[1]: q.shape[2], SIZES[2]: k.shape[2]}
+    out = list(captured)
+    for i, d, name in named_dims:
+        x, n = out[i], sizes[name]
+        if compiling or x.shape[d] > n:
+            out[i] = x[(slice(None),) * d + (slice(0, n),)]
+    return out
 
 
 def _all_tensors(outputs: list) -> list[dsl.Tensor]:

@@ -132,8 +132,9 @@ class EagerFlexAttention(torch.autograd.Function):
 # Under torch.compile
 # ----------------------------------------------------------------------------------
 def compiled_structure(score_mod, mask_mod, spec: "flex.Spec") -> tuple[str, list]:
-    """The structure key and the captured tensors, in a form Dynamo traces."""
-    key, guards, shapes, captured = compile_plan(
+    """The structure key, the captured tensors and the dims the structure names in them
+    (``flex.fit_captured``), in a form Dynamo traces."""
+    key, guards, shapes, captured, named_dims = compile_plan(
         *_split(score_mod), *_split(mask_mod), spec.dtype, spec.hq, spec.hkv, spec.e, spec.ev,
         spec.scale, spec.target, spec.max_scores, spec.same_len)
     roots = (score_mod, mask_mod)
@@ -145,7 +146,7 @@ def compiled_structure(score_mod, mask_mod, spec: "flex.Spec") -> tuple[str, lis
         if len(got) != len(shape) or any(n is not None and g != n for g, n in zip(got, shape)):
             raise ProgramError(f"Expected {_show(path)} of shape {shape} as when compiled.")
     tensors = [_fetch(roots[c[1]], c[2]) if c[0] == "path" else c[1] for c in captured]
-    return key, tensors
+    return key, tensors, named_dims
 
 
 def _split(mod) -> tuple:
@@ -195,7 +196,7 @@ def compile_plan(score_fn, score_self, mask_fn, mask_self, dtype, hq, hkv, e, ev
     where = {id(t): (r, p) for r, w in enumerate(walks) for p, t in w.tensors}
     plan = tuple(("path",) + where[id(t)] if id(t) in where else ("const", t)
                  for t in captured.values())
-    return st.key, guards, shapes, plan
+    return st.key, guards, shapes, plan, st.named_dims
 
 
 def _fetch(obj, path: tuple):
