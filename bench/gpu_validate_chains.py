@@ -1,6 +1,7 @@
 """The reduction chains beyond attention (issue 15) on the GPU: correctness and time.
 
     python bench/gpu_validate_chains.py [--out bench/results] [--only layernorm ...] [--small] [--compile]
+                                        [--fp32-precision highest|high|medium]
 
 Every chain of ``neptune_eq.frontend.chains.CHAINS`` is superoptimized for CUDA at a
 small odd size and at a realistic one, compared with its torch fp64 reference on fresh
@@ -9,6 +10,10 @@ by torch in fp32 (eager).  Writes gpu_validate_chains.json and .md after every c
 exits non-zero on any mismatch.  ``--small`` runs the odd sizes only (a quick check).
 A chain that gathers at ids (``x[i, t[i]]``) runs a launch that asserts them first; its
 row also says what that launch adds to a graphed call (``guard_cost``).
+``--fp32-precision`` sets ``torch.set_float32_matmul_precision`` for the whole run: under
+"high" both our fp32 contractions and torch's matmuls use TF32, and a chain with a
+contraction is held to fp16's tolerance (TF32 has fp16's 10-bit mantissa), as
+translation validation holds it.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ SMALL = dict(N=5, M=37, E=7, K=11, V=29, R=13)
 LARGE = dict(N=4096, M=4099, E=64, K=1024, V=32003, R=1000)
 LARGE_LINEAR = dict(N=512, K=1024, V=32003)
 TOL = 2e-4   # fp32 kernels vs fp64, relative to the largest reference value
+TF32_TOL = 1e-2  # a chain with a contraction under TF32 (fp16's tolerance)
 
 
 def _sizes(name: str, small: bool) -> list[dict]:
@@ -60,7 +66,8 @@ def run_case(name: str, sizes: dict, compiled: bool = False) -> dict:
         for out, g in zip(prog.outputs, got):
             r = ref[out]
             err = (g.double() - r).abs().max().item()
-            bound = TOL * max(1.0, r.abs().max().item())
+            tol = TF32_TOL if _tf32(kern) else TOL
+            bound = tol * max(1.0, r.abs().max().item())
             row["ok"] &= bool(torch.isfinite(g).all()) and err <= bound
             row["max_err"] = max(row["max_err"], err)
             row["bound"] = max(row["bound"], bound)
@@ -76,7 +83,12 @@ def run_case(name: str, sizes: dict, compiled: bool = False) -> dict:
         ref = torch.compile(chain.reference)
         ref(dev)
         row["torch_compile_us"] = triton.testing.do_bench(lambda: ref(dev)) * 1e3
+    row["tf32"] = _tf32(kern)
     return row
+
+
+def _tf32(kern) -> bool:
+    return 'input_precision="tf32"' in kern.source
 
 
 def guard_cost(kern, args: list) -> dict:
@@ -99,7 +111,8 @@ def _markdown(rows: list[dict], device: str) -> str:
     lines = [f"# Reduction chains beyond attention on {device}", "",
              "fp32 inputs; error vs torch fp64 at scales 1 and 300; time by triton.testing.do_bench "
              "(median, us); torch eager runs the same reference in fp32 (torch.compile us in the "
-             "JSON with --compile).", "",
+             f"JSON with --compile); float32 matmul precision "
+             f"{torch.get_float32_matmul_precision()!r}.", "",
              "| chain | sizes | ok | max err / bound | launches | passes (expected) | neptune us | "
              "torch eager us | speedup | chosen |", "| --- " * 10 + "|"]
     for r in rows:
@@ -116,7 +129,11 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help="chain names (default: all)")
     ap.add_argument("--small", action="store_true", help="odd small sizes only")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the reference")
+    ap.add_argument("--fp32-precision", choices=("highest", "high", "medium"), default=None,
+                    help="torch.set_float32_matmul_precision for the run (default: torch's)")
     a = ap.parse_args()
+    if a.fp32_precision:
+        torch.set_float32_matmul_precision(a.fp32_precision)
     if not torch.cuda.is_available():
         print("gpu_validate_chains needs a CUDA GPU.", file=sys.stderr)
         return 2
@@ -143,7 +160,8 @@ def main() -> int:
             print(f"{name:22s} {str(sizes):60s} ok={row['ok']} err={row['max_err']:.2e} "
                   f"{row.get('neptune_us', 0):.1f}us vs torch {row.get('torch_eager_us', 0):.1f}us "
                   f"{row.get('error', '')}", flush=True)
-            meta = dict(device=device, torch=torch.__version__, triton=triton.__version__)
+            meta = dict(device=device, torch=torch.__version__, triton=triton.__version__,
+                        float32_matmul_precision=torch.get_float32_matmul_precision())
             (out / "gpu_validate_chains.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
             (out / "gpu_validate_chains.md").write_text(_markdown(rows, device))
     if failed:

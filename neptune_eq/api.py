@@ -16,6 +16,7 @@ from .egraph.derive import Step, derivation
 from .egraph.saturate import EGraphStage, Limits, Trace
 from .egraph.extract import CostModel, EGraphView, alternatives, check_folds, extract_program, top_programs
 from .ir import Program
+from .lowering.codegen import FP32_DOT
 from .lowering.inline import isolate_reductions
 from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
@@ -286,7 +287,8 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
                   limits: Limits | None = None, example_inputs: dict | None = None,
                   top_k: int = 3, cache: bool = True, progress: bool = False,
                   device: str | None = None, allow_unchecked_rules: bool = False,
-                  sizes: dict[str, int] | None = None) -> Kernel:
+                  sizes: dict[str, int] | None = None,
+                  float32_matmul_precision: str | None = None) -> Kernel:
     """Superoptimize the program that computes ``outputs`` (a ne.compute tensor or a list).
 
     ``rules`` replaces the shipped rule files, ``extra_rules`` adds user rule files; every
@@ -300,7 +302,10 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
     ``TranslationValidationError``).  A program with named sizes (``ne.size("S")``) is
     saturated once and the kernel runs at any size: the choice among candidates is made
     per size bucket when a call first meets it (``sizes=`` gives the first bucket's sizes,
-    default the example inputs' or 1024).  The winner is cached on disk
+    default the example inputs' or 1024).  Contractions of two float32 operands follow
+    ``float32_matmul_precision`` as torch's matmuls do ("highest": exact fp32; "high" or
+    "medium": TF32 tensor cores), default ``torch.get_float32_matmul_precision()`` at this
+    call; the kernel keeps it.  The winner is cached on disk
     (``$NEPTUNE_EQ_CACHE``) unless ``cache=False``; a warm call returns without saturating.
 
         >>> import neptune_eq as ne
@@ -327,8 +332,9 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
         + [Path(f) for f in list(rule_registry.loaded()) + list(extra_rules)]
     rule_report = rule_registry.vet(rule_files, allow_unchecked=allow_unchecked_rules)
     gpu_name = device or _gpu_name(target)
+    fp32_dot = fp32_dot_of(float32_matmul_precision)
     key = make_key(program, rule_files, target, gpu_name,
-                   {"top_k": top_k, "limits": repr(limits or Limits())})
+                   {"top_k": top_k, "limits": repr(limits or Limits()), "fp32_dot": fp32_dot})
     status = "disabled"
     if cache:
         hit, status = cache_load(key)
@@ -338,7 +344,7 @@ def superoptimize(outputs, *, rules: Sequence[str | Path] | None = None,
             _store_new_buckets(hit, key)
             return hit
     kern = _build(program, rules, extra_rules, target, limits, example_inputs, top_k,
-                  progress, gpu_name, sizes)
+                  progress, gpu_name, sizes, fp32_dot)
     kern.trace.rule_checks = rule_report
     kern.cache_status, kern.build_seconds = status, time.perf_counter() - t0
     if cache:
@@ -361,8 +367,21 @@ def _gpu_name(target: str) -> str:
     return "none (interpreter)"
 
 
+def fp32_dot_of(precision: str | None) -> str:
+    """tl.dot's input_precision for fp32 operands (``codegen.FP32_DOT``) under torch's
+    float32 matmul ``precision`` (None: torch's current setting)."""
+    if precision is None:
+        import torch
+        precision = torch.get_float32_matmul_precision()
+    if precision not in FP32_DOT:
+        raise ValueError(f"Expected float32_matmul_precision to be one of {sorted(FP32_DOT)} "
+                         f"(as torch.set_float32_matmul_precision takes) or None, got "
+                         f"{precision!r}.")
+    return FP32_DOT[precision]
+
+
 def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, progress,
-           gpu_name, sizes) -> Kernel:
+           gpu_name, sizes, fp32_dot) -> Kernel:
     from . import rules as rule_registry
     clock = _StageClock()
     user_program = program
@@ -397,19 +416,20 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     clock.lap("extract")
     dev = device_for(gpu_name)
     tensors = timing_tensors(concrete, example_inputs) if target == "cuda" else None
-    first = choose_bucket(pool, values, target, dev, tensors, top_k, progress)
+    first = choose_bucket(pool, values, target, dev, tensors, top_k, progress, fp32_dot=fp32_dot)
     chosen = first.row
     clock.lap("lower, compile and time")
     trace.validation = validate_translation(
         user_program, first.program, lambda: _blame(trace, chosen),
-        lambda small, named, data: _run_small_kernel(small, named, data, target), values)
+        lambda small, named, data: _run_small_kernel(small, named, data, target, fp32_dot),
+        values, fp32_dot)
     kern = Kernel(user_program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
                   chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
     clock.lap("validate")
     kern.build_stages = clock.stages
     if syms:
         kern.sizes = dict(values)
-        kern._dispatch = SizeDispatch(pool, syms, target, dev)
+        kern._dispatch = SizeDispatch(pool, syms, target, dev, fp32_dot=fp32_dot)
         kern._dispatch.add(first)
     return kern
 
@@ -458,12 +478,13 @@ def _blame(trace: Trace, chosen: CandidateRow) -> str:
     return f"Chosen candidate: {chosen.description}. Rules on its derivation path: {listed}."
 
 
-def _run_small_kernel(program: Program, values: dict[str, int], data: dict, target: str) -> dict:
+def _run_small_kernel(program: Program, values: dict[str, int], data: dict, target: str,
+                      fp32_dot: str) -> dict:
     """The chosen candidate's kernel generated for ``program`` (small sizes; its named
     sizes, at ``values``, stay runtime arguments as in the real kernel), run once."""
     import torch
     spec = specialise(program, values, Guards())
-    kernel = generate(make_plan(spec), bf16_dot_in_fp32=(target == "interpreter"))
+    kernel = generate(make_plan(spec), bf16_dot_in_fp32=(target == "interpreter"), fp32_dot=fp32_dot)
     conc = kernel.concrete(values)
     program = bind(spec, values)
     launcher = Launcher(program, conc, target, candidate_configs(conc, target)[0].at(values),

@@ -281,3 +281,40 @@ def test_a_sum_without_the_row_axis_splits_beside_per_row_sums():
     assert "ws_y_f1_ptr + ((offs_P[:, None] * 1 + pid_grid) * 37 + 0) * 32" in text
     assert "ws_y_f1_ptr + ((offs_P_c[:, None] * 1 + pid_grid_c) * 37 + pid_block_c) * 32" in text
     _check_both_split_forms(kern, row, chain, sizes)
+
+
+def test_fp32_contractions_follow_torchs_float32_matmul_precision(monkeypatch):
+    """x·W of two float32 inputs: exact fp32 products under "highest", TF32 under "high"
+    -- torch's current setting unless given -- a distinct cache entry each (a TF32 kernel
+    never serves an exact-fp32 caller), and an unknown setting is refused by name.  The
+    interpreter computes both in fp32, so the result is checked here; the GPU's TF32 error
+    is held to fp16's tolerance by translation validation (``output_tolerance``)."""
+    from neptune_eq.choosing.translation_validation import output_tolerance
+    sizes = dict(N=3, K=24, V=29)
+    chain = CHAINS["linear-lse"]
+    prog = chain.build(sizes)
+    dots = {}
+    for setting in ("highest", "high"):
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda s=setting: s)
+        kern = ne.superoptimize(prog, target="interpreter", cache=False)
+        dots[setting] = {ln.split("input_precision=")[1] for ln in kern.source.splitlines()
+                         if "input_precision=" in ln}
+        _check(chain, kern, sizes, 0, 1.0)
+    assert dots == {"highest": {'"ieee")'}, "high": {'"tf32")'}}
+    assert "tf32" in ne.superoptimize(prog, target="interpreter", cache=False,
+                                      float32_matmul_precision="medium").source
+    with pytest.raises(ValueError, match="float32_matmul_precision to be one of"):
+        ne.superoptimize(prog, target="interpreter", float32_matmul_precision="tf32")
+    program = kern.input_program
+    (out,) = program.outputs
+    assert output_tolerance(program, out) < output_tolerance(program, out, "tf32") == 1e-2
+
+
+def test_the_fp32_precision_is_part_of_the_cache_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEPTUNE_EQ_CACHE", str(tmp_path))
+    prog = CHAINS["linear-lse"].build(dict(N=3, K=24, V=29))
+    first = ne.superoptimize(prog, target="interpreter", float32_matmul_precision="highest")
+    other = ne.superoptimize(prog, target="interpreter", float32_matmul_precision="high")
+    again = ne.superoptimize(prog, target="interpreter", float32_matmul_precision="highest")
+    assert (first.cache_status, other.cache_status, again.cache_status) == ("miss", "miss", "hit")
+    assert '"tf32"' in other.source and '"tf32"' not in again.source

@@ -395,3 +395,25 @@ def test_a_table_longer_than_the_keys_after_one_exactly_as_long(saturations):
     assert saturations[0] <= 2   # the forward; the backward's own program
     with pytest.raises(ne.ProgramError, match="Size S is 30 .* but 24 in dim 0"):
         ne.flex_attention(*qkv(lq=9, s=30), score_mod=bias)
+
+
+def test_float32_inputs_follow_torchs_matmul_precision(monkeypatch):
+    """A float32 call under "high" gets a structure and kernel of its own with TF32
+    products (torch's flex_attention follows the same setting); the "highest" one keeps
+    exact fp32 products, eagerly and under torch.compile (Dynamo guards on the setting)."""
+    monkeypatch.setattr(flex, "STRUCTURES", {})
+    q, k, v = qkv(b=1, lq=20, s=20)
+    compiled = torch.compile(lambda q, k, v: ne.flex_attention(q, k, v, mask_mod=causal),
+                             fullgraph=True, backend="eager")
+    want = torch_flex(q, k, v, block_mask=create_block_mask(causal, None, None, 20, 20,
+                                                            device="cpu"))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for setting in ("high", "highest"):
+            torch.set_float32_matmul_precision(setting)
+            assert_close(ne.flex_attention(q, k, v, mask_mod=causal), want)
+            assert_close(compiled(q, k, v), want)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    tf32 = {st.fp32_precision: '"tf32"' in st.kernel.source for st in flex.STRUCTURES.values()}
+    assert tf32 == {"high": True, "highest": False}

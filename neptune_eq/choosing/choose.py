@@ -79,15 +79,17 @@ def _few_row_shapes(ks: KernelSource, device: Device) -> tuple:
                          if c.blocks.get(rows, 16) < 16 and not c.vector_dot}))
 
 
-def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool) -> list[CandidateRow]:
-    """Lower and predict every candidate; one row per plan structure, best first."""
+def rank(candidates: list[Candidate], device: Device, bf16_dot_in_fp32: bool,
+         fp32_dot: str = "ieee") -> list[CandidateRow]:
+    """Lower and predict every candidate; one row per plan structure, best first.
+    ``fp32_dot``: tl.dot's precision for two fp32 operands (``codegen.FP32_DOT``)."""
     rows: dict[str, CandidateRow] = {}
     failed: list[CandidateRow] = []
     for c in candidates:
         row = CandidateRow(c.description, c.program, c.cost)
         try:
             row.plan = make_plan(c.program)
-            row.kernel = generate(row.plan, bf16_dot_in_fp32=bf16_dot_in_fp32)
+            row.kernel = generate(row.plan, bf16_dot_in_fp32=bf16_dot_in_fp32, fp32_dot=fp32_dot)
             row.estimate = best_estimate(row.plan, device, _few_row_shapes(row.kernel, device))
         except Exception as e:  # noqa: BLE001 - any failure means: record it, use the next one
             # A LoweringError is a shape the lowering does not handle; anything else is a

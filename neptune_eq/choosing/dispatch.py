@@ -66,13 +66,14 @@ def specialised_pool(pool: list[Candidate], values: dict[str, int]) -> tuple[lis
 def choose_bucket(pool: list[Candidate], values: dict[str, int], target: str, device: Device,
                   tensors: dict | None = None, top_k: int = 1, progress: bool = False,
                   call_tensors: Callable[[], dict] | None = None,
-                  known: list[BucketChoice] = ()) -> BucketChoice:
+                  known: list[BucketChoice] = (), fp32_dot: str = "ieee") -> BucketChoice:
     """Rank the pool at ``values`` with the cost model; on a GPU with ``tensors`` time the
     best ``top_k`` (superoptimize's first bucket), else take the predicted best.  A bucket
     met at call time passes ``call_tensors`` (the call's tensors, made on demand: timed
-    where ``time_new_buckets`` says so) and the buckets ``known`` so far (``config_like``)."""
+    where ``time_new_buckets`` says so) and the buckets ``known`` so far (``config_like``).
+    ``fp32_dot``: tl.dot's precision for two fp32 operands, fixed when the kernel was built."""
     spec, origin = specialised_pool(pool, values)
-    rows = rank(spec, device, bf16_dot_in_fp32=(target == "interpreter"))
+    rows = rank(spec, device, bf16_dot_in_fp32=(target == "interpreter"), fp32_dot=fp32_dot)
     lowerable = [r for r in rows if r.kernel is not None]
     if tensors is None and call_tensors is not None and lowerable and \
             time_new_buckets(target, lowerable[0].predicted_us):
@@ -179,6 +180,7 @@ class SizeDispatch:
     # Called after a bucket is chosen at call time (the entry point re-stores the kernel
     # in the disk cache, so the next process finds bucket -> winner without timing again).
     on_new_bucket: object = field(default=None, repr=False)
+    fp32_dot: str = "ieee"     # the precision of fp32 contractions it was built with
 
     def __getstate__(self):  # launchers hold compiled kernels: process-local
         state = dict(self.__dict__)
@@ -202,7 +204,7 @@ class SizeDispatch:
         known = [c for cs in self.buckets.values() for c in cs]
         call = (lambda: self._timing_tensors(values, tensors)) if tensors is not None else None
         c = choose_bucket(self.pool, values, self.target, self.device, call_tensors=call,
-                          known=known)
+                          known=known, fp32_dot=self.fp32_dot)
         self.bucket_choices += 1
         self.add(c)
         if self.on_new_bucket is not None:

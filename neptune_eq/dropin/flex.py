@@ -54,6 +54,7 @@ class Structure:
     backward_form: dict = field(default_factory=dict)
     # (captured position, dim, size name) of each captured dim named by a size (fit_captured)
     named_dims: tuple = ()
+    fp32_precision: str = "highest"   # torch's float32 matmul precision it is built for
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def kernel_at(self, sizes: dict[str, int], example: dict | None = None):
@@ -66,7 +67,7 @@ class Structure:
                     from ..api import superoptimize
                     self.kernel = superoptimize(self.outputs, target=self.target, sizes={
                         n: sizes[n] for n in self.symbols} if self.symbols else None,
-                        example_inputs=example)
+                        example_inputs=example, float32_matmul_precision=self.fp32_precision)
                     self.outputs = None
         return self.kernel
 
@@ -88,6 +89,9 @@ class Spec:
     target: str
     max_scores: bool
     same_len: bool     # L == S: a table read at q_idx and kv_idx may take one named size
+    # torch's float32 matmul precision for float32 inputs ("highest" otherwise): their
+    # kernels' fp32 products follow it (``api.superoptimize``), so it is part of the key
+    fp32_precision: str = "highest"
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
@@ -259,7 +263,15 @@ def check(q, k, v, scale, enable_gqa, want_max) -> Spec:
     same_len = True if lq == s else False  # noqa: SIM210
     hq, hkv, e, ev = (_concrete(n) for n in (hq, hkv, e, ev))
     return Spec(_DTYPES[q.dtype], hq, hkv, e, ev, float(scale),
-                "cuda" if q.device.type == "cuda" else "interpreter", bool(want_max), same_len)
+                "cuda" if q.device.type == "cuda" else "interpreter", bool(want_max), same_len,
+                _fp32_precision() if q.dtype == torch.float32 else "highest")
+
+
+@torch._dynamo.assume_constant_result
+def _fp32_precision() -> str:
+    """``torch.get_float32_matmul_precision()``, which Dynamo cannot trace but guards on
+    (a change recompiles), so under torch.compile it is a constant of the graph."""
+    return torch.get_float32_matmul_precision()
 
 
 _SPECS: dict[tuple, Spec] = {}  # eager argument signature -> its Spec (checks passed)
@@ -271,7 +283,8 @@ def _checked(q, k, v, scale, enable_gqa, want_max) -> Spec:
     are ~7 us of a call that is host-bound at short lengths."""
     try:
         key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, type(scale), scale, enable_gqa, want_max)
+               q.device, k.device, v.device, type(scale), scale, enable_gqa, want_max,
+               torch.get_float32_matmul_precision())
         spec = _SPECS.get(key)
     except (AttributeError, TypeError):  # not tensors, an unhashable option: check() says
         return check(q, k, v, scale, enable_gqa, want_max)
@@ -319,6 +332,7 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
     prog.meta.pop("captured", None)
     # Rule files loaded by the user change what saturation finds: part of the key.
     text = "\n".join([canonical_text(prog), f"target {spec.target}",
+                      f"float32 matmul precision {spec.fp32_precision}",
                       *(f"rules {p}" for p in loaded())])
     skey = "flex_" + hashlib.sha256(text.encode()).hexdigest()[:24]
     st = STRUCTURES.get(skey)
@@ -328,7 +342,8 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
                                                        outputs, symbols(prog),
                                                        {p.name: p.shape for p in prog.inputs},
                                                        program=prog,
-                                                       named_dims=_named_dims(prog)))
+                                                       named_dims=_named_dims(prog),
+                                                       fp32_precision=spec.fp32_precision))
     return st, captured
 
 

@@ -121,7 +121,8 @@ def _superoptimize(st, bw, wrt, sizes, example):
     named = symbols(bw.program)  # (the row-statistics kernel has no key length S)
     try:
         return superoptimize(bw.program, target=st.target, sizes={
-            n: sizes[n] for n in named} if named else None, example_inputs=example)
+            n: sizes[n] for n in named} if named else None, example_inputs=example,
+            float32_matmul_precision=st.fp32_precision)
     except Exception as e:  # noqa: BLE001 - named here, not deep in triton
         hint = ("report it with the mods that raised it" if set(wrt) <= {"q", "k", "v"}
                 else "detach that captured tensor to train q, k and v meanwhile")

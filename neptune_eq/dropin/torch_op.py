@@ -136,7 +136,7 @@ def compiled_structure(score_mod, mask_mod, spec: "flex.Spec") -> tuple[str, lis
     (``flex.fit_captured``), in a form Dynamo traces."""
     key, guards, shapes, captured, named_dims = compile_plan(
         *_split(score_mod), *_split(mask_mod), spec.dtype, spec.hq, spec.hkv, spec.e, spec.ev,
-        spec.scale, spec.target, spec.max_scores, spec.same_len)
+        spec.scale, spec.target, spec.max_scores, spec.same_len, spec.fp32_precision)
     roots = (score_mod, mask_mod)
     for root, path, expected in guards:
         if _fetch(roots[root], path) != expected:  # Dynamo guards on it; eager never fails
@@ -166,14 +166,14 @@ def _split(mod) -> tuple:
 
 @torch._dynamo.assume_constant_result
 def compile_plan(score_fn, score_self, mask_fn, mask_self, dtype, hq, hkv, e, ev, scale, target,
-                 max_scores, same_len):
+                 max_scores, same_len, fp32_precision):
     """Trace the mods (plain Python, once per compile): the structure key; (root, path,
     value) of every scalar in the mods' environment; (root, path, shape) of every tensor
     there; and per captured tensor ("path", root, path), or ("const", tensor) for one the
     mod creates itself (``torch.tensor([...])[h]``: a constant of the mod's code)."""
     score_mod, mask_mod = (fn if obj is None else types.MethodType(fn, obj)
                            for fn, obj in ((score_fn, score_self), (mask_fn, mask_self)))
-    spec = flex.Spec(dtype, hq, hkv, e, ev, scale, target, max_scores, same_len)
+    spec = flex.Spec(dtype, hq, hkv, e, ev, scale, target, max_scores, same_len, fp32_precision)
     st, captured = flex.trace(spec, score_mod, mask_mod)
     walks = [_Walk(m) for m in (score_mod, mask_mod)]
     guards = tuple((r, p, x) for r, w in enumerate(walks) for p, x in w.scalars)

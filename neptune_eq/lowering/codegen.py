@@ -64,10 +64,20 @@ def grid_decode(plan: TilePlan) -> list[str]:
     return lines
 
 
+# Triton's ``input_precision`` for a contraction of two fp32 operands, by torch's float32
+# matmul precision (``torch.set_float32_matmul_precision``): "highest" keeps exact fp32
+# products (CUDA cores); "high" and "medium" let torch's own matmuls use TF32 tensor cores,
+# and a kernel built under them does the same.  Products with an fp16/bf16 side are fed
+# to the tensor cores in that dtype whatever the setting.
+FP32_DOT = {"highest": "ieee", "high": "tf32", "medium": "tf32"}
+
+
 class Emitter:
-    def __init__(self, plan: TilePlan, name: str, bf16_dot_in_fp32: bool = False):
+    def __init__(self, plan: TilePlan, name: str, bf16_dot_in_fp32: bool = False,
+                 fp32_dot: str = "ieee"):
         self.plan, self.p, self.name = plan, plan.program, name
         self.bf16_dot_in_fp32 = bf16_dot_in_fp32
+        self.fp32_dot = fp32_dot
         self.lines: list[str] = []
         self.scopes: list[tuple[list[str], dict, str]] = []  # (lines, cache, indent)
         self.tmp = 0
@@ -417,7 +427,8 @@ class Emitter:
             rc = rhs.code if rhs.kind == low[0] else f"({rhs.code}).to({dt})"
             code = f"tl.dot({lc}, {rc})"
         else:
-            code = f"tl.dot({self.f32(lhs).code}, {self.f32(rhs).code}, input_precision=\"ieee\")"
+            code = (f"tl.dot({self.f32(lhs).code}, {self.f32(rhs).code}, "
+                    f"input_precision=\"{self.fp32_dot}\")")
         out_axes = self.canon((m, n))
         if out_axes != (m, n):
             code = f"tl.trans({code})"

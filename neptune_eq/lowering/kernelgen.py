@@ -18,14 +18,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from . import descriptors
+from . import descriptors, gluon_sums, gluon_ws
 from .codegen import (ECOL, LOOP, NEG, POS, SPLIT, VDOT_FLAG, Emitter, Tile, grid_decode,
                       init_fill)
 from ..ir import accessed
 from .block_ranges import ONE_LOOP_FLAG, data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
 from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
-from . import gluon_sums, gluon_ws
 from .data_indices import checked_ids
 from .dependent_launch import PDL_FLAG, wait_before_reads
 from .summary_kernel import prepass_source
@@ -385,7 +384,7 @@ def _after_split(em: Emitter) -> None:
         _pass_loop(em, k, split=False)
 
 
-def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: bool):
+def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: bool, fp32_dot):
     """Split-k in one launch: after storing its partials, each chunk program counts itself
     in on its row block's semaphore; the last to arrive folds all partials and runs the
     epilogue (CUTLASS's serial split-k, FlashDecoding's combine).  It saves the combine
@@ -398,7 +397,7 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     em.emit("arrived = tl.atomic_add(sem, 1, sem='acq_rel')")
     em.emit("if arrived == NSPLIT - 1:")
     inner = em.scopes[-1][2] + "    "
-    last = Emitter(plan, name, bf16_dot_in_fp32)
+    last = Emitter(plan, name, bf16_dot_in_fp32, fp32_dot)
     last.tmp = em.tmp  # fresh names: Triton types every name assigned under the ``if``
     # The combine folds [B_P, rows, width] tiles of partials over the row block's real
     # rows only (COMBINE_ROWS: 1 for a decode's one query, not the tensor core's 16), so
@@ -489,12 +488,13 @@ def _kernel_text(name: str, sig: list[str], em: Emitter, waits_for: list = ()) -
     return ["", "", "@triton.jit", f"def {name}(", *[f"    {s}," for s in sig], "):", *body]
 
 
-def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> KernelSource:
+def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
+             fp32_dot: str = "ieee") -> KernelSource:
     """Emit the Triton module for the plan (one kernel, or partial + combine for split-k).
 
-    ``bf16_dot_in_fp32`` upcasts bf16 contraction operands: the Triton CPU interpreter
-    (3.9) computes a bf16 ``tl.dot`` wrongly (a 16x16 product was off by 3e10), so the
-    interpreter target uses it; GPU kernels keep bf16 tensor-core dots."""
+    ``bf16_dot_in_fp32`` upcasts bf16 contraction operands (the Triton CPU interpreter 3.9
+    computes a bf16 ``tl.dot`` wrongly, a 16x16 product off by 3e10); ``codegen.FP32_DOT``
+    says what ``fp32_dot`` is."""
     p = plan.program
     name = name or ("neptune_" + "_".join(p.outputs))[:48]  # profiles tell kernels apart
     ba = plan.block_axis
@@ -539,7 +539,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
                   row_extent=plan.row_extent, grid_size=_grid_size(plan), size_params=size_params,
                   summaries=summaries, prepass=prepass)
     if not plan.split:
-        em = Emitter(plan, name, bf16_dot_in_fp32)
+        em = Emitter(plan, name, bf16_dot_in_fp32, fp32_dot)
         _prologue(em, split_axis=False)
         _init_states(em)
         for k in range(len(plan.passes)):
@@ -558,7 +558,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
                             warp_specializable=() if scattered else descriptors.warp_specializable(
                                 em.desc, plan, bool(summaries), has_dot))
     # split-k: the partials kernel runs the pass on one chunk and stores fold states ...
-    em = Emitter(plan, name, bf16_dot_in_fp32)
+    em = Emitter(plan, name, bf16_dot_in_fp32, fp32_dot)
     _prologue(em, split_axis=True)
     _init_states(em)
     _pass_loop(em, 0, split=True)
@@ -570,7 +570,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
     states = [em.desc]
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
     width = combine_width_axis(plan)
-    em = Emitter(plan, name, bf16_dot_in_fp32)
+    em = Emitter(plan, name, bf16_dot_in_fp32, fp32_dot)
     em.block_sizes[ba] = COMBINE_ROWS  # the real rows only, as in the one-launch combine
     _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
@@ -582,12 +582,12 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False) -> 
                         list(scratch))  # launched dependent on the partials, on Hopper
     states.append(em.desc)
     # ... or both in one launch
-    em = Emitter(plan, name, bf16_dot_in_fp32)
+    em = Emitter(plan, name, bf16_dot_in_fp32, fp32_dot)
     _prologue(em, split_axis=True)
     _init_states(em)
     _pass_loop(em, 0, split=True)
     _store_partials(em)
-    states += [em.desc, _fused_combine(em, plan, name, bf16_dot_in_fp32)]
+    states += [em.desc, _fused_combine(em, plan, name, bf16_dot_in_fp32, fp32_dot)]
     fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
                          + consts + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em,
                          [sp.name for sp in summaries])
