@@ -310,6 +310,25 @@ def test_fp32_contractions_follow_torchs_float32_matmul_precision(monkeypatch):
     assert output_tolerance(program, out) < output_tolerance(program, out, "tf32") == 1e-2
 
 
+def test_a_tf32_kernel_is_validated_on_inputs_tf32_holds_exactly():
+    """Rounding q and k to TF32 at scale 40 moves a score by units (a property of the
+    format the caller chose): the kernel check draws float32 inputs on TF32's grid, where
+    only computed operands round.  Ints and non-fp32 inputs are left as drawn."""
+    from neptune_eq.choosing.translation_validation import consistent_inputs, tf32_rounded
+    x = torch.randn(4096, dtype=torch.float64) * 40
+    r = tf32_rounded(x)
+    assert ((r - x).abs() <= x.abs() * 2.0 ** -11).all() and not torch.equal(r, x)
+    assert torch.equal(tf32_rounded(r), r)                           # on the grid: exact
+    assert (r.float().view(torch.int32) & 0x1FFF).eq(0).all()       # 13 low bits clear
+    from neptune_eq.frontend.dsl import build_program
+    prog = build_program(CHAINS["linear-cross-entropy"].build(dict(N=3, K=24, V=29)))
+    plain = consistent_inputs(prog, {}, 0, 40.0, 2)
+    on_grid = consistent_inputs(prog, {}, 0, 40.0, 2, tf32=True)
+    for ph in prog.inputs:
+        a, b = plain[ph.name], on_grid[ph.name]
+        assert torch.equal(b, tf32_rounded(a) if ph.dtype == "float32" else a), ph.name
+
+
 def test_the_fp32_precision_is_part_of_the_cache_key(tmp_path, monkeypatch):
     monkeypatch.setenv("NEPTUNE_EQ_CACHE", str(tmp_path))
     prog = CHAINS["linear-lse"].build(dict(N=3, K=24, V=29))
