@@ -101,8 +101,8 @@ def test_a_broken_extraction_is_caught_by_translation_validation(monkeypatch):
 def test_a_wrong_kernel_is_caught_by_translation_validation(monkeypatch):
     import neptune_eq.api as api
     real = api._run_small_kernel
-    monkeypatch.setattr(api, "_run_small_kernel", lambda p, sizes, data, target: {
-        k: v * 1.05 for k, v in real(p, sizes, data, target).items()})
+    monkeypatch.setattr(api, "_run_small_kernel", lambda p, sizes, data, *how: {
+        k: v * 1.05 for k, v in real(p, sizes, data, *how).items()})
     with pytest.raises(ne.TranslationValidationError, match="generated kernel disagrees"):
         ne.superoptimize(examples.softmax(3, 20), target="interpreter", cache=False)
 
