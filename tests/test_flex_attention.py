@@ -417,3 +417,27 @@ def test_float32_inputs_follow_torchs_matmul_precision(monkeypatch):
         torch.set_float32_matmul_precision(previous)
     tf32 = {st.fp32_precision: '"tf32"' in st.kernel.source for st in flex.STRUCTURES.values()}
     assert tf32 == {"high": True, "highest": False}
+
+
+def test_longer_tables_at_new_lengths_and_the_ones_that_cannot_fit():
+    """Query ids and key ids of 40 entries (``doc_q[q_idx] == doc_kv[kv_idx]``): traced at
+    L = S = 40, then run at L=17, S=23 on their prefixes.  A table shorter than S reads out
+    of range (torch raises IndexError), and one table read at both q_idx and kv_idx with
+    L != S cannot take one size: both are refused saying what fits and what to do."""
+    g = torch.Generator().manual_seed(3)
+    doc_q, doc_kv = (torch.sort(torch.randint(0, 3, (40,), generator=g)).values for _ in "qk")
+    short = torch.randn(20, generator=g)
+
+    def cross(b, h, q_idx, kv_idx):
+        return doc_q[q_idx] == doc_kv[kv_idx]
+
+    def same(b, h, q_idx, kv_idx):
+        return doc_q[q_idx] == doc_q[kv_idx]
+    for lq, s in ((40, 40), (17, 23)):
+        q, k, v = qkv(b=1, lq=lq, s=s, seed=lq)
+        bm = create_block_mask(cross, None, None, lq, s, device="cpu")
+        assert_close(ne.flex_attention(q, k, v, mask_mod=cross), torch_flex(q, k, v, block_mask=bm))
+    with pytest.raises(ne.ProgramError, match=r"at least S entries.*doc_q = doc\[:L\]"):
+        ne.flex_attention(*qkv(b=1, lq=17, s=23), mask_mod=same)
+    with pytest.raises(ne.ProgramError, match=r"fit this call \(B=1, L=9, S=30\).*extent 20"):
+        ne.flex_attention(*qkv(b=1, lq=9, s=30), score_mod=lambda s, b, h, i, j: s + short[j])

@@ -321,14 +321,17 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
                                            (SIZES[0], SIZES[2], SIZES[2]), sizes)
     try:
         prog = dsl.build_program(outputs)
-    except ProgramError:
+    except ProgramError as e:
         if sizes is None:
-            raise
-        # A captured table that fits this call but not every size (longer than S, read
-        # at kv_idx): a structure at this call's concrete sizes (one per size).
+            raise _does_not_fit(e, sizes) from e
+        # A captured table that fits this call but not every size: a structure at this
+        # call's concrete sizes (one per size).
         outputs, captured, _ = _trace_once(spec, score_mod, mask_mod,
                                            tuple(sizes[n] for n in SIZES), sizes)
-        prog = dsl.build_program(outputs)
+        try:
+            prog = dsl.build_program(outputs)
+        except ProgramError as e:
+            raise _does_not_fit(e, sizes) from e
     prog.meta.pop("captured", None)
     # Rule files loaded by the user change what saturation finds: part of the key.
     text = "\n".join([canonical_text(prog), f"target {spec.target}",
@@ -345,6 +348,18 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
                                                        named_dims=_named_dims(prog),
                                                        fp32_precision=spec.fp32_precision))
     return st, captured
+
+
+def _does_not_fit(e: ProgramError, sizes: dict[str, int] | None) -> ProgramError:
+    """The program's own complaint about a captured tensor's shape, said for a flex user."""
+    at = (f" (B={sizes[SIZES[0]]}, L={sizes[SIZES[1]]}, S={sizes[SIZES[2]]})" if sizes
+          else "")
+    return ProgramError(
+        f"Expected the tensors the mods capture to fit this call{at}: a dim read at kv_idx "
+        f"needs at least S entries, one at q_idx at least L, one at b at least B; got: {e} "
+        "A tensor shorter than that reads out of range (torch raises IndexError). One read "
+        "at both q_idx and kv_idx with L != S: capture its query part as a tensor of its "
+        "own (doc_q = doc[:L]; doc_q[q_idx] == doc[kv_idx]).")
 
 
 def _trace_once(spec: Spec, score_mod, mask_mod, extents: tuple, sizes) -> tuple:
@@ -379,9 +394,10 @@ def _name_captured_sizes(outputs: list, captured: dict, sizes: dict[str, int] | 
     """A captured dim read only at a sequence or batch index (``doc_ids[kv_idx]``,
     ``bias[h, q_idx]``) gets that index's size name, so the structure -- and its one
     saturation -- serves every length; the kernel then reads the size off that tensor
-    too, and a tensor whose dim differs from S at run time is refused by name.  With
-    ``sizes`` known (eager calls) a dim that differs from this call's size stays
-    concrete (a table longer than S).  True if a dim is read at both L and S."""
+    too: a longer one is cut to it (``fit_captured``), a shorter one is refused by name.
+    With ``sizes`` known (eager calls) a dim shorter than this call's size stays concrete
+    (the read is out of range: the program says where).  True if a dim is read at both L
+    and S."""
     both = False
     if not captured:
         return both
@@ -407,11 +423,11 @@ def _name_captured_sizes(outputs: list, captured: dict, sizes: dict[str, int] | 
         shape = list(ph.shape)
         for k, dim in enumerate(shape):
             named = {axis_size.get(ix[k].val) if ix[k].op == "var" else None for ix in idx_lists}
-            if named == {SIZES[1], SIZES[2]} and (sizes is None or sizes[SIZES[2]] == dim):
+            if named == {SIZES[1], SIZES[2]} and (sizes is None or sizes[SIZES[2]] <= dim):
                 both = True
             if len(named) == 1 and None not in named:
                 size = named.pop()
-                if sizes is None or sizes[size] == dim:
+                if sizes is None or sizes[size] <= dim:
                     shape[k] = as_extent(size)
         ph.shape = tuple(shape)
     return both
