@@ -55,6 +55,15 @@ class ProgramError(ValueError):
     given, and what to try."""
 
 
+class ExtentError(ProgramError):
+    """A tensor's dim read at an axis of another extent; ``tensor`` names it (a front end
+    that made the tensor can say what the user wrote)."""
+
+    def __init__(self, message: str, tensor: str):
+        super().__init__(message)
+        self.tensor = tensor
+
+
 @dataclass(frozen=True)
 class Term:
     """One node of the loop IR.  ``val`` holds the leaf value, the accessed tensor's
@@ -369,10 +378,10 @@ def _validate_definition(p: Program, d: Definition, seen_reduce: dict[str, tuple
                 prefix_ok = (t.op == "load" and ix.val in d.axes and isinstance(n, int)
                              and isinstance(ext, int) and n < ext)
                 if n is not None and n != ext and not prefix_ok:
-                    raise ProgramError(
+                    raise ExtentError(
                         f"{d.name}: dim {k} of {t.val} has extent {ext} but is indexed by "
                         f"{ix.val!r} of extent {p.extents[ix.val]}; use an axis of extent {ext} "
-                        "or a computed index.")
+                        "or a computed index.", t.val)
         for a in t.args:
             check(a, scope)
 

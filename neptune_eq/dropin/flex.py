@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..frontend import dsl
-from ..ir import MASKED, ProgramError, canonical_text
+from ..ir import MASKED, ExtentError, ProgramError, canonical_text
 from ..sizes import as_extent, symbols
 
 SIZES = ("B", "L", "S")   # batch, query length, key length: named, so any value runs
@@ -323,7 +323,7 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
         prog = dsl.build_program(outputs)
     except ProgramError as e:
         if sizes is None:
-            raise _does_not_fit(e, sizes) from e
+            raise _does_not_fit(e, sizes, captured)
         # A captured table that fits this call but not every size: a structure at this
         # call's concrete sizes (one per size).
         outputs, captured, _ = _trace_once(spec, score_mod, mask_mod,
@@ -331,7 +331,7 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
         try:
             prog = dsl.build_program(outputs)
         except ProgramError as e:
-            raise _does_not_fit(e, sizes) from e
+            raise _does_not_fit(e, sizes, captured)
     prog.meta.pop("captured", None)
     # Rule files loaded by the user change what saturation finds: part of the key.
     text = "\n".join([canonical_text(prog), f"target {spec.target}",
@@ -350,16 +350,22 @@ def trace(spec: Spec, score_mod, mask_mod, sizes: dict[str, int] | None = None
     return st, captured
 
 
-def _does_not_fit(e: ProgramError, sizes: dict[str, int] | None) -> ProgramError:
-    """The program's own complaint about a captured tensor's shape, said for a flex user."""
+def _does_not_fit(e: ProgramError, sizes: dict[str, int] | None, captured: dict
+                  ) -> ProgramError:
+    """The program's complaint about a captured tensor's shape (``ExtentError``), said
+    for a flex user; any other complaint as it is."""
+    if not (isinstance(e, ExtentError) and e.tensor in captured):
+        return e
     at = (f" (B={sizes[SIZES[0]]}, L={sizes[SIZES[1]]}, S={sizes[SIZES[2]]})" if sizes
           else "")
-    return ProgramError(
+    said = ProgramError(
         f"Expected the tensors the mods capture to fit this call{at}: a dim read at kv_idx "
         f"needs at least S entries, one at q_idx at least L, one at b at least B; got: {e} "
         "A tensor shorter than that reads out of range (torch raises IndexError). One read "
         "at both q_idx and kv_idx with L != S: capture its query part as a tensor of its "
         "own (doc_q = doc[:L]; doc_q[q_idx] == doc[kv_idx]).")
+    said.__cause__ = e
+    return said
 
 
 def _trace_once(spec: Spec, score_mod, mask_mod, extents: tuple, sizes) -> tuple:
