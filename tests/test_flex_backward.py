@@ -481,3 +481,32 @@ def test_the_backward_form_is_chosen_per_size_bucket(monkeypatch):
     assert fused(64) and not fused(8192)
     assert not fused(2048) and fused(128)  # untimed: as at 8192, as at 64
     assert st.backward_form[(False, fb.bucket_of({"B": 1, "L": 2048, "S": 2048}))] == (False, False)
+
+
+def test_a_learnable_per_key_bias_longer_than_the_keys():
+    """``score + bias[kv_idx]`` with a 40-entry learnable bias and 23 keys: its gradient
+    is torch's on the first 23 entries and 0 past them.  Its kernel (one key per program,
+    the few head rows, the queries looped, products over whole head-dim axes off the
+    tensor cores) is offered exact rows and short key blocks on the GPU: padded to 16 rows
+    its [rows, keys, width] products overflowed shared memory in every config on the H200."""
+    from neptune_eq.runtime.tile_configs import candidate_configs
+    torch.manual_seed(0)
+    bias = torch.randn(40, requires_grad=True)
+
+    def biased(s, b, h, i, j):
+        return s + bias[j]
+    q, k, v = (torch.randn(2, 3, n, 8, requires_grad=True) for n in (11, 23, 23))
+    out = ne.flex_attention(q, k, v, score_mod=biased)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, bias), g)
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    ref_out, _ = reference(*ins[:3], lambda s, i, j: s + ins[3][j])
+    ref = torch.autograd.grad(ref_out, ins, g.double())
+    for a, r in zip(got, ref):
+        assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
+    assert torch.all(got[3][23:] == 0)
+    (st,) = [s for s in flex.STRUCTURES.values() if (("bias",), False, False) in s.backward]
+    ks = st.backward[(("bias",), False, False)][1].kernel_source
+    assert "tl.dot(" not in ks.source and ks.row_extent == 3
+    configs = candidate_configs(ks, "cuda")
+    assert configs and all(c.blocks["B_y"] == 4 and c.blocks["B_L"] <= 64 for c in configs)

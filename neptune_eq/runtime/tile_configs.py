@@ -117,6 +117,9 @@ def whole_row_shapes(ks: KernelSource) -> tuple:
     return tuple((r, keys, w, s) for r, w, s in WHOLE_ROW_SHAPES)
 
 
+OFF_TENSOR_CORE_KEY_BLOCKS = (16, 32, 64)  # key blocks of a few-row kernel with no tl.dot (below)
+
+
 def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[TileConfig]:
     """Tile configs to try: one small config in the interpreter, a handful on the GPU."""
     tun = _tiled_blocks(ks)
@@ -139,6 +142,14 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             # key block (TilePlan.block_rebase), one exact p = 1 each; 64 keys match the
             # split length of FlashDecoding-style kernels.
             shapes = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 3), (16, 32, 4, 3))
+        if "tl.dot(" not in ks.source and len(ks.tunables) > len(tun):
+            # Products over a whole axis off the tensor cores (a captured per-key table's
+            # gradient: one key per program, its few head rows, the queries looped): no
+            # row padding to 16 to pay for, and its [rows, keys, width] products at 16 x 64
+            # x 64 floats overflowed shared memory in every config (795 KB against 227 KB
+            # on the H200).  Its exact rows (a power of two), short key blocks.
+            rows = 1 << max(0, (ks.row_extent - 1).bit_length())
+            shapes = tuple((rows, keys, 4, 2) for keys in OFF_TENSOR_CORE_KEY_BLOCKS)
     if not decode and "tl.dot(" not in ks.source and \
             -(-ks.row_extent // 32) * ks.grid_size < FEW_PROGRAMS * sms:
         shapes += ROW_WISE_SHAPES + whole_row_shapes(ks)
