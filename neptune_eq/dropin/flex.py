@@ -33,6 +33,13 @@ from ..ir import MASKED, ExtentError, ProgramError, canonical_text
 from ..sizes import as_extent, symbols
 
 SIZES = ("B", "L", "S")   # batch, query length, key length: named, so any value runs
+
+
+def call_sizes(q, k) -> dict:
+    """B, L and S of a call with query ``q`` (B, Hq, L, E) and key ``k`` (B, Hkv, S, E)."""
+    return {SIZES[0]: q.shape[0], SIZES[1]: q.shape[2], SIZES[2]: k.shape[2]}
+
+
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -136,8 +143,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         out, lse, mx = torch_op.flex_attention_op(query, key, value, captured, skey, want_max)
         return _result(out, lse, mx, want_lse, want_max, return_aux)
     skey, captured = eager_env.eager_structure(
-        score_mod, mask_mod, spec, {SIZES[0]: query.shape[0], SIZES[1]: query.shape[2],
-                                    SIZES[2]: key.shape[2]})
+        score_mod, mask_mod, spec, call_sizes(query, key))
     captured = fit_captured(STRUCTURES[skey].named_dims, query, key, captured)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, *captured)):
         out, lse, mx = torch_op.EagerFlexAttention.apply(query, key, value, skey, want_max,
@@ -455,7 +461,7 @@ def fit_captured(named_dims: tuple, q, k, captured: list, compiling: bool = Fals
     is always taken (a slice, which clamps): comparing sizes there would guard on them."""
     if not named_dims:
         return captured
-    sizes = {SIZES[0]: q.shape[0], SIZES[1]: q.shape[2], SIZES[2]: k.shape[2]}
+    sizes = call_sizes(q, k)
     out = list(captured)
     for i, d, name in named_dims:
         x, n = out[i], sizes[name]
@@ -499,7 +505,7 @@ def run(skey: str, q, k, v, captured: list, want_max: bool, want_lse: bool = Tru
         raise ProgramError(f"Expected a structure traced in this process, got key {skey!r} "
                            "(a graph from another process?); call ne.flex_attention, which "
                            "traces the mods, rather than the op directly.")
-    sizes = {SIZES[0]: q.shape[0], SIZES[1]: q.shape[2], SIZES[2]: k.shape[2]}
+    sizes = call_sizes(q, k)
     kern = st.kernel
     if kern is None:  # the first call: its own data are what the tile configs are timed on
         kern = st.kernel_at(sizes, dict(zip([ph.name for ph in st.program.inputs],

@@ -408,7 +408,7 @@ def backward_env(st, q, k, v, captured: list, out, lse, d_out, d_lse):
     name): the forward's inputs, and what it saved made into the backward's reads."""
     names = [ph.name for ph in st.program.inputs]
     tensors = [q, k, v, *captured]
-    sizes = {flex.SIZES[0]: q.shape[0], flex.SIZES[1]: q.shape[2], flex.SIZES[2]: k.shape[2]}
+    sizes = flex.call_sizes(q, k)
     env = dict(zip(names, tensors))
     # (a row with no visible key is shifted in the kernels' loads: ``with_guarded_reads``)
     env["mx"] = lse.float().contiguous()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from .block_predicate import SummarySpec
 from .codegen import _TL_DTYPE
 from .dependent_launch import PDL_FLAG
-from ..sizes import names_in
+from ..sizes import names_in, value
 
 TILE = 2048    # elements one per-block program reads (G_k blocks of B)
 # Elements per step of a global summary's walk, and the pre-pass's warps.  A walk is one
@@ -84,7 +84,7 @@ class Prepass:
         for g in self.guards:
             count = 1
             for size, b in zip(shapes[g.tensor], g.box):
-                count *= size if b is None else b[1] if isinstance(b[1], int) else b[1].at(sizes)
+                count *= size if b is None else value(b[1], sizes)
             out.append(-(-count // TILE))
         return out
 

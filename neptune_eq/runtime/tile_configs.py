@@ -130,6 +130,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
     shapes = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
               (64, 128, 4, 2), (32, 128, 4, 3))
     decode = ks.row_extent <= 16
+    has_dot = "tl.dot(" in ks.source
     if decode:  # one row block; the loop block and split matter
         # 32-key blocks split 32 ways were the fastest GQA decode at 2048 keys on the GPU
         # alone; 256-key blocks never were (bench/results/decode_configs_h100.md).  128
@@ -142,7 +143,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             # key block (TilePlan.block_rebase), one exact p = 1 each; 64 keys match the
             # split length of FlashDecoding-style kernels.
             shapes = ((16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 8, 3), (16, 32, 4, 3))
-        if "tl.dot(" not in ks.source and len(ks.tunables) > len(tun):
+        if not has_dot and len(ks.tunables) > len(tun):
             # Products over a whole axis off the tensor cores (a captured per-key table's
             # gradient: one key per program, its few head rows, the queries looped): no
             # row padding to 16 to pay for, and its [rows, keys, width] products at 16 x 64
@@ -150,7 +151,7 @@ def candidate_configs(ks: KernelSource, target: str, sms: int = 132) -> list[Til
             # on the H200).  Its exact rows (a power of two), short key blocks.
             rows = 1 << max(0, (ks.row_extent - 1).bit_length())
             shapes = tuple((rows, keys, 4, 2) for keys in OFF_TENSOR_CORE_KEY_BLOCKS)
-    if not decode and "tl.dot(" not in ks.source and \
+    if not decode and not has_dot and \
             -(-ks.row_extent // 32) * ks.grid_size < FEW_PROGRAMS * sms:
         shapes += ROW_WISE_SHAPES + whole_row_shapes(ks)
     out = []
