@@ -130,21 +130,22 @@ def reference(variant, q, k, v, mask_mod=None):
     return out
 
 
-def gluon_launcher(prog, ks, key_block=128, ring=2, per_tile=False, rows=128):
+def gluon_launcher(prog, ks, key_block=128, ring=2, per_tile=False, rows=128, dynamic=False):
     """The Gluon form of ``ks`` at one key block and ring depth (``rows``-row programs:
     128, two consumer warpgroups, or 64, the one-consumer form ``GluonForm.solo``);
-    ``per_tile``: a persistent form launched one program per tile."""
+    ``per_tile``: a persistent form launched one program per tile; ``dynamic``: a data
+    mask's dynamic walk (``GluonForm.dynamic``)."""
     return make_launcher(prog, ks, "cuda", TileConfig(
         {f"B_{ks.block_axis}": rows, "B_L": key_block}, 4, ring, gluon_ws=True,
-        per_tile=per_tile))
+        per_tile=per_tile, dynamic=dynamic))
 
 
 def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2, key_block=None,
-          rows=128):
+          rows=128, dynamic=False):
     key_block = key_block or d  # default: the key block as wide as the value
     row = {"case": "correctness", "variant": variant, "B": b, "H": h, "S": s, "D": d,
            "dtype": dtype, "large_scores": big, "kv_heads": kv_heads, "stages": stages,
-           "key_block": key_block, "rows": rows}
+           "key_block": key_block, "rows": rows, "dynamic": dynamic}
     mods, tmask, captured = data_case(variant, b, s) if variant in DATA else (None, None, {})
     prog, ks = derive(variant, b, h, s, d, dtype, kv_heads, mods)
     if ks.gluon is None:
@@ -159,7 +160,7 @@ def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2, key_bl
     k = torch.randn(b, hk, s, d, device="cuda", dtype=dt)
     v = torch.randn(b, hk, s, d, device="cuda", dtype=dt)
     o = torch.full((b, h, s, d), float("nan"), device="cuda", dtype=dt)
-    la = gluon_launcher(prog, ks, key_block, stages, rows=rows)
+    la = gluon_launcher(prog, ks, key_block, stages, rows=rows, dynamic=dynamic)
     la({"q": q, "k": k, "v": v, "o": o, **captured})
     first = o.clone()
     la({"q": q, "k": k, "v": v, "o": o, **captured})  # the checked direct launch (FastLaunch)
@@ -300,12 +301,19 @@ DATA_PERSISTENCE_CASES = (  # (variant, B, H, S): masks over captured tensors, D
 
 
 def data_persistence():
-    """The data masks' dynamic walk (programs taking tiles from a counter) against one
-    program per tile, both key blocks, one process, same inputs: ms per call (pre-pass
-    and ranges kernel included) and replayed from a CUDA graph, and whether the outputs
-    are bit-identical."""
-    from neptune_eq.lowering import gluon_ws
-    rows, was = [], gluon_ws.DYNAMIC
+    """The data masks' dynamic walk (``TileConfig.dynamic``: programs taking tiles from a
+    counter, heads first or one head after another -- ``gluon_tiles.DYNAMIC_HEADS_FIRST``)
+    against one program per tile (row-major and heads first), one process, same inputs:
+    ms per call (pre-pass and ranges kernel included) and replayed from a CUDA graph, and
+    whether the outputs are bit-identical to one program per tile's."""
+    from neptune_eq.lowering import gluon_tiles
+    rows, was = [], gluon_tiles.DYNAMIC_HEADS_FIRST
+    walks = {  # tag: (heads-first order of the dynamic walk, key block, config options)
+        "per_tile_keys64": (was, 64, {}),
+        "per_tile_heads_first_keys64": (was, 64, {"heads_first": True}),
+        "per_tile_heads_first_keys128": (was, 128, {"heads_first": True}),
+        "dynamic_heads_first_keys64": (True, 64, {"dynamic": True}),
+        "dynamic_row_major_keys64": (False, 64, {"dynamic": True})}
     try:
         for variant, b, h, s in DATA_PERSISTENCE_CASES:
             row = {"case": "data-persistence", "variant": variant, "B": b, "H": h, "S": s,
@@ -313,28 +321,27 @@ def data_persistence():
             mods, _, captured = data_case(variant, b, s)
             q, k, v = (torch.randn(b, h, s, 128, device="cuda", dtype=torch.float16)
                        for _ in range(3))
-            outs = {}
-            for on in (True, False):
-                gluon_ws.DYNAMIC = on  # (off by default: gluon_ws.generate says why)
-                prog, ks = derive(variant, b, h, s, 128, "float16", None, mods)
-                for bl in (64, 128):
-                    la = gluon_launcher(prog, ks, bl, 2)
-                    t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q), **captured}
-                    la(t)
-                    la(t)  # the checked direct launch
-                    outs[on, bl] = t["o"].clone()
-                    tag = f"{'dynamic' if on else 'per_tile'}_keys{bl}"
-                    row[f"ms_{tag}"] = triton.testing.do_bench(lambda: la(t), warmup=25, rep=200)
-                    row[f"ms_graph_{tag}"] = triton.testing.do_bench_cudagraph(lambda: la(t),
-                                                                                rep=200)
-            for bl in (64, 128):
-                row[f"bit_identical_keys{bl}"] = bool(torch.equal(outs[True, bl], outs[False, bl]))
-                row[f"speedup_graph_keys{bl}"] = (row[f"ms_graph_per_tile_keys{bl}"]
-                                                  / row[f"ms_graph_dynamic_keys{bl}"])
+            outs, derived = {}, {}
+            for tag, (hf, bl, opts) in walks.items():
+                gluon_tiles.DYNAMIC_HEADS_FIRST = hf
+                if hf not in derived:
+                    derived[hf] = derive(variant, b, h, s, 128, "float16", None, mods)
+                prog, ks = derived[hf]
+                la = make_launcher(prog, ks, "cuda", TileConfig(
+                    {f"B_{ks.block_axis}": 128, "B_L": bl}, 4, 2, gluon_ws=True, **opts))
+                t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q), **captured}
+                la(t)
+                la(t)  # the checked direct launch
+                outs[tag] = t["o"].clone()
+                row[f"ms_{tag}"] = triton.testing.do_bench(lambda: la(t), warmup=25, rep=200)
+                row[f"ms_graph_{tag}"] = triton.testing.do_bench_cudagraph(lambda: la(t), rep=200)
+            for tag in walks:
+                row[f"bit_identical_{tag}"] = bool(torch.equal(outs[tag], outs["per_tile_keys64"])) \
+                    if tag.endswith("keys64") else None
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        gluon_ws.DYNAMIC = was
+        gluon_tiles.DYNAMIC_HEADS_FIRST = was
     return rows
 
 
@@ -443,6 +450,15 @@ def row_runner(rows, after=None):
     return run
 
 
+# The dynamic walk's checks (tiles taken from a counter, heads first; 64-key blocks, as
+# offered): (B, H, S, D, dtype, scores x8, further options); 13 heads: a tile count no
+# multiple of the row blocks, so heads first interleaves them unevenly
+DYNAMIC_CHECKS = ((1, 2, 1000, 128, "float16", False, {"key_block": 64}),
+                  (2, 3, 777, 128, "bfloat16", True, {"key_block": 64, "stages": 3}),
+                  (2, 3, 555, 64, "bfloat16", True, {"key_block": 64}),
+                  (1, 13, 2000, 128, "float16", False, {"key_block": 64}))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -459,6 +475,8 @@ def main():
                     help="only the Gluon form at each key block and ring depth")
     ap.add_argument("--only-data-persistence", action="store_true",
                     help="only the data masks' dynamic walk / one-program-per-tile A/B")
+    ap.add_argument("--only-dynamic", action="store_true",
+                    help="only the data masks' dynamic walk (GluonForm.dynamic) checks")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -466,6 +484,11 @@ def main():
         return write(data_persistence(), args.out)
 
     run = row_runner(rows)
+    if args.only_dynamic:
+        for variant in [v for v in DATA if not args.variants or v in args.variants]:
+            for case in DYNAMIC_CHECKS:
+                run(check, variant, *case[:6], **case[6], dynamic=True)
+        return write(rows, args.out)
     if args.only_persistence or args.only_key_blocks:
         for row in persistence(args.head_dim) if args.only_persistence else key_blocks():
             rows.append(row)
@@ -490,6 +513,8 @@ def main():
             run(check, variant, 2, 2, 777, 128, "bfloat16", big=True, key_block=64, rows=64)
             run(check, variant, 2, 3, 555, 64, "bfloat16", big=True, key_block=64, rows=64)
             run(check, variant, 1, 3, 300, 64, "float16", key_block=128, rows=64)
+            for case in DYNAMIC_CHECKS:  # the dynamic walk (tiles from a counter)
+                run(check, variant, *case[:6], **case[6], dynamic=True)
     if not args.only_tanh:
         run(check, "causal", 1, 8, 515, 128, "bfloat16", kv_heads=2)  # GQA (unpacked plans)
         run(dropin, 2, 4, 2048, 128, "bfloat16")

@@ -411,15 +411,18 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
     ints = [s for t in (q, k, v, out) for s in t.stride()] + [7]
     assert args == [f"desc:{q.data_ptr()}", q, k, v, out] + ints
     with pytest.raises(ValueError, match="ranges kernel"):  # a dynamic walk's tile ranges
-        GluonBoundCall(NS(form=NS(ranges=("k", "src"))), ["q", "k", "v"], calls[0], ["o"])
+        GluonBoundCall(NS(form=NS(ranges=("k", "src")), _pre=None), ["q", "k", "v"],
+                       calls[0], ["o"])
 
 
-def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkeypatch):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkeypatch, dynamic):
     """A data mask's Gluon form is replayed too (``GluonBoundCall``): per call, the
     pre-pass's arguments -- the captured tensors, this stream's kept summaries, the
     signature's integers -- go with the form's launch under a key that counts the
     pre-pass's integer classes; the summaries are the launcher's pre-pass plan's shapes
-    and are the same buffers on the next call on this stream."""
+    and are the same buffers on the next call on this stream.  A dynamic walk's
+    scheduler buffer (``tile_sched``, filled by its ranges kernel) is kept so too."""
     from neptune_eq.runtime import gluon_launch
     from neptune_eq.runtime.gluon_launch import GluonBoundCall, GluonLauncher
     doc = ne.placeholder((40,), "int32", "doc")
@@ -433,9 +436,10 @@ def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkey
     class FakeGluon:  # GluonLauncher's replay code around a real pre-pass plan
         gluon, fast_ok, _order, size_args = True, True, [], ()
         ks = kern.kernel_source
-        form = type("Form", (), {"ranges": None, "streamed": ("q", "k", "v")})()
-        _pre = tl._pre
-        tensors = [p[:-len("_ptr")] for p in ks.params]
+        form = type("Form", (), {"ranges": ("r", "src") if dynamic else None,
+                                 "streamed": ("q", "k", "v")})()
+        _pre, _sched_n = tl._pre, 11
+        tensors = [p[:-len("_ptr")] for p in ks.params] + (["tile_sched"] if dynamic else [])
         _checked = {}
         _pointers, integer_args, _rest = (GluonLauncher._pointers, GluonLauncher.integer_args,
                                           GluonLauncher._rest)
@@ -465,6 +469,8 @@ def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkey
     ints = [v for x in xs for v in (*x.shape, *x.stride())] + tail
     run = {**general[-1], **dict(zip([n for n, _, _ in specs],
                                      [torch.empty(sh, dtype=dt) for _, sh, dt in specs]))}
+    if dynamic:
+        run["tile_sched"] = torch.empty(11, dtype=torch.int32)
     _, key = la._rest(run, replay.integers)
     la._checked[key + (int_classes(ints),)] = ("pre", "form")
     kern(*args)
@@ -477,6 +483,11 @@ def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkey
     assert pre[1] == [ids] + sums + ints and pre[2] == int_classes(ints)
     assert all(a is b for a, b in zip(sums, [second[2][n] for n, _, _ in specs]))  # kept
     assert rest[:len(la.tensors)] == [tensors[n] for n in la.tensors]
+    assert ("tile_sched" in tensors) == dynamic
+    if dynamic:
+        sched = tensors["tile_sched"]
+        assert sched.dtype == torch.int32 and sched.shape == (11,)
+        assert second[2]["tile_sched"] is sched and rest[len(la.tensors) - 1] is sched
 
 
 def test_host_timing_runs_a_long_call_three_times_and_a_short_one_by_do_bench(monkeypatch):

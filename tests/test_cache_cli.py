@@ -87,10 +87,11 @@ def _worker(args):
 def test_a_flipped_lowering_switch_is_a_new_key(fresh_cache, monkeypatch):
     """The benches flip the Gluon walk's module switches to A/B them in one process: an
     entry chosen under one setting must not serve the other."""
-    from neptune_eq.lowering import gluon_sums, gluon_ws
+    from neptune_eq.lowering import gluon_sums, gluon_tiles, gluon_ws
     assert ne.superoptimize(examples.softmax(2, 5), target="interpreter").cache_status == "miss"
     for module, switch in ((gluon_ws, "PERSISTENT"), (gluon_ws, "SCHEDULED"),
-                           (gluon_ws, "DYNAMIC"), (gluon_sums, "PERSISTENT")):
+                           (gluon_ws, "DYNAMIC"), (gluon_ws, "DYNAMIC_TIMED"),
+                           (gluon_tiles, "DYNAMIC_HEADS_FIRST"), (gluon_sums, "PERSISTENT")):
         with monkeypatch.context() as m:
             m.setattr(module, switch, not getattr(module, switch))
             assert ne.superoptimize(examples.softmax(2, 5),

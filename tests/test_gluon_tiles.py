@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import neptune_eq as ne
+from neptune_eq.lowering import gluon_tiles
 from neptune_eq.lowering.gluon_tiles import CTA_ROWS, RANGE_FIELDS, sched_size
 from neptune_eq.runtime.block_summary import build_summaries
 from neptune_eq.runtime.launcher import import_source
@@ -37,22 +38,22 @@ _KERNELS: dict = {}
 
 def _kernel(name):
     if name not in _KERNELS:
-        from neptune_eq.lowering import gluon_ws
-        was, gluon_ws.DYNAMIC = gluon_ws.DYNAMIC, True  # the walk under test (off by default)
-        try:
-            _KERNELS[name] = ne.superoptimize(
-                ne.attention(1, H, S, S, 64, "float16", mask_mod=MASKS[name][0]),
-                target="interpreter", cache=False)
-        finally:
-            gluon_ws.DYNAMIC = was
+        _KERNELS[name] = ne.superoptimize(
+            ne.attention(1, H, S, S, 64, "float16", mask_mod=MASKS[name][0]),
+            target="interpreter", cache=False)
     return _KERNELS[name]
 
 
+def _row_block(t: int, n_rb: int) -> int:
+    """Tile ``t``'s row block in the dynamic walk's order (``gluon_tiles._tile_of``)."""
+    return n_rb - 1 - (t // H if gluon_tiles.DYNAMIC_HEADS_FIRST else t % n_rb)
+
+
 def _tile_ranges(kern, data: dict, key_block: int) -> torch.Tensor:
-    """Run the ranges kernel of ``kern`` (interpreter) on ``data``: [tiles, 4] ranges,
-    tile ``t`` being head ``t // n_rb``'s row block ``n_rb - 1 - t % n_rb``."""
+    """Run the ranges kernel of ``kern``'s dynamic walk (its second Gluon form; the
+    interpreter) on ``data``: [tiles, 4] ranges, tile ``t`` at row block ``_row_block``."""
     ks, p = kern.kernel_source, kern.program
-    form = ks.gluon
+    form = ks.gluon.dynamic
     kname, source = form.ranges
     fn = import_source(source, kname, [kname], interpret=True)[0]
     tensors = {ph.name: torch.zeros(p.shape_of(ph.name), dtype=getattr(torch, p.dtype_of(ph.name)))
@@ -78,7 +79,7 @@ def _check(name: str, data: dict, key_block: int) -> None:
     whole = visible | ~MASKS[name][2](data, q, kv)
     n_rb = -(-S // CTA_ROWS)
     for t, (j_lo, n_blocks, dm_lo, dm_hi) in enumerate(ranges.tolist()):
-        rb = n_rb - 1 - t % n_rb
+        rb = _row_block(t, n_rb)
         rows = visible[rb * CTA_ROWS:(rb + 1) * CTA_ROWS]
         seen = rows.any(0).nonzero().flatten()
         assert j_lo % key_block == 0 and n_blocks >= 1, (name, t)

@@ -144,11 +144,13 @@ def _check_data_mask_body(name: str, src: str) -> None:
         assert not re.search(r"\w+_ptr \+ offs_L", loops[1]), name
 
 
-def _compiles(tmp_path, name: str, program, ks, pipelined: bool = True) -> None:
+def _compiles(tmp_path, name: str, program, ks, pipelined: bool = True,
+              key_block: int | None = None) -> None:
     """``pipelined``: ptxas keeps the wgmma pipeline (no C7513 serialization)."""
     path = tmp_path / f"{name}.py"
     path.write_text(ks.gluon.source)
-    res = compile_for_sm90(path, ks.gluon.name, {**sm90_spec(program, ks), "resources": True})
+    res = compile_for_sm90(path, ks.gluon.name, {**sm90_spec(program, ks, key_block=key_block),
+                                                 "resources": True})
     assert res["ok"], f"{name}: {res['error']}"
     assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
     if pipelined:
@@ -200,17 +202,19 @@ def test_data_masks_narrow_the_key_range_and_compile_for_sm90(tmp_path):
         _compiles(tmp_path, name, kern.program, ks, pipelined=name != "prefix-lm")
 
 
-def test_the_dynamic_walk_takes_tiles_from_a_counter_and_compiles_for_sm90(tmp_path, monkeypatch):
-    """With ``gluon_ws.DYNAMIC`` (off by default, see gluon_ws.generate; the A/B bench
-    turns it on): each tile's key range comes from the ranges kernel, the producer takes
-    tiles with an atomic add and posts them to the consumers, who read each tile's range
-    from ``tile_sched``; the blocks' bodies are those of the one-tile form."""
-    kerns = _data_mask_kernels()  # (built as shipped: the flag is no part of a cache key)
-    monkeypatch.setattr(gluon_ws, "DYNAMIC", True)
-    for name, kern in kerns.items():
-        ks = replace(kern.kernel_source,
-                     gluon=gluon_ws.generate(kern.plan, kern.kernel_source.gluon.name))
+def test_the_dynamic_walk_takes_tiles_from_a_counter_and_compiles_for_sm90(tmp_path):
+    """A data mask's form comes with its dynamic walk (``GluonForm.dynamic``, a second
+    compile the timer weighs at 64-key blocks): each tile's key range comes from the
+    ranges kernel, the producer takes tiles with an atomic add and posts them to the
+    consumers, who read each tile's range from ``tile_sched``; the tiles are taken heads
+    first; the blocks' bodies are those of the one-tile form."""
+    for name, kern in _data_mask_kernels().items():
+        dyn = kern.kernel_source.gluon.dynamic
+        assert dyn is not None and dyn.persistent and dyn.key_blocks == (64,), name
+        assert dyn.dynamic is None and dyn.solo is None and not dyn.heads_first_ok, name
+        ks = replace(kern.kernel_source, gluon=dyn)
         src = ks.gluon.source
+        assert "row_block = n_rb - 1 - t // (num_tiles // n_rb)" in src, name
         kname, ranges = ks.gluon.ranges
         assert "dm_lo = " in ranges and "n_blocks = " in ranges, name
         assert "tile_sched_ptr, 0, mask=" in ranges  # one program zeroes the counter
@@ -224,15 +228,30 @@ def test_the_dynamic_walk_takes_tiles_from_a_counter_and_compiles_for_sm90(tmp_p
             ks.gluon.params[len(ks.gluon.params) - n_sum - 1:]
         _check_data_mask_body(name, src)
         if name in ("documents-causal", "flex-dropin-documents"):
-            _compiles(tmp_path, name, kern.program, ks)
+            _compiles(tmp_path, name, kern.program, ks, key_block=64)
+        # offered to the timer beside the one-tile configs, at its own key blocks only
+        dyn_cfgs = [c for c in gluon_configs_of(kern) if c.dynamic]
+        assert dyn_cfgs and all(c.blocks["B_L"] == 64 and not c.heads_first
+                                and not c.per_tile for c in dyn_cfgs), name
+    for name in ("causal-bf16-d128", "window"):  # affine masks have no dynamic walk
+        kern = _kernel(**VARIANTS[name])
+        assert kern.kernel_source.gluon.dynamic is None
+        assert not any(c.dynamic for c in gluon_configs_of(kern)), name
+
+
+def gluon_configs_of(kern) -> list[TileConfig]:
+    """The Gluon configs the timer would weigh for ``kern`` on a Hopper GPU."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tile_configs, "gluon_unavailable", lambda: None)
+        return tile_configs.gluon_configs(kern.kernel_source)
 
 
 def test_tiles_of_equal_work_run_persistent_programs():
     """Without a mask moving the key range -- or with one bounding it on both sides, a
     sliding window -- every (row block, head) tile has the same work: one program per SM
     walks them round robin, and the producer's next rows wait on the consumers' release;
-    a data mask keeps one program per tile (long rows first; its dynamic walk is an
-    option measured off, test_data_masks_narrow_the_key_range_and_compile_for_sm90)."""
+    a data mask keeps one program per tile (long rows first; its dynamic walk is a second
+    form, test_the_dynamic_walk_takes_tiles_from_a_counter_and_compiles_for_sm90)."""
     for name in ("global-fp16-d64", "alibi", "window"):
         form = _kernel(**VARIANTS[name]).kernel_source.gluon
         assert form.persistent, name
@@ -340,13 +359,16 @@ def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch
         [(64, 2), (64, 2), (128, 2), (128, 2), (128, 3), (128, 3)]
     docs = candidate_configs(_data_mask_kernels()["documents-causal"].kernel_source, "cuda")
     assert not any(c.per_tile for c in docs)  # (one program per tile already)
-    # ... each launched heads first too, and the one-consumer form's 64-row programs
-    # (tests/test_gluon_solo.py) at a 2-deep ring
-    assert [(c.blocks["B_i"], c.blocks["B_L"], c.num_stages, c.heads_first)
+    # ... each launched heads first too, the dynamic walk's form at 64-key blocks, and the
+    # one-consumer form's 64-row programs (tests/test_gluon_solo.py) at a 2-deep ring
+    assert [(c.blocks["B_i"], c.blocks["B_L"], c.num_stages, c.heads_first, c.dynamic)
             for c in docs if c.gluon_ws] == \
-        [(128, 64, 2, False), (128, 64, 2, True), (128, 128, 2, False), (128, 128, 2, True),
-         (128, 128, 3, False), (128, 128, 3, True),
-         (64, 64, 2, False), (64, 64, 2, True), (64, 128, 2, False), (64, 128, 2, True)]
+        [(128, 64, 2, False, False), (128, 64, 2, True, False), (128, 128, 2, False, False),
+         (128, 128, 2, True, False), (128, 128, 3, False, False), (128, 128, 3, True, False),
+         (128, 64, 2, False, True),
+         (64, 64, 2, False, False), (64, 64, 2, True, False), (64, 128, 2, False, False),
+         (64, 128, 2, True, False)]
+    assert "dynamic-walk" in str(docs[[c.dynamic for c in docs].index(True)])
     assert not any(c.heads_first or c.blocks.get("B_i") == 64 for c in gl + window if c.gluon_ws)
     assert "one-program-per-tile" in str(gl[1]) and gl[1].as_dict()["per_tile"]
     assert _kernel(d=128).kernel_source.gluon.ring_bytes(128, 3) == 224 * 1024

@@ -34,6 +34,7 @@ class GluonForm:
     solo: "GluonForm | None" = None  # the one-consumer form of the same plan (see generate)
     heads_first_ok: bool = False     # one program per tile, on either grid order (see
     #                                  ``grid_order``): ``TileConfig.heads_first`` runs
+    dynamic: "GluonForm | None" = None  # a data mask's dynamic walk (``TileConfig.dynamic``)
 
     @property
     def rows(self) -> int:
@@ -77,8 +78,11 @@ class GluonForm:
             return {"num_warps": 4}
         return {"num_warps": 4, "maxnreg": self._maxnreg(self.programs_per_sm(key_block, stages))}
 
-    def form_for(self, rows: int) -> "GluonForm | None":
-        """This form or its one-consumer form, whichever runs ``rows``-row programs."""
+    def form_for(self, rows: int, dynamic: bool = False) -> "GluonForm | None":
+        """This form or its one-consumer form, whichever runs ``rows``-row programs; with
+        ``dynamic``, its dynamic walk (two consumers only)."""
+        if dynamic:
+            return self.dynamic if self.dynamic is not None and self.dynamic.rows == rows else None
         return next((f for f in (self, self.solo) if f is not None and f.rows == rows), None)
 
     def tiles(self, key_block: int) -> list[tuple[str, int, int]]:

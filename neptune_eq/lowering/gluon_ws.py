@@ -67,6 +67,9 @@ PERSISTENT = True  # tiles walked by one program per SM (see generate)
 RELEASE = "    mbarrier.arrive(q_empty, count=1)  # the rows are read: the next tile's may load"
 SCHEDULED = True   # ... tiles of unequal work too, in the launcher's balanced order
 DYNAMIC = False    # ... tiles of a data mask too, taken from a counter (see generate)
+# A data mask's two-consumer form comes with its dynamic walk as a second form the timer
+# weighs (``GluonForm.dynamic``, ``TileConfig.dynamic``) when on; see generate.
+DYNAMIC_TIMED = os.environ.get("NEPTUNE_EQ_GLUON_DYNAMIC", "1") == "1"
 # A data mask's form comes with its one-consumer form (see generate) when on.  On since
 # session 38: with its products pipelined again (``p_used`` below) it is the fastest
 # form on short documents (H200, fp16: jagged S=8192 0.127 ms against the tl form's
@@ -290,8 +293,10 @@ def _interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: boo
     return out + ["    if not EVEN_L:", *["    " + ln for ln in ragged]]
 
 
-def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2) -> GluonForm:
+def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
+             dynamic: bool | None = None) -> GluonForm:
     """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope.
+    ``dynamic``: a data mask's tiles taken from a counter (default: ``DYNAMIC``).
 
     ``consumers``: consumer warpgroups per program (2: FlashAttention-3's 128-row program,
     the two sharing each key block; 1: a 64-row program).  With ``SOLO`` a data mask's
@@ -343,7 +348,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2) -> Gl
     if not PERSISTENT or consumers == 1:
         mode = "single"
     elif data:
-        mode = "dynamic" if DYNAMIC else "single"
+        mode = "dynamic" if (DYNAMIC if dynamic is None else dynamic) else "single"
     else:
         mode = affine_walk(ps)
         mode = "single" if mode == "scheduled" and not SCHEDULED else mode
@@ -568,6 +573,19 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2) -> Gl
                      # the one-consumer form, for data masks only (``SOLO``): it wins on the
                      # device on short documents and jagged sequences (session 38) and lost
                      # elsewhere, where its compile would only lengthen a cold build
-                     generate(plan, f"{name}_solo", 1) if consumers == 2 and data and SOLO
-                     else None,
-                     not persistent)
+                     generate(plan, f"{name}_solo", 1)
+                     if consumers == 2 and data and SOLO and mode == "single" else None,
+                     not persistent,
+                     _dynamic_form(plan, name) if mode == "single" and data and consumers == 2
+                     and DYNAMIC_TIMED else None)
+
+
+def _dynamic_form(plan: TilePlan, name: str) -> GluonForm:
+    """A data mask's dynamic walk, a second form the timer weighs against one program per
+    tile, at 64-key blocks only.  Graphed, against one program per tile, same process: 64-key
+    blocks +2-10% (H200, session 28: documents 4/13/64 at S=8192 +5/+6/+2%, 64 documents
+    at 32768 +10%) and 0-7% (H100, session 39), where 128-key blocks were -6% to +1%;
+    and since session 38 the timer takes 64-key Gluon tiles on short documents."""
+    form = generate(plan, f"{name}_dyn", 2, dynamic=True)
+    form.key_blocks = tuple(b for b in form.key_blocks if b == 64) or form.key_blocks
+    return form

@@ -76,7 +76,12 @@ class GluonLauncher:
                              f"here: {why}. Use a tl config (gluon_ws=False).")
         rows = config.blocks.get(f"B_{ks.block_axis}", CTA_ROWS)
         key_block = config.blocks.get("B_L", form.default_key_block)
-        form = form.form_for(rows)  # two consumer warpgroups per program, or one
+        if config.dynamic and form.form_for(rows, dynamic=True) is None:
+            raise ValueError(f"Config {config}: a dynamic walk is a form of a data mask's "
+                             f"{CTA_ROWS}-row Gluon tiles; this kernel has none at "
+                             f"{rows} rows. Drop dynamic=True.")
+        # two consumer warpgroups per program, or one; or the dynamic walk's form
+        form = form.form_for(rows, config.dynamic)
         if form is None or key_block not in KEY_BLOCKS:
             runs = sorted({f.rows for f in (ks.gluon, ks.gluon.solo) if f is not None})
             raise ValueError(f"Config {config}: the Gluon form runs programs of "
@@ -323,12 +328,14 @@ class GluonBoundCall:
     signature and its summaries kept per stream as ``bound_call.BoundCall`` keeps them:
     without the replay a short call was host-bound -- jagged sequences at S=8192 on the
     one-consumer form, 0.140 ms on the device, took 0.347 ms a call (148 us of host,
-    H100, session 37).  A dynamic walk's ranges kernel keeps the general call."""
+    H100, session 37).  A dynamic walk's scheduler buffer (``tile_sched``, which its
+    ranges kernel fills after the pre-pass) is kept per stream the same way."""
 
     def __init__(self, launcher: GluonLauncher, names: list[str], tensors: dict,
                  outputs: list[str]):
-        if launcher.form.ranges:
-            raise ValueError("a Gluon form with a dynamic walk's ranges kernel is not replayed")
+        if launcher.form.ranges and launcher._pre is None:
+            raise ValueError("a dynamic walk's ranges kernel reads the summaries of a "
+                             "pre-pass; this launcher has none")
         if not gluon_inputs_ok(launcher.ks, tensors):
             raise ValueError("inputs the descriptors cannot stream run the tl twin")
         self.launcher, self.names, self.outputs = launcher, list(names), list(outputs)
@@ -344,6 +351,9 @@ class GluonBoundCall:
                         int_classes(ints))
             example.update(self._new_summaries())
         self._summaries: dict = {}  # (stream, thread) -> this signature's summaries
+        self._scheds: dict = {}     # ... a dynamic walk's ``tile_sched``
+        if launcher.form.ranges:
+            example["tile_sched"] = self._new_sched()
         self.integers = launcher.integer_args(example)
 
     def _new_summaries(self) -> dict:
@@ -351,6 +361,12 @@ class GluonBoundCall:
         specs = self.pre[1]
         made = written_outputs([(sh, dt) for _, sh, dt in specs], self.device)
         return {n: t for (n, _, _), t in zip(specs, made)}
+
+    def _new_sched(self):
+        """A dynamic walk's scheduler buffer, unfilled (each call's ranges kernel fills it
+        and zeroes its tile counter)."""
+        import torch
+        return torch.empty(self.launcher._sched_n, dtype=torch.int32, device=self.device)
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
@@ -363,10 +379,11 @@ class GluonBoundCall:
                 import torch
                 names, _, launch, ints, classes = self.pre
                 stream = current_stream(torch.cuda.current_device())
-                sums = _kept(self._summaries,
-                             _FRESH if torch.cuda.is_current_stream_capturing() else stream,
-                             self._new_summaries)
+                kept = _FRESH if torch.cuda.is_current_stream_capturing() else stream
+                sums = _kept(self._summaries, kept, self._new_summaries)
                 run = {**tensors, **sums}
+                if la.form.ranges:
+                    run["tile_sched"] = _kept(self._scheds, kept, self._new_sched)
                 pre = (launch, [tensors[n] for n in names] + list(sums.values()) + ints, classes)
             rest, key = la._rest(run, self.integers)
             ck = la._checked.get(key + (pre[2] if pre else (),))

@@ -37,6 +37,8 @@ class TileConfig:
     one_loop: bool = False   # a data mask's key range as one masked loop (block_ranges)
     heads_first: bool = False  # a Gluon form's programs, one per tile, dispatched heads
     #                            first (``gluon_tiles.grid_order``: a launch choice)
+    dynamic: bool = False    # a data mask's Gluon tiles taken from a counter by one
+    #                          program per SM (``GluonForm.dynamic``: its own compile)
 
     def __str__(self):
         b = " ".join(f"{k}={v}" for k, v in self.blocks.items())
@@ -50,6 +52,7 @@ class TileConfig:
         sp += " one-program-per-tile" if self.per_tile else ""
         sp += " one-loop" if self.one_loop else ""
         sp += " heads-first" if self.heads_first else ""
+        sp += " dynamic-walk" if self.dynamic else ""
         return f"{b} warps={self.num_warps} stages={self.num_stages}{sp}"
 
     def at(self, values: dict) -> "TileConfig":
@@ -64,7 +67,7 @@ class TileConfig:
                 "tma": self.tma, "warp_specialize": self.warp_specialize,
                 "loop_stages": self.loop_stages, "gluon_ws": self.gluon_ws,
                 "vector_dot": self.vector_dot, "per_tile": self.per_tile, "one_loop": self.one_loop,
-                "heads_first": self.heads_first}
+                "heads_first": self.heads_first, "dynamic": self.dynamic}
 
     @property
     def compiled_as(self) -> "TileConfig":
@@ -261,7 +264,19 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
                       per_tile=per_tile)
            for bl in form.key_blocks for ring in form.rings(bl)
            if form.ring_bytes(bl, ring) <= SMEM_BYTES for per_tile in walks]
-    return with_orders(form, out) + solo_configs(ks)
+    return with_orders(form, out) + dynamic_configs(ks) + solo_configs(ks)
+
+
+def dynamic_configs(ks: KernelSource) -> list[TileConfig]:
+    """A data mask's dynamic walk (``gluon_ws._dynamic_form``): 128-row tiles taken from a
+    counter by one program per SM, at its key blocks and rings."""
+    dyn = getattr(ks.gluon, "dynamic", None)
+    if dyn is None:
+        return []
+    return [TileConfig({f"B_{ks.block_axis}": dyn.rows, "B_L": bl}, 4, ring, gluon_ws=True,
+                       dynamic=True)
+            for bl in dyn.key_blocks for ring in dyn.rings(bl)
+            if dyn.ring_bytes(bl, ring) <= SMEM_BYTES]
 
 
 def with_orders(form, configs: list[TileConfig]) -> list[TileConfig]:
