@@ -311,6 +311,10 @@ def main_only(la, tensors: dict):
         run, pre = la._summarised(dict(tensors))
         pre[0].slow(pre[1])
         args = la._descriptors(run) + la._rest(run)[0]
+        if la._ranges is not None:  # a dynamic walk: its ranges kernel zeroes the tile
+            # counter a call starts from (without it the walk reads an unfilled buffer)
+            rest = args[len(la.form.descs):]
+            return lambda: (la._ranges.slow(rest), la._launch.slow(args))
         return lambda: la._launch.slow(args)
     lists, _, _, steps = la._arg_lists(dict(tensors))
     steps[0].slow(lists[0])

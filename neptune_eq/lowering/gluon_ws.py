@@ -333,14 +333,13 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
     # first to the least loaded program, heads in L2-sized groups) -- against one
     # program per tile, same process: causal S=2048 339 -> 420, B=2 S=3000 383 -> 418,
     # GQA 64/8 387 -> 449, softcap+causal 279 -> 349, S=8192 519 -> 513.  A data mask's
-    # tiles have work known only on the device: with ``DYNAMIC`` its programs take tiles
-    # from a counter (``gluon_tiles``), else one program per tile.  Off: against one
-    # program per tile, same process, H200 fp16 H=16 D=128, CUDA graphs
-    # (bench/gluon_validate.py --only-data-persistence, bench/results/dynamic_s28/): 64-key
-    # blocks +2-10% (documents 4/13/64 at S=8192 +5/+6/+2%, 64 documents at 32768 +10%),
-    # 128-key blocks 0 to -6% -- and 128 keys, or the tl form, is what the timer picks for
-    # these masks.  Their tiles' time is not in the per-tile start and epilogue.  Neither
-    # walk wins everywhere (causal D=128 S=8192: one program per tile 523 vs 497 TFLOP/s,
+    # tiles have work known only on the device: one program per tile, and (``DYNAMIC_TIMED``)
+    # a second form whose programs take tiles from a counter (``gluon_tiles``, heads first),
+    # which the timer weighs at 64-key blocks: against one program per tile heads first,
+    # same process, H200 fp16 H=16 D=128 (bench/gluon_validate.py --only-data-persistence,
+    # bench/results/s44/): documents 4/13/64 at S=8192 +4/+4/+8%, 13 and 64 documents at
+    # 32768 +5/+11%, jagged +0-1%, prefix-LM -3%.  ``DYNAMIC`` makes the walk the only
+    # form (the A/B benches' switch).  Neither walk wins everywhere (causal D=128 S=8192: one program per tile 523 vs 497 TFLOP/s,
     # H200, session 29), so a persistent form is also timed launched one program per tile
     # (``TileConfig.per_tile``: the same kernel, ``runtime.tile_order.one_tile_per_program``).
     atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
