@@ -387,6 +387,17 @@ def test_a_gluon_config_off_hopper_is_a_clear_error():
         make_launcher(odd.program, odd.kernel_source, "cuda", cfg)
 
 
+def test_a_dynamic_walk_without_a_data_mask_is_a_clear_error(monkeypatch):
+    """``TileConfig.dynamic`` names a data mask's second form: asked of a kernel without one
+    (causal attention's tiles are walked in the launcher's order) it says so, before any
+    compile."""
+    monkeypatch.setattr(gluon_launch, "gluon_unavailable", lambda: None)
+    kern = _kernel(**VARIANTS["causal-bf16-d128"])
+    cfg = TileConfig({"B_i": 128, "B_L": 64}, 4, 2, gluon_ws=True, dynamic=True)
+    with pytest.raises(ValueError, match="dynamic walk is a form of a data mask"):
+        make_launcher(kern.program, kern.kernel_source, "cuda", cfg)
+
+
 def test_non_contiguous_inputs_fall_back_to_the_tl_form():
     """The descriptors view inputs as (rows, width): a transposed view cannot be one."""
     ks = _kernel().kernel_source
