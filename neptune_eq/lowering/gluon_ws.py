@@ -339,8 +339,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
     # same process, H200 fp16 H=16 D=128 (bench/gluon_validate.py --only-data-persistence,
     # bench/results/s44/): documents 4/13/64 at S=8192 +4/+4/+8%, 13 and 64 documents at
     # 32768 +5/+11%, jagged +0-1%, prefix-LM -3%.  ``DYNAMIC`` makes the walk the only
-    # form (the A/B benches' switch).  Neither walk wins everywhere (causal D=128 S=8192: one program per tile 523 vs 497 TFLOP/s,
-    # H200, session 29), so a persistent form is also timed launched one program per tile
+    # form (the A/B benches' switch).  Neither walk wins everywhere (causal D=128 S=8192:
+    # one program per tile 523 vs 497 TFLOP/s, H200, session 29), so a persistent form is also timed launched one program per tile
     # (``TileConfig.per_tile``: the same kernel, ``runtime.tile_order.one_tile_per_program``).
     atoms = data_atoms(plan, ps)  # a mask's atoms over captured tensors
     data = bool(atoms)
@@ -581,10 +581,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
 
 def _dynamic_form(plan: TilePlan, name: str) -> GluonForm:
     """A data mask's dynamic walk, a second form the timer weighs against one program per
-    tile, at 64-key blocks only.  Graphed, against one program per tile, same process: 64-key
-    blocks +2-10% (H200, session 28: documents 4/13/64 at S=8192 +5/+6/+2%, 64 documents
-    at 32768 +10%) and 0-7% (H100, session 39), where 128-key blocks were -6% to +1%;
-    and since session 38 the timer takes 64-key Gluon tiles on short documents."""
+    tile (measured in ``generate``), at 64-key blocks only: at 128 keys the walk was -6% to
+    +1% against one program per tile (H200 session 28, H100 session 39)."""
     form = generate(plan, f"{name}_dyn", 2, dynamic=True)
     form.key_blocks = tuple(b for b in form.key_blocks if b == 64) or form.key_blocks
     return form

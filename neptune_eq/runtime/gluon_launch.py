@@ -76,12 +76,12 @@ class GluonLauncher:
                              f"here: {why}. Use a tl config (gluon_ws=False).")
         rows = config.blocks.get(f"B_{ks.block_axis}", CTA_ROWS)
         key_block = config.blocks.get("B_L", form.default_key_block)
-        if config.dynamic and form.form_for(rows, dynamic=True) is None:
+        # two consumer warpgroups per program, or one; or the dynamic walk's form
+        form = form.form_for(rows, config.dynamic)
+        if form is None and config.dynamic:
             raise ValueError(f"Config {config}: a dynamic walk is a form of a data mask's "
                              f"{CTA_ROWS}-row Gluon tiles; this kernel has none at "
                              f"{rows} rows. Drop dynamic=True.")
-        # two consumer warpgroups per program, or one; or the dynamic walk's form
-        form = form.form_for(rows, config.dynamic)
         if form is None or key_block not in KEY_BLOCKS:
             runs = sorted({f.rows for f in (ks.gluon, ks.gluon.solo) if f is not None})
             raise ValueError(f"Config {config}: the Gluon form runs programs of "
