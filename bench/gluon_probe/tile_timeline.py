@@ -264,7 +264,10 @@ def main():
     rows = []
     os.makedirs(args.out, exist_ok=True)
     for case in args.cases:
-        rows.append(measure(case))
+        try:
+            rows.append(measure(case))
+        except Exception as exc:  # one case failing must not lose the others' clocks
+            rows.append({"case": case, "error": f"{type(exc).__name__}: {exc}"[:2000]})
         print(json.dumps(rows[-1]), flush=True)
         with open(os.path.join(args.out, "tile_timeline.json"), "w") as fh:
             json.dump(rows, fh, indent=1)
