@@ -60,6 +60,10 @@ def test_every_variant_compiles_for_sm90_as_producer_and_consumers(tmp_path):
         assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
         assert res["shared"] > 2 * 64 * 64 * 2, (name, res)  # the row tiles and the ring
         assert res["wgmma_serialized"] is None, (name, res)  # ptxas pipelines the products
+        # the output tile goes by TMA (gluon_epilogue); a row vector (lse) by pointers
+        assert ks.gluon.o_store is not None, name
+        others = [o for o in kern.program.outputs if o != ks.gluon.o_store.tensor]
+        assert all(f"gl.store({o}_ptr" in ks.gluon.source for o in others), name
 
 
 def test_the_key_block_is_a_launch_choice_apart_from_the_value_width(tmp_path):
@@ -467,3 +471,40 @@ def test_pingpong_consumers_issue_their_products_in_turn(tmp_path, monkeypatch, 
     assert "if WHICH == 1:" in consumer and "mbarrier.arrive(turn.index(0), count=1)" in consumer
     if name in ("causal-bf16-d128", "documents-causal"):  # (a compile is seconds: two suffice)
         _compiles(tmp_path, name, kern.program, replace(kern.kernel_source, gluon=form))
+
+
+def test_the_output_tile_goes_by_tma_where_its_buffers_fit(tmp_path, monkeypatch):
+    """The rolling state's normalised tile is written to shared memory and stored by the
+    TMA engine (``gluon_epilogue``) under ``TMA_O``, with the pointer store kept for a
+    tile past the rows and for ``TMA_O`` off; an lse row vector keeps its pointer store.
+    A 3-deep ring of 128-key blocks at width 128 leaves no room for the buffers: that
+    config compiles with ``TMA_O`` off, inside the 227 KiB an SM gives a program."""
+    from neptune_eq.lowering import gluon_epilogue
+    kern = _kernel(d=128, s=77)  # 77 rows: the second 64-row tile runs past them
+    form = kern.kernel_source.gluon
+    assert form.o_store is not None and form.o_store.tensor == kern.program.outputs[0]
+    assert form.descs[-1] == "o_desc" and form.tiles(128)[-1] == ("o", 64, 128)
+    src = form.source
+    assert "tma_store(o_desc, [" in src and src.count("tma.store_wait(0)") == 2
+    assert re.search(r"if my_first \+ 64 <= 77:.*\n(.*\n){4}\s*else:.*\n\s*gl\.store\(o_ptr", src)
+    assert form.tma_store_fits(128, 2) and not form.tma_store_fits(128, 3)
+    assert _kernel(d=64, s=77).kernel_source.gluon.tma_store_fits(128, 3)
+    for stages in (2, 3):
+        spec = {**sm90_spec(kern.program, kern.kernel_source, stages, 128), "resources": True}
+        assert spec["constexprs"]["TMA_O"] == (stages == 2)
+        path = tmp_path / f"ring{stages}.py"
+        path.write_text(src)
+        res = compile_for_sm90(path, form.name, spec)
+        assert res["ok"], res["error"]
+        assert res["shared"] <= 227 * 1024, res
+    # a non-contiguous output cannot be the descriptor's: the call runs the tl twin
+    good = torch.randn(1, 2, 77, 128, dtype=torch.float16)
+    bad = torch.randn(1, 77, 2, 128, dtype=torch.float16).transpose(1, 2)
+    ins = {"q": good, "k": good, "v": good}
+    assert gluon_launch.gluon_inputs_ok(kern.kernel_source, {**ins, "o": good.clone()})
+    assert not gluon_launch.gluon_inputs_ok(kern.kernel_source, {**ins, "o": bad})
+    # the switch off: pointer stores only, as before
+    monkeypatch.setattr(gluon_epilogue, "TMA_STORE", False)
+    off = ne.superoptimize(ne.attention(1, 2, 77, 77, 128, "float16"), target="interpreter",
+                           cache=False).kernel_source.gluon
+    assert off.o_store is None and "o_desc" not in off.source and len(off.descs) == 3

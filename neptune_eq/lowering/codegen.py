@@ -111,6 +111,13 @@ class Emitter:
         lines, _, indent = self.scopes[scope]
         lines.append(indent + line)
 
+    def store_tile(self, name: str, idx: list, axes: tuple, value_code: str,
+                   pointer_line: str) -> bool:
+        """Emit the store of output ``name``'s tile another way than ``pointer_line`` where
+        this kernel has one (here: a TMA store, ``descriptors.store``; the Gluon skeleton
+        has its own); False, with nothing emitted, where it has none."""
+        return descriptors.store(self, name, idx, axes, value_code, pointer_line)
+
     def new(self, prefix="t") -> str:
         self.tmp += 1
         return f"{prefix}{self.tmp}"

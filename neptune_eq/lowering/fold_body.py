@@ -7,7 +7,6 @@ form the same way.
 """
 from __future__ import annotations
 
-from . import descriptors
 from .codegen import _TL_DTYPE, ECOL, LOOP, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
 from .scatter_code import emit_scattered
@@ -155,5 +154,5 @@ def store(em: Emitter, name: str, tile: Tile, axes: tuple[str, ...]) -> None:
     dt = _TL_DTYPE[p.dtype_of(name)]
     m = em.mask(taxes)
     line = f"tl.store({name}_ptr + {off}, ({code}).to({dt}){', mask=' + m if m else ''})"
-    if not descriptors.store(em, name, idx, taxes, f"({code}).to({dt})", line):
+    if not em.store_tile(name, idx, taxes, f"({code}).to({dt})", line):
         em.emit(line)

@@ -35,6 +35,7 @@ class GluonForm:
     heads_first_ok: bool = False     # one program per tile, on either grid order (see
     #                                  ``grid_order``): ``TileConfig.heads_first`` runs
     dynamic: "GluonForm | None" = None  # a data mask's dynamic walk (``TileConfig.dynamic``)
+    o_store: object = None           # the output tile stored by TMA (gluon_epilogue.TileStore)
 
     @property
     def rows(self) -> int:
@@ -86,10 +87,12 @@ class GluonForm:
         return next((f for f in (self, self.solo) if f is not None and f.rows == rows), None)
 
     def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
-        """(input, rows, width) of the TMA tile each descriptor loads: a warpgroup's rows of
-        ``a``, one key block of ``b`` and of ``c``."""
+        """(tensor, rows, width) of the TMA tile each descriptor moves: a warpgroup's rows of
+        ``a``, one key block of ``b`` and of ``c``, and a warpgroup's output tile where the
+        form stores it by TMA (``o_store``)."""
         (a, b, c), (width, cols) = self.streamed, self.widths
-        return [(a, ROWS, width), (b, key_block, width), (c, key_block, cols)]
+        out = [(self.o_store.tensor, ROWS, self.o_store.width)] if self.o_store else []
+        return [(a, ROWS, width), (b, key_block, width), (c, key_block, cols), *out]
 
     def ring_bytes(self, key_block: int, stages: int) -> int:
         """Shared memory of the row tiles and a ``stages``-deep ring of key blocks."""
@@ -101,10 +104,21 @@ class GluonForm:
         """The key block of a config that names none: the column width where offered."""
         return self.widths[1] if self.widths[1] in self.key_blocks else self.key_blocks[0]
 
+    def tma_store_fits(self, key_block: int, stages: int) -> bool:
+        """Whether the TMA store's output buffers (a warpgroup's tile each) fit beside the
+        row tiles and the ring -- the launcher's ``TMA_O`` (at width 128 a 3-deep ring of
+        128-key blocks leaves no room) -- as many programs per SM as hold without them."""
+        if self.o_store is None:
+            return False
+        need = self.ring_bytes(key_block, stages) + 2 * self.rows * self.o_store.width
+        if self.consumers == 2:
+            return need <= SMEM_BYTES
+        return self.programs_per_sm(key_block, stages) * (need + 1024) <= SM_SMEM
+
     @property
     def descs(self) -> tuple[str, ...]:
         """The kernel's descriptor parameters, one per entry of ``tiles``."""
-        return ("a_desc", "b_desc", "c_desc")
+        return ("a_desc", "b_desc", "c_desc") + (("o_desc",) if self.o_store else ())
 
     def rings(self, key_block: int) -> tuple[int, ...]:
         """Ring depths worth timing: 64-key blocks at 2 deep only (3 deep was within 1% on

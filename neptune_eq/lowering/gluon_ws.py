@@ -56,6 +56,8 @@ from .block_ranges import data_range_form
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Emitter, Tile, grid_decode, init_fill
 from .fold_body import epilogue, loop_body
+from . import gluon_epilogue
+from .gluon_epilogue import allocation, program_end, tile_store
 from .gluon_form import KEY_BLOCKS, WIDTHS, GluonForm
 from .gluon_tiles import (ROWS, affine_walk, gl_lines as _gl, gl_main, grid_order, key_range,
                           persistent_place, pingpong_turns, ranges_kernel, tile_lines,
@@ -95,6 +97,9 @@ class GluonEmitter(Emitter):
         self.qk: tuple[Term, Term] | None = None   # the loads of the first contraction
         self.pv: Term | None = None                # the load of the second one's right side
         self.col = col                             # the rolling state's column axis
+        self.stream_dtype: str | None = None       # the streamed inputs' 16-bit dtype
+        self.o_store_ok = False                    # the output tile may go by TMA ...
+        self.o_store = None                        # ... and does (gluon_epilogue.TileStore)
 
     def layout(self, axes: tuple[str, ...]) -> str:
         """The layout of a tile over ``axes``: the state's (``O_*``) where its column axis
@@ -134,6 +139,12 @@ class GluonEmitter(Emitter):
                                     "state's.")
             return Tile("0.0", self.canon((self.plan.block_axis, col)), "f32")
         raise LoweringError("A contraction the skeleton does not issue as a wgmma.")
+
+    def store_tile(self, name, idx, axes, value_code, pointer_line) -> bool:
+        if not self.o_store_ok:
+            return False
+        self.o_store = tile_store(self, name, idx, axes, value_code, pointer_line) or self.o_store
+        return self.o_store is not None and self.o_store.tensor == name
 
     def load_axes(self, load: Term) -> tuple[str, ...]:
         out = []
@@ -213,7 +224,8 @@ def source_header(module: str, program, extra: str = "") -> list[str]:
             f"warpgroup_mma, warpgroup_mma_wait{extra}",
             "",
             "# Triton 3.6 names the TMA tile load async_copy_global_to_shared; 3.9 async_load",
-            "tma_load = getattr(tma, 'async_load', None) or tma.async_copy_global_to_shared"]
+            "tma_load = getattr(tma, 'async_load', None) or tma.async_copy_global_to_shared",
+            "tma_store = getattr(tma, 'async_store', None) or tma.async_copy_shared_to_global"]
 
 
 def _row_base(em: GluonEmitter, load: Term) -> str:
@@ -424,9 +436,11 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
              "qk = warpgroup_mma_wait(1, deps=(qk, ))",
              "mbarrier.arrive(b_empty.index(st), count=1)"]
 
+    em.stream_dtype, em.o_store_ok = next(iter(dts)), gluon_epilogue.TMA_STORE
     em.push("    ")
     epilogue(em)
     epi = em.pop()
+    o_store = em.o_store  # the output tile by TMA (gluon_epilogue), under TMA_O
     prologue = em.pop()
 
     rng = gl_main(key_range(plan, name, data, rows))
@@ -438,12 +452,14 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
     # a tile's place and key range (the consumers' prologue decodes the grid axes itself)
     tile = tile_lines(mode, rng, "producer", rows)
 
-    sig = ", ".join(["a_desc", "b_desc", "c_desc"] + args)
+    o_args = ["o_smem", "o_desc"] if o_store else []  # the TMA store's buffer and tensor
+    sig = ", ".join(["a_desc", "b_desc", "c_desc", *o_args[1:]] + args)
+    tma_o = ", TMA_O" if o_store else ""
     where = ["num_tiles", "n_rb"] if persistent else ["pid_grid", "row_block", "j_lo", "n_blocks"]
     bars = ["a_bar", "q_empty", "b_ready", "b_empty", "c_ready", "c_empty"]
     bars += ["turn"] if turn_setup else []
     bars += ["t_ready"] if mode == "dynamic" else []  # the mailbox's two slots
-    shared = ", ".join(["a_smem", "b_bufs", "c_bufs", *bars, *where, *dm, *args])
+    shared = ", ".join(["a_smem", "b_bufs", "c_bufs", *o_args, *bars, *where, *dm, *args])
     producer_args = ", ".join(["a_desc", "b_desc", "c_desc", "a_smem", "b_bufs", "c_bufs", *bars,
                                *(["num_tiles", "n_rb", *args] if persistent
                                  else ["a_row", "b_row", "c_row", "j_lo", "n_blocks"])])
@@ -494,7 +510,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
                  *["    " + ln for ln in _gl(grid_decode(plan))],
                  *["    " + ln for ln in rng], *bases]
     src = [
-        *source_header("lowering/gluon_ws.py", p),
+        *source_header("lowering/gluon_ws.py", p, ", fence_async_shared" if o_store else ""),
         "", "",
         "@gluon.jit",
         f"def _producer({producer_args}, B_L: gl.constexpr):",
@@ -505,7 +521,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "", "",
         "@gluon.jit",
         f"def _consumer({shared}, WHICH: gl.constexpr, B_L: gl.constexpr, DTYPE: gl.constexpr, "
-        "EVEN_L: gl.constexpr):",
+        f"EVEN_L: gl.constexpr{tma_o}{': gl.constexpr' if o_store else ''}):",
         "    # one warpgroup: 64 rows, its own wgmma issue, block math between the two",
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
         "    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
@@ -524,9 +540,11 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         *turn_first,
         *walk(mode, "consumer", consumer, tile_lines(mode, rng, "consumer", rows),
               released=consumer.index(RELEASE) + 1),
+        *(program_end() if o_store else []),
         "", "",
         "@gluon.jit",
-        f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr):",
+        f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr"
+        f"{tma_o}{': gl.constexpr' if o_store else ''}):",
         "    DTYPE: gl.constexpr = a_desc.dtype",
         "    D: gl.constexpr = a_desc.block_type.shape[1]",
         *place,
@@ -534,6 +552,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "    b_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, D], b_desc.layout)",
         "    c_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, B_L, c_desc.block_type.shape[1]], "
         "c_desc.layout)",
+        *(allocation(consumers) if o_store else []),
         *[f"    {b} = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())"
           for b in ("a_bar", "q_empty")],
         *[f"    {b} = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
@@ -551,7 +570,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "every block",
         f"        mbarrier.init(c_empty.index(i), count={consumers})",
         "    gl.warp_specialize([",
-        *[f"        (_consumer, ({shared}, {k}, B_L, DTYPE, EVEN_L))," for k in range(consumers)],
+        *[f"        (_consumer, ({shared}, {k}, B_L, DTYPE, EVEN_L{tma_o}))," for k in range(consumers)],
         f"        (_producer, ({producer_args}, B_L)),",
         # the extra consumer takes the registers the producer warp gives back
         f"    ], [{'4, ' * (consumers - 1)}1], [{'232, ' * (consumers - 1)}24])",
@@ -576,7 +595,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
                      if consumers == 2 and data and SOLO and mode == "single" else None,
                      not persistent,
                      _dynamic_form(plan, name) if mode == "single" and data and consumers == 2
-                     and DYNAMIC_TIMED else None)
+                     and DYNAMIC_TIMED else None,
+                     o_store=o_store)
 
 
 def _dynamic_form(plan: TilePlan, name: str) -> GluonForm:

@@ -1,11 +1,12 @@
 """Run the warp-specialised Gluon form (``lowering/gluon_ws.py``) on torch tensors.
 
-Per call the launcher makes three host TMA descriptors over 2-D views of the streamed
-inputs -- ``a`` (the row tile, 64 rows per consumer warpgroup), ``b`` and ``c`` (one key
-block each) -- flattened to (rows of every batch and head, width).  The kernel finds its
-tile's first row from the strides (``gluon_ws._row_base``), so the inputs must be
-contiguous; a call whose tensors are not runs the ``tl`` form of the same tiles instead
-(slower, never wrong).  Keys past a head's end that a tile reads belong to the next head or
+Per call the launcher makes host TMA descriptors over 2-D views of the streamed inputs --
+``a`` (the row tile, 64 rows per consumer warpgroup), ``b`` and ``c`` (one key block each)
+-- and of the output a form stores by TMA (``lowering/gluon_epilogue``), flattened to
+(rows of every batch and head, width).  The kernel finds its tile's first row from the
+strides (``gluon_ws._row_base``), so the inputs (and that output) must be contiguous; a
+call whose tensors are not runs the ``tl`` form of the same tiles instead (slower, never
+wrong).  Keys past a head's end that a tile reads belong to the next head or
 are zero-filled by TMA; the kernel masks them by the key extent.  A kernel whose mask
 reads captured tensors takes their block summaries too, rebuilt per call by the tl
 module's pre-pass (``runtime.block_summary``) at the form's row and ``B_L``-key blocks.
@@ -30,8 +31,8 @@ from .tma_launch import EncodedLaunch
 from .launcher import Launcher, import_source, same_outputs
 from .tile_configs import TileConfig
 
-GLUON_NEEDS = ("the warp-specialised form needs contiguous streamed inputs with a 16-byte "
-               "aligned base")
+GLUON_NEEDS = ("the warp-specialised form needs contiguous streamed inputs and output with "
+               "a 16-byte aligned base")
 
 
 def load_gluon(form: GluonForm):
@@ -42,7 +43,10 @@ def load_gluon(form: GluonForm):
 def gluon_inputs_ok(ks: KernelSource, tensors: dict) -> bool:
     """Whether these tensors can be streamed by the form's descriptors."""
     form = ks.gluon
-    for name in form.streamed:
+    # the output a TMA store writes (every form of the plan has the same ``o_store``),
+    # where the call names it: the timer allocates its own, contiguous
+    out = [form.o_store.tensor] if form.o_store and form.o_store.tensor in tensors else []
+    for name in (*form.streamed, *out):
         t = tensors.get(name)
         if t is None or not t.is_contiguous() or t.data_ptr() % 16 or t.dim() < 2:
             return False
@@ -118,6 +122,8 @@ class GluonLauncher:
         self.tensors = [n[:-len("_ptr")] for n in form.params]  # summaries last
         self.consts = dict(B_L=key_block, STAGES=config.num_stages,
                            EVEN_L=_even_keys(ks, key_block))
+        if form.o_store:  # the output by TMA where its buffers fit (gluon_epilogue)
+            self.consts["TMA_O"] = form.tma_store_fits(key_block, config.num_stages)
         self._pre = None
         # the form right after the pre-pass is launched dependent on it (its key range
         # waits for the summaries, ``dependent_launch.WAIT_FOR_PREPASS``); a dynamic walk's
@@ -425,7 +431,9 @@ def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,
             "descs": {d: [rows, width, form.dtype]
                       for d, (_, rows, width) in zip(form.descs, form.tiles(key_block))},
             "constexprs": {"B_L": key_block, "STAGES": stages,
-                           "EVEN_L": _even_keys(ks, key_block)}}
+                           "EVEN_L": _even_keys(ks, key_block),
+                           **({"TMA_O": form.tma_store_fits(key_block, stages)}
+                              if form.o_store else {})}}
 
 
 def _even_keys(ks: KernelSource, bl: int) -> bool:
