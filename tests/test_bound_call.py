@@ -368,7 +368,7 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
     class FakeGluon:  # GluonLauncher's key and argument code (the interpreter cannot run Gluon)
         gluon, fast_ok, _order, size_args = True, True, [], (7,)
         ks = NS(summaries=(), scattered=("o",),
-                gluon=NS(streamed=("q", "k", "v"), dtype="float32", ranges=None))
+                gluon=NS(streamed=("q", "k", "v"), dtype="float32", ranges=None, o_store=None))
         form, _pre = ks.gluon, None
         tensors = ["q", "k", "v", "o"]
         _checked = {}
