@@ -300,12 +300,14 @@ DATA_PERSISTENCE_CASES = (  # (variant, B, H, S): masks over captured tensors, D
     ("doc64", 1, 16, 32768), ("prefix-lm", 2, 16, 8192))
 
 
-def data_persistence():
+def data_persistence(cases=None, tags=None):
     """The data masks' dynamic walk (``TileConfig.dynamic``: programs taking tiles from a
     counter, heads first or one head after another -- ``gluon_tiles.DYNAMIC_HEADS_FIRST``)
     against one program per tile (row-major and heads first), one process, same inputs:
     ms per call (pre-pass and ranges kernel included) and replayed from a CUDA graph, and
-    whether the outputs are bit-identical to one program per tile's."""
+    whether the outputs are bit-identical to one program per tile's.  ``cases``: only
+    these ``variant:S`` cases; ``tags``: only these walks (and the reference,
+    ``per_tile_keys64``)."""
     from neptune_eq.lowering import gluon_tiles
     rows, was = [], gluon_tiles.DYNAMIC_HEADS_FIRST
     walks = {  # tag: (heads-first order of the dynamic walk, key block, config options)
@@ -313,9 +315,14 @@ def data_persistence():
         "per_tile_heads_first_keys64": (was, 64, {"heads_first": True}),
         "per_tile_heads_first_keys128": (was, 128, {"heads_first": True}),
         "dynamic_heads_first_keys64": (True, 64, {"dynamic": True}),
-        "dynamic_row_major_keys64": (False, 64, {"dynamic": True})}
+        "dynamic_row_major_keys64": (False, 64, {"dynamic": True}),
+        "dynamic_heads_first_keys128": (True, 128, {"dynamic": True})}
+    if tags:
+        walks = {t: w for t, w in walks.items() if t in tags or t == "per_tile_keys64"}
     try:
         for variant, b, h, s in DATA_PERSISTENCE_CASES:
+            if cases and f"{variant}:{s}" not in cases:
+                continue
             row = {"case": "data-persistence", "variant": variant, "B": b, "H": h, "S": s,
                    "D": 128}
             mods, _, captured = data_case(variant, b, s)
@@ -475,13 +482,17 @@ def main():
                     help="only the Gluon form at each key block and ring depth")
     ap.add_argument("--only-data-persistence", action="store_true",
                     help="only the data masks' dynamic walk / one-program-per-tile A/B")
+    ap.add_argument("--cases", nargs="+", default=None,
+                    help="--only-data-persistence: only these variant:S cases (jagged:32768)")
+    ap.add_argument("--walks", nargs="+", default=None,
+                    help="--only-data-persistence: only these walks (and per_tile_keys64)")
     ap.add_argument("--only-dynamic", action="store_true",
                     help="only the data masks' dynamic walk (GluonForm.dynamic) checks")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     if args.only_data_persistence:
-        return write(data_persistence(), args.out)
+        return write(data_persistence(args.cases, args.walks), args.out)
 
     run = row_runner(rows)
     if args.only_dynamic:
