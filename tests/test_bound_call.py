@@ -528,3 +528,12 @@ def test_host_timing_runs_a_long_call_three_times_and_a_short_one_by_do_bench(mo
     clock["runs"].clear()
     assert timing.host_ms(call_taking([0.2])) == ("do_bench", {"warmup": 10, "rep": 40,
                                                               "return_mode": "median"})
+
+
+def test_a_short_gluon_config_is_charged_its_host_path_only_where_it_bounds_the_call():
+    """Short calls time every config on the GPU alone; a Gluon config's own launch path is
+    charged only where the call from the host takes over ``HOST_SLACK`` times that."""
+    from neptune_eq.runtime.tuning import HOST_SLACK, gluon_short_ms
+    assert gluon_short_ms(0.020, 0.0243) == 0.020          # GQA S=512: the GPU's time
+    assert gluon_short_ms(0.010, 0.300) == 0.300           # a host-bound launch path
+    assert gluon_short_ms(0.010, HOST_SLACK * 0.010) == 0.010
