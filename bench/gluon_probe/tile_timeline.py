@@ -261,16 +261,23 @@ def main():
     if args.compile_only:
         rows = compile_only(args.cases, args.python)
         raise SystemExit(0 if all(r["ok"] for r in rows) else 1)
+    run_cases(args.cases, measure, os.path.join(args.out, "tile_timeline.json"))
+
+
+def run_cases(cases: list[str], measure, path: str) -> list[dict]:
+    """``measure`` each case, printing its row and rewriting ``path`` after each: one case
+    failing records its error and must not lose the others' rows."""
     rows = []
-    os.makedirs(args.out, exist_ok=True)
-    for case in args.cases:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    for case in cases:
         try:
             rows.append(measure(case))
-        except Exception as exc:  # one case failing must not lose the others' clocks
-            rows.append({"case": case, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+        except Exception as exc:
+            rows.append({"case": case, "error": f"{type(exc).__name__}: {exc}"[:3000]})
         print(json.dumps(rows[-1]), flush=True)
-        with open(os.path.join(args.out, "tile_timeline.json"), "w") as fh:
+        with open(path, "w") as fh:
             json.dump(rows, fh, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ graphs, alternating.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -85,16 +84,7 @@ def main():
     ap.add_argument("--cases", nargs="*", default=CASES)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    rows = []
-    os.makedirs(args.out, exist_ok=True)
-    for case in args.cases:
-        try:
-            rows.append(measure(case))
-        except Exception as exc:  # one case failing must not lose the others
-            rows.append({"case": case, "error": f"{type(exc).__name__}: {exc}"[:3000]})
-        print(json.dumps(rows[-1]), flush=True)
-        with open(os.path.join(args.out, "tma_store_epilogue.json"), "w") as fh:
-            json.dump(rows, fh, indent=1)
+    tt.run_cases(args.cases, measure, os.path.join(args.out, "tma_store_epilogue.json"))
 
 
 if __name__ == "__main__":
