@@ -20,10 +20,11 @@ width) view, where rows past one head's end are the next head's.
 It is a compile-time choice (``TMA_O``, a constexpr the launcher sets): the two 64-row
 buffers cost ``2 · 64 · width · 2`` bytes of shared memory (32 KiB at width 128), which
 a 3-deep ring of 128-key blocks at width 128 leaves no room for.  Measured on an H200
-against the pointer store, same process, CUDA graphs, outputs bit-identical
-(``bench/gluon_probe/tma_store_epilogue.py``, bench/results/s45/): GQA 64/8 S=512 22.5
--> 18.8 us (+20%), 13 documents S=8192 +7-8% (one program per tile and the dynamic
-walk), causal D=64 B=4 S=5000 +3%, causal D=128 S=8192 +0.6%, global D=64 -0.3%.
+against the pointer store, the product's forms with ``TMA_STORE`` off and on, same
+process, CUDA graphs, outputs bit-identical (``bench/gluon_probe/tma_store_epilogue.py``,
+bench/results/s45/): GQA 64/8 S=512 22.7 -> 19.1 us (+19%), 13 documents S=8192 +8% (one
+program per tile) and +6% (the dynamic walk), causal D=64 B=4 S=5000 +2%, GQA 16/8 causal
+S=3000 +2%, causal D=128 S=8192 +0.3%, global D=64 -0.5%.
 """
 from __future__ import annotations
 

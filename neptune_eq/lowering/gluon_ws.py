@@ -440,7 +440,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
 
     o_args = ["o_smem", "o_desc"] if o_store else []  # the TMA store's buffer and tensor
     sig = ", ".join(["a_desc", "b_desc", "c_desc", *o_args[1:]] + args)
-    tma_o = ", TMA_O" if o_store else ""
+    tma_o, tma_o_param = (", TMA_O", ", TMA_O: gl.constexpr") if o_store else ("", "")
     where = ["num_tiles", "n_rb"] if persistent else ["pid_grid", "row_block", "j_lo", "n_blocks"]
     bars = ["a_bar", "q_empty", "b_ready", "b_empty", "c_ready", "c_empty"]
     bars += ["turn"] if turn_setup else []
@@ -507,7 +507,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "", "",
         "@gluon.jit",
         f"def _consumer({shared}, WHICH: gl.constexpr, B_L: gl.constexpr, DTYPE: gl.constexpr, "
-        f"EVEN_L: gl.constexpr{tma_o}{': gl.constexpr' if o_store else ''}):",
+        f"EVEN_L: gl.constexpr{tma_o_param}):",
         "    # one warpgroup: 64 rows, its own wgmma issue, block math between the two",
         "    STAGES: gl.constexpr = b_bufs.type.shape[0]",
         "    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], "
@@ -530,7 +530,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "", "",
         "@gluon.jit",
         f"def {name}({sig}, B_L: gl.constexpr, STAGES: gl.constexpr, EVEN_L: gl.constexpr"
-        f"{tma_o}{': gl.constexpr' if o_store else ''}):",
+        f"{tma_o_param}):",
         "    DTYPE: gl.constexpr = a_desc.dtype",
         "    D: gl.constexpr = a_desc.block_type.shape[1]",
         *place,
