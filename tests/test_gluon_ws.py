@@ -486,6 +486,12 @@ def test_the_output_tile_goes_by_tma_where_its_buffers_fit(tmp_path, monkeypatch
     assert form.descs[-1] == "o_desc" and form.tiles(128)[-1] == ("o", 64, 128)
     src = form.source
     assert "tma_store(o_desc, [" in src and src.count("tma.store_wait(0)") == 2
+    # the buffer is rewritten only after its last store read it, and fenced before the next
+    order = [src.index(k) for k in ("tma.store_wait(0)  # this buffer", "o_smem.index(WHICH).store(",
+                                    "fence_async_shared()", "tma_store(o_desc")]
+    assert order == sorted(order)
+    # the program waits for its last store after its walk, before the main kernel
+    assert src.index("tma.store_wait(0)  # the last tile") < src.index(f"def {form.name}(")
     assert re.search(r"if my_first \+ 64 <= 77:.*\n(.*\n){4}\s*else:.*\n\s*gl\.store\(o_ptr", src)
     assert form.tma_store_fits(128, 2) and not form.tma_store_fits(128, 3)
     assert _kernel(d=64, s=77).kernel_source.gluon.tma_store_fits(128, 3)
