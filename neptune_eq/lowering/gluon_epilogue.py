@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .gluon_tiles import ROWS
+from .gluon_tiles import ROWS, flat_row
 
 # NEPTUNE_EQ_GLUON_TMA_STORE=0: every output by pointer stores, as before session 45 (A/B)
 TMA_STORE = os.environ.get("NEPTUNE_EQ_GLUON_TMA_STORE", "1") == "1"
@@ -60,10 +60,7 @@ def tile_store(em, name: str, idx: list, axes: tuple, value_code: str,
             or any(d for d in dims[:-2]) or tuple(axes) != em.canon((ba, col))
             or p.dtype_of(name) != em.stream_dtype or plan.whole_axes.get(col) is None):
         return None
-    # (the tile's rows are consecutive rows of the flattened view: the launcher passes
-    # contiguous tensors only, so each leading stride is a multiple of the rows' stride)
-    lead = " + ".join(f"({idx[k].code}) * {name}_s{k}" for k in range(n - 2)) or "0"
-    store = TileStore(name, f"({lead}) // {name}_s{n - 2}", plan.whole_axes[col])
+    store = TileStore(name, flat_row(name, [i.code for i in idx[:-2]]), plan.whole_axes[col])
     em.emit("if TMA_O:  # through shared memory: the TMA engine stores while we go on")
     em.emit(f"    if my_first + {ROWS} <= {plan.row_extent}:")
     for ln in ("tma.store_wait(0)  # this buffer's last store has read it",

@@ -66,6 +66,15 @@ def source_header(module: str, program, extra: str = "") -> list[str]:
             "tma_store = getattr(tma, 'async_store', None) or tma.async_copy_shared_to_global"]
 
 
+def flat_row(tensor: str, lead: list[str]) -> str:
+    """Row of ``tensor``'s flattened (…, rows, cols) view where a tile starts, less the
+    tile's own row index: Σ_k lead_k·stride_k / row stride over the program-constant
+    leading indices ``lead`` (the launcher passes contiguous tensors only, so each leading
+    stride is a multiple of the rows')."""
+    parts = [f"({c}) * {tensor}_s{k}" for k, c in enumerate(lead)]
+    return f"({' + '.join(parts) or '0'}) // {tensor}_s{len(lead)}"
+
+
 def gl_main(lines: list[str]) -> list[str]:
     """``gl_lines`` for code that runs before the warpgroups split (4 warps): a bare
     ``arange`` (the summary counts of ``block_skip``) gets the 1-D layout ``R1``."""

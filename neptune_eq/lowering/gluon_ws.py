@@ -59,9 +59,9 @@ from .fold_body import epilogue, loop_body
 from . import gluon_epilogue
 from .gluon_epilogue import allocation, program_end, tile_store
 from .gluon_form import KEY_BLOCKS, WIDTHS, GluonForm
-from .gluon_tiles import (ROWS, affine_walk, gl_lines as _gl, gl_main, grid_order, key_range,
-                          persistent_place, pingpong_turns, ranges_kernel, source_header,
-                          tile_lines, walk)
+from .gluon_tiles import (ROWS, affine_walk, flat_row, gl_lines as _gl, gl_main, grid_order,
+                          key_range, persistent_place, pingpong_turns, ranges_kernel,
+                          source_header, tile_lines, walk)
 from .lower import LoweringError, TilePlan
 
 PERSISTENT = True  # tiles walked by one program per SM (see generate)
@@ -215,12 +215,8 @@ def block_fragment(em: Emitter, known: frozenset, whole: bool = False) -> list[s
 
 
 def _row_base(em: GluonEmitter, load: Term) -> str:
-    """Row of the flattened (…, rows, cols) view where this load's tile starts, less the
-    tile's own row index: Σ_k idx_k·stride_k / row_stride over the program-constant
-    positions (the launcher passes contiguous inputs only, so each stride is a multiple)."""
-    n = len(load.args)
-    parts = [f"({em.expr(a).code}) * {load.val}_s{k}" for k, a in enumerate(load.args[:n - 2])]
-    return f"({' + '.join(parts) or '0'}) // {load.val}_s{n - 2}"
+    """Row of the flattened view where this load's tile starts (``flat_row``)."""
+    return flat_row(load.val, [em.expr(a).code for a in load.args[:-2]])
 
 
 def check_scope(plan: TilePlan, scattered_ok: bool = False) -> None:
