@@ -55,6 +55,14 @@ MODS = {  # variant -> (ne mods, torch score_mod(s, h, q, kv), torch mask_mod(q,
 }
 
 
+# the three-consumer form's checks (``GluonForm.wide``, head dim 64, 192-row programs):
+# odd lengths, a tile count not a multiple of 3 rows blocks, both walks, rings 2 and 3, and
+# 128-key blocks, which the product does not offer (ptxas spills there) but must be right
+WIDE_CHECKS = [(1, 3, 300, 64, "float16", False, {"key_block": 64}),
+               (2, 3, 555, 64, "bfloat16", True, {"key_block": 64, "stages": 3}),
+               (2, 2, 777, 64, "bfloat16", True, {"key_block": 64, "per_tile": True}),
+               (1, 2, 1000, 64, "float16", False, {"key_block": 128}),
+               (1, 2, 2048, 64, "float16", False, {"key_block": 64, "stages": 4})]
 DATA = ("doc-pad", "doc-unsorted", "jagged", "jagged-wrap", "prefix-lm")
 
 
@@ -141,18 +149,19 @@ def gluon_launcher(prog, ks, key_block=128, ring=2, per_tile=False, rows=128, dy
 
 
 def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2, key_block=None,
-          rows=128, dynamic=False):
+          rows=128, dynamic=False, per_tile=False):
     key_block = key_block or d  # default: the key block as wide as the value
     row = {"case": "correctness", "variant": variant, "B": b, "H": h, "S": s, "D": d,
            "dtype": dtype, "large_scores": big, "kv_heads": kv_heads, "stages": stages,
-           "key_block": key_block, "rows": rows, "dynamic": dynamic}
+           "key_block": key_block, "rows": rows, "dynamic": dynamic, "per_tile": per_tile}
     mods, tmask, captured = data_case(variant, b, s) if variant in DATA else (None, None, {})
     prog, ks = derive(variant, b, h, s, d, dtype, kv_heads, mods)
     if ks.gluon is None:
         row["error"] = f"no Gluon form: {ks.gluon_why}"
         return row
     if ks.gluon.form_for(rows) is None:
-        row["error"] = f"no {rows}-row Gluon form (the one-consumer form is a data mask's)"
+        row["error"] = (f"no {rows}-row Gluon form (the one-consumer form is a data mask's, "
+                        "the three-consumer form a head-dim-64 plan's)")
         return row
     dt = getattr(torch, dtype)
     hk = kv_heads or h
@@ -160,7 +169,10 @@ def check(variant, b, h, s, d, dtype, big=False, kv_heads=None, stages=2, key_bl
     k = torch.randn(b, hk, s, d, device="cuda", dtype=dt)
     v = torch.randn(b, hk, s, d, device="cuda", dtype=dt)
     o = torch.full((b, h, s, d), float("nan"), device="cuda", dtype=dt)
-    la = gluon_launcher(prog, ks, key_block, stages, rows=rows, dynamic=dynamic)
+    if per_tile and not ks.gluon.form_for(rows).persistent:
+        row["error"] = "per_tile: the form runs one program per tile already"
+        return row
+    la = gluon_launcher(prog, ks, key_block, stages, per_tile, rows=rows, dynamic=dynamic)
     la({"q": q, "k": k, "v": v, "o": o, **captured})
     first = o.clone()
     la({"q": q, "k": k, "v": v, "o": o, **captured})  # the checked direct launch (FastLaunch)
@@ -486,6 +498,8 @@ def main():
                     help="--only-data-persistence: only these variant:S cases (jagged:32768)")
     ap.add_argument("--walks", nargs="+", default=None,
                     help="--only-data-persistence: only these walks (and per_tile_keys64)")
+    ap.add_argument("--only-wide", action="store_true",
+                    help="only the three-consumer form's checks (head dim 64, 192 rows)")
     ap.add_argument("--only-dynamic", action="store_true",
                     help="only the data masks' dynamic walk (GluonForm.dynamic) checks")
     args = ap.parse_args()
@@ -499,6 +513,12 @@ def main():
         for variant in [v for v in DATA if not args.variants or v in args.variants]:
             for case in DYNAMIC_CHECKS:
                 run(check, variant, *case[:6], **case[6], dynamic=True)
+        return write(rows, args.out)
+    if args.only_wide:
+        for variant in [v for v in (*MODS, *DATA) if not args.variants or v in args.variants]:
+            for case in WIDE_CHECKS:
+                run(check, variant, *case[:6], **case[6], rows=192)
+        run(check, "causal", 1, 8, 515, 64, "bfloat16", kv_heads=2, key_block=64, rows=192)
         return write(rows, args.out)
     if args.only_persistence or args.only_key_blocks:
         for row in persistence(args.head_dim) if args.only_persistence else key_blocks():

@@ -352,10 +352,11 @@ def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch
     assert not any(c.gluon_ws for c in candidate_configs(ks, "cuda"))
     monkeypatch.setattr(tile_configs, "gluon_unavailable", lambda: None)
     cfgs = candidate_configs(ks, "cuda")
-    gl = [c for c in cfgs if c.gluon_ws]
+    gl = [c for c in cfgs if c.gluon_ws and c.blocks["B_i"] == 128]
     # 128-key blocks (head dim 64 too) at each ring that fits in shared memory; 64-key
     # blocks (a 2-deep ring) also where the key range is narrow (a window); each walked
-    # by persistent programs and launched one program per tile (the same kernel)
+    # by persistent programs and launched one program per tile (the same kernel).  (Head
+    # dim 64's three-consumer form, 192 rows: tests/test_gluon_wide.py.)
     assert [(c.blocks["B_L"], c.num_stages, c.per_tile) for c in gl] == \
         [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True)]
     window = candidate_configs(_kernel(d=128, **VARIANTS["window"]).kernel_source, "cuda")

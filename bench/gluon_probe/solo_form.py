@@ -38,6 +38,7 @@ AFFINE = {"causal64": (4, 16, 16, 5000, 64, True), "causal128": (1, 16, 16, 8192
           "causal32k": (1, 16, 16, 32768, 128, True),
           "gqa512": (1, 64, 8, 512, 128, False), "global512": (1, 32, 32, 512, 128, False),
           "causal512": (1, 32, 32, 512, 128, True), "gqa64_3000": (4, 16, 8, 3000, 64, True),
+          "global64": (4, 16, 16, 5000, 64, False), "gqa64_5000": (2, 32, 16, 5000, 64, False),
           "alibi8k": (1, 32, 32, 8192, 128, False), "alibi32k": (1, 32, 32, 32768, 128, False)}
 # score mods of the affine cases that have one: ALiBi with bench/neptune_ops.py's slopes
 SLOPES = [2.0 ** (-8.0 * (k + 1) / 32) for k in range(32)]

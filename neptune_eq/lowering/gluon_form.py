@@ -36,6 +36,7 @@ class GluonForm:
     #                                  ``grid_order``): ``TileConfig.heads_first`` runs
     dynamic: "GluonForm | None" = None  # a data mask's dynamic walk (``TileConfig.dynamic``)
     o_store: object = None           # the output tile stored by TMA (gluon_epilogue.TileStore)
+    wide: "GluonForm | None" = None  # the three-consumer form at head dim 64 (see generate)
 
     @property
     def rows(self) -> int:
@@ -46,7 +47,7 @@ class GluonForm:
         """Programs an SM holds at once: 1 for two consumers; for one, as many as shared
         memory and registers allow, at most 3, each consumer keeping the registers its
         tiles need (``options``)."""
-        if self.consumers == 2:
+        if self.consumers >= 2:
             return 1
         fit = min(3, SM_SMEM // (self.ring_bytes(key_block, stages) + 1024))
         # a consumer thread holds its share of the score tile (B_L/2 fp32), of the state
@@ -75,16 +76,18 @@ class GluonForm:
         8 warps (the producer warp is padded to a warpgroup); at Triton's default it
         launches with 256 registers a thread, which is the SM's whole file, so one program
         per SM.  ``maxnreg`` at the file's share of ``programs_per_sm`` lets them fit."""
-        if self.consumers == 2:
+        if self.consumers >= 2:
             return {"num_warps": 4}
         return {"num_warps": 4, "maxnreg": self._maxnreg(self.programs_per_sm(key_block, stages))}
 
     def form_for(self, rows: int, dynamic: bool = False) -> "GluonForm | None":
-        """This form or its one-consumer form, whichever runs ``rows``-row programs; with
+        """This form, its one-consumer or its three-consumer form, whichever runs ``rows``-row
+        programs; with
         ``dynamic``, its dynamic walk (two consumers only)."""
         if dynamic:
             return self.dynamic if self.dynamic is not None and self.dynamic.rows == rows else None
-        return next((f for f in (self, self.solo) if f is not None and f.rows == rows), None)
+        return next((f for f in (self, self.solo, self.wide) if f is not None and f.rows == rows),
+                    None)
 
     def tiles(self, key_block: int) -> list[tuple[str, int, int]]:
         """(tensor, rows, width) of the TMA tile each descriptor moves: a warpgroup's rows of
@@ -111,7 +114,7 @@ class GluonForm:
         if self.o_store is None:
             return False
         need = self.ring_bytes(key_block, stages) + 2 * self.rows * self.o_store.width
-        if self.consumers == 2:
+        if self.consumers >= 2:
             return need <= SMEM_BYTES
         return self.programs_per_sm(key_block, stages) * (need + 1024) <= SM_SMEM
 

@@ -53,11 +53,10 @@ from ..ir import Term
 from .block_skip import data_atoms, summary_specs
 from .codegen import LOOP, Tile, grid_decode, init_fill
 from .fold_body import epilogue
-from .gluon_tiles import (CTA_ROWS, ROWS, affine_walk, gl_main, key_range, persistent_place,
-                          tile_lines, walk)
+from .gluon_tiles import (CTA_ROWS, ROWS, affine_walk, gl_main, interior_loops, key_range,
+                          persistent_place, tile_lines, walk)
 from .gluon_form import GluonForm
-from .gluon_ws import (GluonEmitter, _gl, _interior_loops,
-                       _row_base, block_fragment, check_scope, consumer_axes,
+from .gluon_ws import (GluonEmitter, _gl, _row_base, block_fragment, check_scope, consumer_axes,
                        source_header)
 from .lower import LoweringError, TilePlan
 
@@ -440,7 +439,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws") -> GluonSumsForm:
                      f"        mbarrier.expect(ready{k}.index(s), s{k}_desc.block_type.nbytes)",
                      f"        tma_load(s{k}_desc, [sbase{k} + j_lo + jb * B_L, 0], ready{k}.index(s), "
                      f"ring{k}.index(s))"]
-    loops = _interior_loops(ps, body_edge, body_in, body_ew, [], with_wait, data, first=0)
+    loops = interior_loops(ps, body_edge, body_in, body_ew, [], with_wait, data, first=0)
     consumer = [
         "    # one warpgroup: 64 rows, its own wgmma issue, the block math between products",
         "    STAGES: gl.constexpr = ring0.type.shape[0]",

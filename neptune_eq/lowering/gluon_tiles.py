@@ -1,13 +1,14 @@
 """Which tiles a Gluon program runs, and each tile's key range (``gluon_ws``, ``gluon_sums``).
 
-A tile is one (row block, grid index) pair: 128 rows of one head.  Its key range
-``[j_lo, j_lo + n_blocks·B_L)`` -- what the producer streams -- comes from the pass's affine
-bounds and, with a mask over captured tensors, from the per-call block summaries
-(``block_ranges``), with ``dm_lo``..``dm_hi`` the keys every row of the tile sees whole.
-``key_range`` emits that code once, in ``tl`` syntax, for three users: the Gluon programs
-that run one tile each (before their warpgroups split), the persistent programs that walk
-tiles of affine ranges (every partition recomputes it per tile: a few scalar ops), and the
-ranges kernel below.
+A tile is one (row block, grid index) pair: 64 rows of one head per consumer warpgroup
+(128 with two, 192 with three).  Its key range ``[j_lo, j_lo + n_blocks·B_L)`` -- what the
+producer streams -- comes from the pass's affine bounds and, with a mask over captured
+tensors, from the per-call block summaries (``block_ranges``), with ``dm_lo``..``dm_hi``
+the keys every row of the tile sees whole; ``interior_loops`` splits a consumer's blocks
+by what they must mask.  ``key_range`` emits that code once, in ``tl`` syntax, for three
+users: the Gluon programs that run one tile each (before their warpgroups split), the
+persistent programs that walk tiles of affine ranges (every partition recomputes it per
+tile: a few scalar ops), and the ranges kernel below.
 
 How programs walk their tiles (``walk``):
 
@@ -304,3 +305,52 @@ def grid_order(plan: TilePlan, rows: int) -> list[str]:
             "    row_block = n_rb - 1 - (gl.program_id(0) + hf * (gl.program_id(1) - "
             "gl.program_id(0)))  # long rows first",
             "    pid_grid = gl.program_id(1) + hf * (gl.program_id(0) - gl.program_id(1))"]
+
+
+def interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool,
+                   first: int = 1) -> list[str]:
+    """A consumer warpgroup's loops over blocks ``first``.. of its tile's key range (the
+    forward's block 0 runs apart: it has no deferred product).  With a mask (affine or over data): [first, in_lo) edge,
+    [in_lo, in_hi) interior, [in_hi, n_whole) edge, where interior blocks are visible to
+    all of this warpgroup's rows (the affine mask's interior, cut by the data mask's keys
+    seen whole: ``dm_lo``..``dm_hi``, from the program's key-range code); without one,
+    the whole blocks; then a ragged last block.  ``body_in``: the body with the known
+    atoms and the extent mask dropped (``block_fragment(..., whole=True)``); ``body_ew``:
+    with the extent mask dropped; ``body_edge``: with every mask."""
+    # Only the blocks past the last whole one keep the extent mask (S = 3000: H100, bf16
+    # B=2 H=32 D=128 causal 445 -> 476 TFLOP/s, bench/results/ragged_s26/), the edge
+    # blocks too: at head dim 64, where the block's softmax on the CUDA cores bounds it,
+    # the extent mask on the causal diagonal cost 9% (H200, bf16 B=4 H=16 S=5000: 322 ->
+    # 352 TFLOP/s; within 1% at head dim 128; bench/results/causal_s27/)
+    out = [f"    n_whole = n_blocks if EVEN_L else gl.minimum(gl.maximum({ps.extent} - j_lo, 0) "
+           "// B_L, n_blocks)", "    in_lo = 0", "    in_hi = n_blocks"]
+    if ps.lo_offset is not None:  # first block whose first key the last row sees
+        out.append(f"    in_lo = gl.minimum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
+                   f"+ ({ps.lo_offset}) - j_lo, 0), B_L), n_blocks)")
+    if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
+        out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
+                   f"- j_lo, 0) // B_L, n_blocks), in_lo)")
+    if data:  # ... and inside the keys every row of the program sees by the data mask
+        out += ["    in_lo = gl.minimum(gl.maximum(in_lo, (dm_lo - j_lo) // B_L), n_blocks)",
+                "    in_hi = gl.maximum(gl.minimum(in_hi, gl.maximum(dm_hi - j_lo, 0) // B_L), "
+                "in_lo)"]
+    # 0 <= in_lo <= in_hi <= n_whole <= n_blocks, each loop from block ``first`` on
+    out += ["    in_lo = gl.minimum(in_lo, n_whole)",
+            "    in_hi = gl.maximum(gl.minimum(in_hi, n_whole), in_lo)",
+            *[f"    e_{v} = gl.maximum({x}, {first})"
+              for v, x in (("lo", "in_lo"), ("hi", "in_hi"), ("wh", "n_whole"))]]
+    loops = [(f"{first}", "e_hi", body_in, "whole blocks: no mask")]
+    if ps.bound_atoms or data:
+        loops = [(f"{first}", "e_lo", body_ew, "edge"),
+                 ("e_lo", "e_hi", body_in, "interior: no mask"), ("e_hi", "e_wh", body_ew, "edge")]
+    head = ["        l0 = j_lo + jb * B_L", "        g = base + jb  # position in the ring",
+            "        st = g % STAGES", "        ph = (g // STAGES) & 1", "        prev = (g - 1) % STAGES"]
+    issued = ["        " + ln for ln in issue]
+
+    def loop(lo: str, hi: str, body: list[str], note: str) -> list[str]:
+        return [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
+    for args in loops:
+        out += loop(*args)
+    # the ragged last block (not compiled where every block is whole)
+    ragged = loop("e_wh", "n_blocks", body_edge, "the ragged last block")
+    return out + ["    if not EVEN_L:", *["    " + ln for ln in ragged]]

@@ -60,7 +60,7 @@ from . import gluon_epilogue
 from .gluon_epilogue import allocation, program_end, tile_store
 from .gluon_form import KEY_BLOCKS, WIDTHS, GluonForm
 from .gluon_tiles import (ROWS, affine_walk, flat_row, gl_lines as _gl, gl_main, grid_order,
-                          key_range, persistent_place, pingpong_turns, ranges_kernel,
+                          interior_loops, key_range, persistent_place, pingpong_turns, ranges_kernel,
                           source_header, tile_lines, walk)
 from .lower import LoweringError, TilePlan
 
@@ -85,6 +85,12 @@ SOLO = os.environ.get("NEPTUNE_EQ_GLUON_SOLO", "1") == "1"
 # (bench/results/README.md, session 32).  Read when a form is generated;
 # NEPTUNE_EQ_PINGPONG=1 turns it on.
 PINGPONG = os.environ.get("NEPTUNE_EQ_PINGPONG", "0") == "1"
+# A head-dim-64 plan's form comes with a three-consumer form (192-row programs, see
+# generate) when on.  NEPTUNE_EQ_GLUON_WIDE=0 turns it off; read when a form is generated.
+WIDE = os.environ.get("NEPTUNE_EQ_GLUON_WIDE", "1") == "1"
+# setmaxnreg of each worker consumer: three consumers and the producer's warpgroup share
+# the SM's 64K registers (3 x 160 + 24, the default partition takes the rest, 168)
+CONSUMER_REGS = {1: 232, 2: 232, 3: 160}
 
 
 class GluonEmitter(Emitter):
@@ -238,55 +244,6 @@ def check_scope(plan: TilePlan, scattered_ok: bool = False) -> None:
                                 f"warp-specialised form takes widths {WIDTHS}.")
 
 
-def _interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool,
-                    first: int = 1) -> list[str]:
-    """Blocks ``first``.. of a warpgroup (the forward's block 0 runs apart: it has no
-    deferred product).  With a mask (affine or over data): [first, in_lo) edge,
-    [in_lo, in_hi) interior, [in_hi, n_whole) edge, where interior blocks are visible to
-    all of this warpgroup's rows (the affine mask's interior, cut by the data mask's keys
-    seen whole: ``dm_lo``..``dm_hi``, from the program's key-range code); without one,
-    the whole blocks; then a ragged last block.  ``body_in``: the body with the known
-    atoms and the extent mask dropped (``block_fragment(..., whole=True)``); ``body_ew``:
-    with the extent mask dropped; ``body_edge``: with every mask."""
-    # Only the blocks past the last whole one keep the extent mask (S = 3000: H100, bf16
-    # B=2 H=32 D=128 causal 445 -> 476 TFLOP/s, bench/results/ragged_s26/), the edge
-    # blocks too: at head dim 64, where the block's softmax on the CUDA cores bounds it,
-    # the extent mask on the causal diagonal cost 9% (H200, bf16 B=4 H=16 S=5000: 322 ->
-    # 352 TFLOP/s; within 1% at head dim 128; bench/results/causal_s27/)
-    out = [f"    n_whole = n_blocks if EVEN_L else gl.minimum(gl.maximum({ps.extent} - j_lo, 0) "
-           "// B_L, n_blocks)", "    in_lo = 0", "    in_hi = n_blocks"]
-    if ps.lo_offset is not None:  # first block whose first key the last row sees
-        out.append(f"    in_lo = gl.minimum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
-                   f"+ ({ps.lo_offset}) - j_lo, 0), B_L), n_blocks)")
-    if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
-        out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
-                   f"- j_lo, 0) // B_L, n_blocks), in_lo)")
-    if data:  # ... and inside the keys every row of the program sees by the data mask
-        out += ["    in_lo = gl.minimum(gl.maximum(in_lo, (dm_lo - j_lo) // B_L), n_blocks)",
-                "    in_hi = gl.maximum(gl.minimum(in_hi, gl.maximum(dm_hi - j_lo, 0) // B_L), "
-                "in_lo)"]
-    # 0 <= in_lo <= in_hi <= n_whole <= n_blocks, each loop from block ``first`` on
-    out += ["    in_lo = gl.minimum(in_lo, n_whole)",
-            "    in_hi = gl.maximum(gl.minimum(in_hi, n_whole), in_lo)",
-            *[f"    e_{v} = gl.maximum({x}, {first})"
-              for v, x in (("lo", "in_lo"), ("hi", "in_hi"), ("wh", "n_whole"))]]
-    loops = [(f"{first}", "e_hi", body_in, "whole blocks: no mask")]
-    if ps.bound_atoms or data:
-        loops = [(f"{first}", "e_lo", body_ew, "edge"),
-                 ("e_lo", "e_hi", body_in, "interior: no mask"), ("e_hi", "e_wh", body_ew, "edge")]
-    head = ["        l0 = j_lo + jb * B_L", "        g = base + jb  # position in the ring",
-            "        st = g % STAGES", "        ph = (g // STAGES) & 1", "        prev = (g - 1) % STAGES"]
-    issued = ["        " + ln for ln in issue]
-
-    def loop(lo: str, hi: str, body: list[str], note: str) -> list[str]:
-        return [f"    for jb in range({lo}, {hi}):  # {note}", *head, *issued, *with_wait(body, True)]
-    for args in loops:
-        out += loop(*args)
-    # the ragged last block (not compiled where every block is whole)
-    ragged = loop("e_wh", "n_blocks", body_edge, "the ragged last block")
-    return out + ["    if not EVEN_L:", *["    " + ln for ln in ragged]]
-
-
 def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
              dynamic: bool | None = None) -> GluonForm:
     """The Gluon module for ``plan``, or ``LoweringError`` when it is out of scope.
@@ -302,8 +259,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
     head dim 64) pay a fixed cost per tile that one 128-row program per SM leaves
     exposed (bench/results/README.md, session 36).  The one-consumer form runs one
     program per tile and leaves the packing to the hardware's block scheduler."""
-    if consumers not in (1, 2):
-        raise ValueError(f"generate: consumers is 1 or 2, got {consumers}")
+    if consumers not in (1, 2, 3):
+        raise ValueError(f"generate: consumers is 1, 2 or 3, got {consumers}")
     check_scope(plan)
     rows = ROWS * consumers
     ps = plan.passes[0]
@@ -474,7 +431,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
         "    mbarrier.arrive(b_empty.index(st), count=1)",
         *[ln[4:] for ln in _gl(body_edge)],
-        *_gl(_interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data)),
+        *_gl(interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data)),
         RELEASE,
         "    last = (base + n_blocks - 1) % STAGES",
         "    mbarrier.wait(c_ready.index(last), ((base + n_blocks - 1) // STAGES) & 1)",
@@ -555,7 +512,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         *[f"        (_consumer, ({shared}, {k}, B_L, DTYPE, EVEN_L{tma_o}))," for k in range(consumers)],
         f"        (_producer, ({producer_args}, B_L)),",
         # the extra consumer takes the registers the producer warp gives back
-        f"    ], [{'4, ' * (consumers - 1)}1], [{'232, ' * (consumers - 1)}24])",
+        f"    ], [{'4, ' * (consumers - 1)}1], [{f'{CONSUMER_REGS[consumers]}, ' * (consumers - 1)}24])",
     ]
     # Key blocks worth timing (H200, the Gluon form alone, bench/gluon_validate.py
     # --only-key-blocks): 128 keys won wherever every row block sees a long key range --
@@ -563,8 +520,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
     # and causal at S=4096 9% and 8% -- and 64 keys won where the range is narrow: a
     # window of 256 at S=8192 0.186 vs 0.251 ms, documents 0.263 vs 0.317, jagged 0.231
     # vs 0.285.  So 64 is offered only with a key range bounded below or a data mask.
-    # (the one-consumer form: its point is a ring that fits twice, so 64 keys at width 128)
-    narrow = ps.lo_offset is not None or data or consumers == 1
+    # (the one-consumer form: its point is a ring that fits twice, so 64 keys at width 128;
+    # the three-consumer form: 64 keys won GQA 16/8 causal, 128 global, see _wide_form)
+    narrow = ps.lo_offset is not None or data or consumers != 2
     return GluonForm(name, "\n".join(src) + "\n", streamed, widths, dts.pop(),
                      [f"{t}_ptr" for t in tensors], persistent,
                      KEY_BLOCKS if narrow else (128,), scheduled, (ps.lo_offset, ps.hi_offset),
@@ -578,7 +536,24 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
                      not persistent,
                      _dynamic_form(plan, name) if mode == "single" and data and consumers == 2
                      and DYNAMIC_TIMED else None,
-                     o_store=o_store)
+                     o_store=o_store,
+                     wide=_wide_form(plan, name) if consumers == 2 and WIDE and not data
+                     and widths == (64, 64) else None)
+
+
+def _wide_form(plan: TilePlan, name: str) -> GluonForm:
+    """A head-dim-64 plan's three-consumer form: FlashAttention-3's 192-row tile at head
+    dim 64, where a key block's softmax takes as long as its products (session 45) and a
+    third warpgroup gives the SM more to overlap them with.  The timer weighs it at both
+    key blocks, a 2-deep ring (``runtime.tile_configs.wide_configs``).  H200 fp16, timed
+    from the host on a flushed L2, alternated (bench/gluon_probe/wide_form.py --host):
+    global B=4 H=16 S=5000 0.966 ms at 128 keys against 1.024 for the tl 64x64 tiles and
+    1.039 for two consumers; GQA 16/8 S=3000 causal 0.222-0.226 at 64 keys against 0.232
+    for two consumers (tl 0.212); causal B=4 S=5000 lost, 0.587 against 0.563.  At 128
+    keys ptxas spills ~800 bytes a thread within the consumers' 160 registers (S, P and O
+    live at once); measured faster all the same.  Not for a data mask: its pre-pass's tl
+    tiles take power-of-2 rows only."""
+    return generate(plan, f"{name}_wide", 3)
 
 
 def _dynamic_form(plan: TilePlan, name: str) -> GluonForm:

@@ -264,7 +264,7 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
                       per_tile=per_tile)
            for bl in form.key_blocks for ring in form.rings(bl)
            if form.ring_bytes(bl, ring) <= SMEM_BYTES for per_tile in walks]
-    return with_orders(form, out) + dynamic_configs(ks) + solo_configs(ks)
+    return with_orders(form, out) + dynamic_configs(ks) + solo_configs(ks) + wide_configs(ks)
 
 
 def dynamic_configs(ks: KernelSource) -> list[TileConfig]:
@@ -298,6 +298,19 @@ def solo_configs(ks: KernelSource) -> list[TileConfig]:
     return with_orders(solo, [TileConfig({f"B_{ks.block_axis}": solo.rows, "B_L": bl}, 4, 2,
                                          gluon_ws=True)
                               for bl in solo.key_blocks if solo.programs_per_sm(bl, 2) >= 2])
+
+
+def wide_configs(ks: KernelSource) -> list[TileConfig]:
+    """The three-consumer Gluon form's configs (``gluon_ws._wide_form``, head dim 64):
+    192-row programs at both key blocks with a 2-deep ring (3 and 4 deep were within 2%
+    at 64 keys, bench/gluon_probe/wide_form.py), walked as the two-consumer form's."""
+    wide = getattr(ks.gluon, "wide", None)
+    if wide is None:
+        return []
+    walks = (False, True) if wide.persistent else (False,)
+    return with_orders(wide, [TileConfig({f"B_{ks.block_axis}": wide.rows, "B_L": bl}, 4, 2,
+                                         gluon_ws=True, per_tile=per_tile)
+                              for bl in wide.key_blocks for per_tile in walks])
 
 
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
