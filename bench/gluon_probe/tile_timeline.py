@@ -178,6 +178,7 @@ def _summary(buf: torch.Tensor, programs: int, max_tiles: int) -> dict:
                           "tile", "fixed", "gap", "producer_rows_wait")}
     spans, shares = [], {k: 0.0 for k in ("rows_wait", "first_block", "loop", "drain",
                                           "epilogue", "gap")}
+    starts, ends = [], []  # each program's first tile start and last tile end (ns)
     for p in range(programs):
         tiles = [i for i in range(max_tiles) if ns[p, i, 0, 0] > 0]
         if not tiles:
@@ -187,6 +188,8 @@ def _summary(buf: torch.Tensor, programs: int, max_tiles: int) -> dict:
         span_clk = clk[p, last, 0, 5] - clk[p, first, 0, 0]
         rate = span_ns / span_clk if span_clk > 0 else 0.5  # ns per cycle
         spans.append(span_ns / 1e3)
+        starts.append(ns[p, first, 0, 0])
+        ends.append(max(ns[p, last, lane, 5] for lane in (0, 1)))
         for i in tiles:
             for lane in (0, 1):
                 c = clk[p, i, lane] * rate / 1e3  # us
@@ -215,6 +218,12 @@ def _summary(buf: torch.Tensor, programs: int, max_tiles: int) -> dict:
     out["tiles_timed"] = len(ph["tile"]) // 2
     out["program_span_us_median"] = statistics.median(spans) if spans else None
     out["blocks_per_tile_median"] = statistics.median(ph["_nb"]) if ph.get("_nb") else None
+    if starts:  # the walk's balance: how far apart programs start and finish (globaltimer)
+        t0 = min(starts)
+        out["tiles_span_us"] = (max(ends) - t0) / 1e3  # first tile start to last tile end
+        out["start_spread_us"] = (max(starts) - t0) / 1e3
+        out["end_spread_us"] = (max(ends) - min(ends)) / 1e3
+        out["end_after_median_us"] = (max(ends) - statistics.median(ends)) / 1e3
     return out
 
 
