@@ -392,7 +392,9 @@ def test_gluon_configs_are_offered_only_where_a_hopper_gpu_runs_them(monkeypatch
     assert "one-program-per-tile" in str(gl[1]) and gl[1].as_dict()["per_tile"]
     assert _kernel(d=128).kernel_source.gluon.ring_bytes(128, 3) == 224 * 1024
     kept = prune_configs(_kernel().candidates[0].plan, cfgs, DEVICES[DEFAULT_DEVICE])
-    assert [c for c in kept if c.gluon_ws] == gl  # a separate form: each ring depth timed
+    assert [c for c in kept if c.gluon_ws and c.blocks["B_i"] == 128] == gl  # a separate
+    # form: each ring depth timed; and the three-consumer form's four configs
+    assert len([c for c in kept if c.gluon_ws and c.blocks["B_i"] == 192]) == 4
     assert "gluon-ws" in str(gl[0]) and gl[0].as_dict()["gluon_ws"]
 
 

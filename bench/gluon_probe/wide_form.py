@@ -19,7 +19,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 import triton
 
