@@ -261,6 +261,48 @@ def dropin(b, h, s, d, dtype):
     return row
 
 
+def dropin_wide(b, h, s, d, dtype, key_block, causal=True):
+    """The drop-in's kernel (sizes named, passed at run time) launched with its
+    three-consumer form (``GluonForm.wide``) whatever the timer chose, against fp32."""
+    from neptune_eq.dropin import flex as ne_flex
+    from neptune_eq.runtime.launcher import check_inputs
+    from neptune_eq.sizes import bind, sizes_of
+    row = {"case": "dropin-wide", "B": b, "H": h, "S": s, "D": d, "dtype": dtype,
+           "key_block": key_block, "causal": causal}
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt) for _ in range(3))
+    spec = ne_flex.check(q, k, v, None, False, False)
+    sizes = {"B": b, "L": s, "S": s}
+    mask = (lambda b_, h_, qi, kv: qi >= kv) if causal else None
+    st, _ = ne_flex.trace(spec, None, mask, sizes)
+    kern = st.kernel_at(sizes)
+    prog = kern.input_program
+    bound = check_inputs(prog, (q, k, v), {}, "cuda", symbolic=True)
+    values = sizes_of(prog, bound)
+    # the unsplit candidate (the timer may have chosen a split-k one), bound as the
+    # drop-in's dispatch binds a bucket's kernel at a call's sizes
+    cand = next((r for r in kern.candidates if r.kernel is not None and r.kernel.gluon
+                 is not None and r.kernel.gluon.wide is not None), None)
+    if cand is None:
+        row["error"] = "no three-consumer form"
+        return row
+    ks = cand.kernel.concrete(values)
+    wide = make_launcher(bind(cand.program, values), ks, "cuda", TileConfig(
+        {f"B_{ks.block_axis}": 192, "B_L": key_block}, 4, 2, gluon_ws=True),
+        tuple(values[n] for n in ks.size_params))
+    bp = bind(cand.program, values)  # the outputs: o, and the lse where returned
+    outs = {n: torch.full(bp.shape_of(n), float("nan"), device="cuda",
+                          dtype=getattr(torch, bp.dtype_of(n))) for n in bp.outputs}
+    out = next(t for t in outs.values() if t.dim() == 4)
+    for _ in range(2):  # the checked launch, then the direct one
+        wide({**bound, **outs})
+    torch.cuda.synchronize()
+    ref = reference("causal" if causal else "global", q, k, v)
+    row["max_err"] = (out.float() - ref).abs().max().item()
+    row["ok"] = row["max_err"] < (3e-2 if dtype == "bfloat16" else 5e-3)
+    return row
+
+
 def tanh_forms(s_time=8192):
     """Softcap (+ causal) with each of gluon_ws.TANH_FORMS: max error against the fp32
     reference at S=1000 (scores x8: the cap is reached) and TFLOP/s at S=s_time."""
@@ -519,6 +561,9 @@ def main():
             for case in WIDE_CHECKS:
                 run(check, variant, *case[:6], **case[6], rows=192)
         run(check, "causal", 1, 8, 515, 64, "bfloat16", kv_heads=2, key_block=64, rows=192)
+        run(dropin_wide, 2, 4, 1537, 64, "bfloat16", 128)  # sizes passed at run time
+        run(dropin_wide, 1, 3, 2000, 64, "float16", 64, causal=False)
+        run(dropin, 2, 4, 2048, 64, "bfloat16")
         return write(rows, args.out)
     if args.only_persistence or args.only_key_blocks:
         for row in persistence(args.head_dim) if args.only_persistence else key_blocks():
