@@ -81,9 +81,8 @@ class GluonForm:
         return {"num_warps": 4, "maxnreg": self._maxnreg(self.programs_per_sm(key_block, stages))}
 
     def form_for(self, rows: int, dynamic: bool = False) -> "GluonForm | None":
-        """This form, its one-consumer or its three-consumer form, whichever runs ``rows``-row
-        programs; with
-        ``dynamic``, its dynamic walk (two consumers only)."""
+        """This form, its one-consumer or its three-consumer form, whichever runs
+        ``rows``-row programs; with ``dynamic``, its dynamic walk (two consumers only)."""
         if dynamic:
             return self.dynamic if self.dynamic is not None and self.dynamic.rows == rows else None
         return next((f for f in (self, self.solo, self.wide) if f is not None and f.rows == rows),

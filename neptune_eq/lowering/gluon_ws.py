@@ -60,8 +60,8 @@ from . import gluon_epilogue
 from .gluon_epilogue import allocation, program_end, tile_store
 from .gluon_form import KEY_BLOCKS, WIDTHS, GluonForm
 from .gluon_tiles import (ROWS, affine_walk, flat_row, gl_lines as _gl, gl_main, grid_order,
-                          interior_loops, key_range, persistent_place, pingpong_turns, ranges_kernel,
-                          source_header, tile_lines, walk)
+                          interior_loops, key_range, persistent_place, pingpong_turns,
+                          ranges_kernel, source_header, tile_lines, walk)
 from .lower import LoweringError, TilePlan
 
 PERSISTENT = True  # tiles walked by one program per SM (see generate)

@@ -259,12 +259,20 @@ def gluon_configs(ks: KernelSource) -> list[TileConfig]:
     form = getattr(ks, "gluon", None)
     if form is None or ks.row_extent <= 16 or gluon_unavailable() is not None:
         return []
+    return (with_orders(form, walked_configs(ks, form)) + dynamic_configs(ks) + solo_configs(ks)
+            + wide_configs(ks))
+
+
+def walked_configs(ks: KernelSource, form, rings: tuple[int, ...] | None = None
+                   ) -> list[TileConfig]:
+    """``form``'s programs at each key block it offers and each ring depth (``rings``, or
+    the form's own) that fits in shared memory; a persistent form also launched one
+    program per tile."""
     walks = (False, True) if form.persistent else (False,)
-    out = [TileConfig({f"B_{ks.block_axis}": 128, "B_L": bl}, 4, ring, gluon_ws=True,
-                      per_tile=per_tile)
-           for bl in form.key_blocks for ring in form.rings(bl)
-           if form.ring_bytes(bl, ring) <= SMEM_BYTES for per_tile in walks]
-    return with_orders(form, out) + dynamic_configs(ks) + solo_configs(ks) + wide_configs(ks)
+    return [TileConfig({f"B_{ks.block_axis}": form.rows, "B_L": bl}, 4, ring, gluon_ws=True,
+                       per_tile=per_tile)
+            for bl in form.key_blocks for ring in (rings or form.rings(bl))
+            if form.ring_bytes(bl, ring) <= SMEM_BYTES for per_tile in walks]
 
 
 def dynamic_configs(ks: KernelSource) -> list[TileConfig]:
@@ -305,12 +313,7 @@ def wide_configs(ks: KernelSource) -> list[TileConfig]:
     192-row programs at both key blocks with a 2-deep ring (3 and 4 deep were within 2%
     at 64 keys, bench/gluon_probe/wide_form.py), walked as the two-consumer form's."""
     wide = getattr(ks.gluon, "wide", None)
-    if wide is None:
-        return []
-    walks = (False, True) if wide.persistent else (False,)
-    return with_orders(wide, [TileConfig({f"B_{ks.block_axis}": wide.rows, "B_L": bl}, 4, 2,
-                                         gluon_ws=True, per_tile=per_tile)
-                              for bl in wide.key_blocks for per_tile in walks])
+    return [] if wide is None else with_orders(wide, walked_configs(ks, wide, rings=(2,)))
 
 
 def lowering_variants(ks: KernelSource, pointer_configs: list[TileConfig]) -> list[TileConfig]:
