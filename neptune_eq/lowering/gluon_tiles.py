@@ -310,11 +310,11 @@ def grid_order(plan: TilePlan, rows: int) -> list[str]:
 def interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool,
                    first: int = 1) -> list[str]:
     """A consumer warpgroup's loops over blocks ``first``.. of its tile's key range (the
-    forward's block 0 runs apart: it has no deferred product).  With a mask (affine or over data): [first, in_lo) edge,
-    [in_lo, in_hi) interior, [in_hi, n_whole) edge, where interior blocks are visible to
-    all of this warpgroup's rows (the affine mask's interior, cut by the data mask's keys
-    seen whole: ``dm_lo``..``dm_hi``, from the program's key-range code); without one,
-    the whole blocks; then a ragged last block.  ``body_in``: the body with the known
+    forward's block 0 runs apart: it has no deferred product).  With a mask (affine or
+    over data): [first, in_lo) edge, [in_lo, in_hi) interior, [in_hi, n_whole) edge,
+    where interior blocks are visible to all of this warpgroup's rows (the affine mask's
+    interior, cut by the data mask's keys seen whole: ``dm_lo``..``dm_hi``, from the
+    program's key-range code); without one, the whole blocks; then a ragged last block.  ``body_in``: the body with the known
     atoms and the extent mask dropped (``block_fragment(..., whole=True)``); ``body_ew``:
     with the extent mask dropped; ``body_edge``: with every mask."""
     # Only the blocks past the last whole one keep the extent mask (S = 3000: H100, bf16

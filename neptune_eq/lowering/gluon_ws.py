@@ -512,7 +512,8 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         *[f"        (_consumer, ({shared}, {k}, B_L, DTYPE, EVEN_L{tma_o}))," for k in range(consumers)],
         f"        (_producer, ({producer_args}, B_L)),",
         # the extra consumer takes the registers the producer warp gives back
-        f"    ], [{'4, ' * (consumers - 1)}1], [{f'{CONSUMER_REGS[consumers]}, ' * (consumers - 1)}24])",
+        f"    ], [{'4, ' * (consumers - 1)}1], "
+        f"[{f'{CONSUMER_REGS[consumers]}, ' * (consumers - 1)}24])",
     ]
     # Key blocks worth timing (H200, the Gluon form alone, bench/gluon_validate.py
     # --only-key-blocks): 128 keys won wherever every row block sees a long key range --

@@ -87,7 +87,8 @@ class GluonLauncher:
                              f"{CTA_ROWS}-row Gluon tiles; this kernel has none at "
                              f"{rows} rows. Drop dynamic=True.")
         if form is None or key_block not in KEY_BLOCKS:
-            runs = sorted({f.rows for f in (ks.gluon, ks.gluon.solo, ks.gluon.wide) if f is not None})
+            runs = sorted({f.rows for f in (ks.gluon, ks.gluon.solo, ks.gluon.wide)
+                           if f is not None})
             raise ValueError(f"Config {config}: the Gluon form runs programs of "
                              f"{' or '.join(map(str, runs))} rows with key blocks of "
                              f"{' or '.join(map(str, KEY_BLOCKS))}, got {config.blocks}.")
