@@ -135,3 +135,84 @@ def test_a_document_tile_streams_only_its_documents():
     # keys of document 1's first whole block on need no document test (the causal
     # diagonal is the consumers' affine bound)
     assert last.tolist() == [192, 2, 256, 300]
+
+
+# ---- a consumer warpgroup's own blocks (gluon_tiles.consumer_blocks) ----
+
+_AFFINE_S = 500  # not a multiple of 64, 128 or 192: the last tile's warpgroups run past it
+AFFINE = {  # mask over torch index tensors
+    "causal": lambda q, kv: q >= kv,
+    "window": lambda q, kv: (q >= kv) & (q - kv < 100),
+    "global": lambda q, kv: (q >= 0) & (kv >= 0),
+}
+_AFFINE_PLANS: dict = {}
+
+
+def _affine_plan(name):
+    from neptune_eq.lowering.lower import plan as make_plan
+    if name not in _AFFINE_PLANS:
+        mod = AFFINE[name]
+        kern = ne.superoptimize(
+            ne.attention(1, 1, _AFFINE_S, _AFFINE_S, 64, "float16",
+                         mask_mod=None if name == "global" else (lambda b, h, q, kv: mod(q, kv))),
+            target="interpreter", cache=False)
+        _AFFINE_PLANS[name] = make_plan(kern.program)
+    return _AFFINE_PLANS[name]
+
+
+class _Ops:
+    """``tl`` / ``gl`` as the emitted range lines use them, on torch scalars."""
+    int32 = torch.int32
+
+    @staticmethod
+    def maximum(a, b):
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+
+    @staticmethod
+    def minimum(a, b):
+        return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+
+    @staticmethod
+    def cdiv(a, b):
+        return -((-torch.as_tensor(a)) // b)
+
+
+def _run_lines(lines, env):
+    for ln in lines:
+        exec(ln.strip(), {"tl": _Ops, "gl": _Ops}, env)
+    return env
+
+
+@pytest.mark.parametrize("name", sorted(AFFINE))
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("key_block", [64, 128])
+def test_a_warpgroup_skips_only_blocks_its_rows_never_see(name, consumers, key_block):
+    """Every key block of a tile past a warpgroup's ``my_n`` is masked whole for that
+    warpgroup's real rows -- what lets it release the block unread -- and a warpgroup
+    past the rows computes block 0 only.  Run for every tile of a 500-row attention with
+    the lines the generator emits (``key_range``, ``consumer_blocks``)."""
+    pl = _affine_plan(name)
+    rows = 64 * consumers
+    mask = AFFINE[name]
+    n_rb = -(-_AFFINE_S // rows)
+    skipped = 0
+    for rb in range(n_rb):
+        env = _run_lines(gluon_tiles.key_range(pl, "k", data=False, rows=rows),
+                         {"row_block": rb, "B_L": key_block})
+        for which in range(consumers):
+            mine = _run_lines(gluon_tiles.consumer_blocks(pl),
+                              dict(env, my_first=torch.tensor(rb * rows + which * 64)))
+            my_n, n_blocks = int(mine["my_n"]), int(env["n_blocks"])
+            assert 1 <= my_n <= n_blocks
+            first = rb * rows + which * 64
+            q = torch.arange(first, max(first, min(first + 64, _AFFINE_S)))
+            if len(q) == 0:
+                assert my_n == 1
+                continue
+            j_lo = int(env["j_lo"])
+            start = j_lo + my_n * key_block
+            kv = torch.arange(start, max(start, min(j_lo + n_blocks * key_block, _AFFINE_S)))
+            assert not mask(q[:, None], kv[None, :]).any(), (rb, which, my_n, n_blocks)
+            skipped += n_blocks - my_n
+    if name == "causal" and (consumers, key_block) != (2, 128):
+        assert skipped > 0  # the first warpgroups' rows end a block early: not vacuous

@@ -100,12 +100,14 @@ def test_an_affine_mask_cuts_the_loop_and_the_interior_body_drops_it():
     src = _kernel(**VARIANTS["causal-bf16-d128"]).kernel_source.gluon.source
     loops = [ln for ln in src.splitlines() if ln.strip().startswith("for jb in range(")]
     assert [ln.split("#")[1].strip() for ln in loops[1:]] == [
-        "edge", "interior: no mask", "edge", "the ragged last block"]
+        "edge", "interior: no mask", "edge", "the ragged last block",
+        "past this warpgroup's keys: released unread"]
     interior = src.split("# interior: no mask")[1].split("for jb in range(")[0]
     assert ">=" not in interior and "if " not in interior
     # only the ragged last block tests the key extent
     edges = src.split("for jb in range(")[2:]
-    assert [("| EVEN_L" in e.split("\n    if ")[0]) for e in edges] == [False, False, False, True]
+    assert [("| EVEN_L" in e.split("\n    if ")[0]) for e in edges] == [False, False, False, True,
+                                                                       False]
     # the second contraction of block j-1 is issued before block j's math and waited after
     assert interior.index("warpgroup_mma(p_op") < interior.index("gl.exp2(")
     assert interior.index("gl.exp2(") < interior.index("warpgroup_mma_wait(0")
@@ -140,7 +142,8 @@ def _check_data_mask_body(name: str, src: str) -> None:
     mask's loads, the others load and test it."""
     loops = src.split("for jb in range(")[2:]   # the consumer's: edge, interior, edge
     assert [lp.split("#")[1].split("\n")[0].strip() for lp in loops] == \
-        ["edge", "interior: no mask", "edge", "the ragged last block"], name
+        ["edge", "interior: no mask", "edge", "the ragged last block",
+         "past this warpgroup's keys: released unread"], name
     # the mask's per-key work (documents: a read of doc at the keys) in edge loops only
     assert len(loops[1].splitlines()) < len(loops[0].splitlines()), name
     if name.startswith(("documents", "flex")):
@@ -174,7 +177,7 @@ def test_the_deferred_product_keeps_its_operand_live_until_its_wait():
     for name, kern in kerns.items():
         consumer = kern.kernel_source.gluon.source.split("def _consumer(")[1].split("@gluon.jit")[0]
         loops = consumer.split("for jb in range(")[1:]
-        assert len(loops) == 4, name
+        assert len(loops) == 5 and "released unread" in loops.pop(), name  # (no product)
         for lp in loops:
             issue = lp.index("warpgroup_mma(p_op, c_bufs.index(prev)")
             keep = lp.index("p_used = p_op")
@@ -332,6 +335,18 @@ def test_one_tile_per_program_runs_heads_in_turn_longest_first(n_rb, heads, hi, 
     for h in range(heads):
         w = [work[n_rb - 1 - t % n_rb] for t in ids[h * n_rb:(h + 1) * n_rb]]
         assert w == sorted(w, reverse=True)
+
+
+def test_tile_work_counts_each_warpgroups_own_blocks():
+    """Per consumer warpgroup: the blocks its rows see, one past the rows, plus one each
+    for the start and store (``gluon_tiles.consumer_blocks``).  Causal 192-row tiles of
+    128-key blocks at S=500: tile 0's first two warpgroups see 1 block of its 2, tile 1's
+    first 2 of its 3; the last tile's third warpgroup holds no row."""
+    assert tile_work(3, 192, 500, 128, None, 1, 64, 500) == [1 + 1 + 2 + 3,
+                                                              2 + 3 + 3 + 3,
+                                                              4 + 4 + 1 + 3]
+    assert tile_work(2, 128, 256, 128, None, None, 64, 200) == [2 + 2 + 2, 2 + 2 + 2]
+    assert tile_work(2, 128, 256, 128, None, None, 64, 150) == [2 + 2 + 2, 2 + 1 + 2]
 
 
 def test_tile_work_follows_the_key_range():

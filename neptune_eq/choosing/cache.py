@@ -66,7 +66,8 @@ def lowering_switches() -> dict:
     """The lowering's module switches (whether a row max is taken before its scale;
     whether a score term linear in the key index splits off a per-block shift; how Gluon
     tiles are walked, how many consumers a program has, whether they take turns, whether
-    the output goes by TMA).  The benches flip them to A/B a form in one process; a kernel
+    each computes only its rows' key blocks, whether the output goes by TMA).  The benches
+    flip them to A/B a form in one process; a kernel
     chosen under one setting is not the kernel the other emits, so a cache entry must not
     serve both."""
     from ..lowering import block_shift, gluon_epilogue, gluon_sums, gluon_tiles, gluon_ws, lower
@@ -76,6 +77,7 @@ def lowering_switches() -> dict:
             "ws_dynamic_timed": gluon_ws.DYNAMIC_TIMED,
             "ws_dynamic_heads_first": gluon_tiles.DYNAMIC_HEADS_FIRST,
             "ws_solo": gluon_ws.SOLO, "ws_wide": gluon_ws.WIDE,
+            "ws_own_blocks": gluon_ws.OWN_BLOCKS,
             "ws_tma_store": gluon_epilogue.TMA_STORE,
             "sums_persistent": gluon_sums.PERSISTENT}
 

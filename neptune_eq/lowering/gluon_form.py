@@ -37,6 +37,7 @@ class GluonForm:
     dynamic: "GluonForm | None" = None  # a data mask's dynamic walk (``TileConfig.dynamic``)
     o_store: object = None           # the output tile stored by TMA (gluon_epilogue.TileStore)
     wide: "GluonForm | None" = None  # the three-consumer form at head dim 64 (see generate)
+    own_blocks: bool = False         # each consumer computes only its rows' key blocks
 
     @property
     def rows(self) -> int:

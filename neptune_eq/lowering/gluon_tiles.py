@@ -307,8 +307,45 @@ def grid_order(plan: TilePlan, rows: int) -> list[str]:
             "    pid_grid = gl.program_id(1) + hf * (gl.program_id(0) - gl.program_id(1))"]
 
 
+def consumer_blocks(plan: TilePlan) -> list[str]:
+    """A consumer warpgroup's lines fixing ``my_n``, the blocks of its tile it computes: the
+    tile's key range serves all of the program's rows, and a warpgroup's own 64 rows may
+    see fewer of its blocks.  Under a bound moving with the rows (causal) the first
+    warpgroups' rows end before the tile's last keys: at 192-row tiles of 128-key blocks
+    1.5 of a tile's ~3·20 warpgroup blocks are masked whole (head dim 64, S=5000).  A
+    warpgroup whose rows all lie past the row extent (the last tile of a length that is
+    not a multiple of the tile's rows: at S=5000 the 27th 192-row tile holds 8 rows)
+    computes only block 0, which the loop's shape needs (its rows are stored nowhere).
+    The blocks it skips it still waits for and releases (``skipped_blocks``)."""
+    ps = plan.passes[0]
+    out = []
+    if ps.hi_offset is not None:  # past this warpgroup's last row's last key: masked whole
+        out.append(f"    my_n = gl.minimum(n_blocks, gl.maximum(gl.cdiv(gl.minimum(my_first + "
+                   f"{ROWS - 1} + ({ps.hi_offset}), {ps.extent}) - j_lo, B_L), 1))")
+    else:
+        out.append("    my_n = n_blocks")
+    out.append(f"    my_n = 1 + (my_n - 1) * (my_first < {plan.row_extent}).to(gl.int32)"
+               "  # rows past the extent: block 0 only")
+    return out
+
+
+def skipped_blocks() -> list[str]:
+    """A consumer's lines after its tile's last product and epilogue: the key blocks past
+    its ``my_n`` are waited for and released unread.  Waited for, not only released: an
+    mbarrier wait on a parity passes at once while the barrier is one phase behind, so a
+    warpgroup that ran ahead of a load would read the next tile's block before it lands."""
+    return ["    for jb in range(my_n, n_blocks):  # past this warpgroup's keys: released unread",
+            "        g = base + jb",
+            "        st = g % STAGES",
+            "        ph = (g // STAGES) & 1",
+            "        mbarrier.wait(b_ready.index(st), ph)",
+            "        mbarrier.arrive(b_empty.index(st), count=1)",
+            "        mbarrier.wait(c_ready.index(st), ph)",
+            "        mbarrier.arrive(c_empty.index(st), count=1)"]
+
+
 def interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool,
-                   first: int = 1) -> list[str]:
+                   first: int = 1, count: str = "n_blocks") -> list[str]:
     """A consumer warpgroup's loops over blocks ``first``.. of its tile's key range (the
     forward's block 0 runs apart: it has no deferred product).  With a mask (affine or
     over data): [first, in_lo) edge, [in_lo, in_hi) interior, [in_hi, n_whole) edge,
@@ -316,22 +353,23 @@ def interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool
     interior, cut by the data mask's keys seen whole: ``dm_lo``..``dm_hi``, from the
     program's key-range code); without one, the whole blocks; then a ragged last block.  ``body_in``: the body with the known
     atoms and the extent mask dropped (``block_fragment(..., whole=True)``); ``body_ew``:
-    with the extent mask dropped; ``body_edge``: with every mask."""
+    with the extent mask dropped; ``body_edge``: with every mask.  ``count``: the blocks
+    this warpgroup computes, a prefix of the tile's ``n_blocks`` (``consumer_blocks``)."""
     # Only the blocks past the last whole one keep the extent mask (S = 3000: H100, bf16
     # B=2 H=32 D=128 causal 445 -> 476 TFLOP/s, bench/results/ragged_s26/), the edge
     # blocks too: at head dim 64, where the block's softmax on the CUDA cores bounds it,
     # the extent mask on the causal diagonal cost 9% (H200, bf16 B=4 H=16 S=5000: 322 ->
     # 352 TFLOP/s; within 1% at head dim 128; bench/results/causal_s27/)
-    out = [f"    n_whole = n_blocks if EVEN_L else gl.minimum(gl.maximum({ps.extent} - j_lo, 0) "
-           "// B_L, n_blocks)", "    in_lo = 0", "    in_hi = n_blocks"]
+    out = [f"    n_whole = {count} if EVEN_L else gl.minimum(gl.maximum({ps.extent} - j_lo, 0) "
+           f"// B_L, {count})", "    in_lo = 0", f"    in_hi = {count}"]
     if ps.lo_offset is not None:  # first block whose first key the last row sees
         out.append(f"    in_lo = gl.minimum(gl.cdiv(gl.maximum(my_first + {ROWS - 1} "
-                   f"+ ({ps.lo_offset}) - j_lo, 0), B_L), n_blocks)")
+                   f"+ ({ps.lo_offset}) - j_lo, 0), B_L), {count})")
     if ps.hi_offset is not None:  # one past the last block whose last key the first row sees
         out.append(f"    in_hi = gl.maximum(gl.minimum(gl.maximum(my_first + ({ps.hi_offset}) "
-                   f"- j_lo, 0) // B_L, n_blocks), in_lo)")
+                   f"- j_lo, 0) // B_L, {count}), in_lo)")
     if data:  # ... and inside the keys every row of the program sees by the data mask
-        out += ["    in_lo = gl.minimum(gl.maximum(in_lo, (dm_lo - j_lo) // B_L), n_blocks)",
+        out += [f"    in_lo = gl.minimum(gl.maximum(in_lo, (dm_lo - j_lo) // B_L), {count})",
                 "    in_hi = gl.maximum(gl.minimum(in_hi, gl.maximum(dm_hi - j_lo, 0) // B_L), "
                 "in_lo)"]
     # 0 <= in_lo <= in_hi <= n_whole <= n_blocks, each loop from block ``first`` on
@@ -352,5 +390,5 @@ def interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool
     for args in loops:
         out += loop(*args)
     # the ragged last block (not compiled where every block is whole)
-    ragged = loop("e_wh", "n_blocks", body_edge, "the ragged last block")
+    ragged = loop("e_wh", count, body_edge, "the ragged last block")
     return out + ["    if not EVEN_L:", *["    " + ln for ln in ragged]]

@@ -59,9 +59,10 @@ from .fold_body import epilogue, loop_body
 from . import gluon_epilogue
 from .gluon_epilogue import allocation, program_end, tile_store
 from .gluon_form import KEY_BLOCKS, WIDTHS, GluonForm
-from .gluon_tiles import (ROWS, affine_walk, flat_row, gl_lines as _gl, gl_main, grid_order,
-                          interior_loops, key_range, persistent_place, pingpong_turns,
-                          ranges_kernel, source_header, tile_lines, walk)
+from .gluon_tiles import (ROWS, affine_walk, consumer_blocks, flat_row, gl_lines as _gl, gl_main,
+                          grid_order, interior_loops, key_range, persistent_place,
+                          pingpong_turns, ranges_kernel, skipped_blocks, source_header,
+                          tile_lines, walk)
 from .lower import LoweringError, TilePlan
 
 PERSISTENT = True  # tiles walked by one program per SM (see generate)
@@ -88,6 +89,9 @@ PINGPONG = os.environ.get("NEPTUNE_EQ_PINGPONG", "0") == "1"
 # A head-dim-64 plan's form comes with a three-consumer form (192-row programs, see
 # generate) when on.  NEPTUNE_EQ_GLUON_WIDE=0 turns it off; read when a form is generated.
 WIDE = os.environ.get("NEPTUNE_EQ_GLUON_WIDE", "1") == "1"
+# Each consumer computes only the key blocks its own rows see (``gluon_tiles.consumer_blocks``).
+# NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block of its tile (A/B).
+OWN_BLOCKS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_BLOCKS", "1") == "1"
 # setmaxnreg of each worker consumer: three consumers and the producer's warpgroup share
 # the SM's 64K registers (3 x 160 + 24, the default partition takes the rest, 168)
 CONSUMER_REGS = {1: 232, 2: 232, 3: 160}
@@ -416,8 +420,12 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "        mbarrier.wait(c_empty.index(s), ph ^ 1)",
         "        mbarrier.expect(c_ready.index(s), c_desc.block_type.nbytes)",
         "        tma_load(c_desc, [c_row + j_lo + jb * B_L, 0], c_ready.index(s), c_bufs.index(s))"]
+    # Each warpgroup computes only the blocks its own rows see (``consumer_blocks``); with
+    # ping-pong every warpgroup takes a turn per block of the tile, so all compute all.
+    count = "my_n" if OWN_BLOCKS and not turn_wait else "n_blocks"
     consumer = [
         f"    my_first = row_block * {rows} + WHICH * {ROWS}",
+        *(consumer_blocks(plan) if count == "my_n" else []),
         *_gl(prologue), *_gl(prologue_tail),
         "    mbarrier.wait(a_bar, it & 1)",
         "    # block 0: the first contraction and the block's math; its P·c is issued next block",
@@ -431,16 +439,17 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "    qk = warpgroup_mma_wait(0, deps=(qk, ))",
         "    mbarrier.arrive(b_empty.index(st), count=1)",
         *[ln[4:] for ln in _gl(body_edge)],
-        *_gl(interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data)),
+        *_gl(interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data,
+                            count=count)),
         RELEASE,
-        "    last = (base + n_blocks - 1) % STAGES",
-        "    mbarrier.wait(c_ready.index(last), ((base + n_blocks - 1) // STAGES) & 1)",
+        f"    last = (base + {count} - 1) % STAGES",
+        f"    mbarrier.wait(c_ready.index(last), ((base + {count} - 1) // STAGES) & 1)",
         *(["    " + turn_wait.format(n="base + it + n_blocks")] if turn_wait else []),
         f"    {pv_fold} = warpgroup_mma(p_op, c_bufs.index(last), {pv_fold}, is_async=True)",
         *(["    " + turn_pass] if turn_pass else []),
         f"    {pv_fold} = warpgroup_mma_wait(0, deps=({pv_fold}, ))",
         "    mbarrier.arrive(c_empty.index(last), count=1)",
-        *_gl(epi)]
+        *_gl(epi), *(skipped_blocks() if count == "my_n" else [])]
     if persistent:
         place = persistent_place(plan, rows)
     else:
@@ -537,7 +546,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
                      not persistent,
                      _dynamic_form(plan, name) if mode == "single" and data and consumers == 2
                      and DYNAMIC_TIMED else None,
-                     o_store=o_store,
+                     o_store=o_store, own_blocks=count == "my_n",
                      wide=_wide_form(plan, name) if consumers == 2 and WIDE and not data
                      and widths == (64, 64) else None)
 

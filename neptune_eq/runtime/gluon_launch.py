@@ -18,7 +18,7 @@ import os
 from dataclasses import replace
 
 from ..ir import Program
-from ..lowering.gluon_tiles import CTA_ROWS, sched_size
+from ..lowering.gluon_tiles import CTA_ROWS, ROWS, sched_size
 from ..lowering.gluon_form import KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
 from .gluon_device import gluon_unavailable
@@ -112,7 +112,10 @@ class GluonLauncher:
             if form.scheduled:  # tiles of unequal work: the balanced order, once
                 keys = [n for n in _key_extents(ks) if isinstance(n, int)]
                 work = tile_work(tiles[0], rows, max(keys, default=ks.row_extent), key_block,
-                                 *form.key_offsets)
+                                 *form.key_offsets,
+                                 consumer_rows=ROWS if form.own_blocks else None,
+                                 row_extent=ks.row_extent if isinstance(ks.row_extent, int)
+                                 else None)
                 self._order = (one_tile_per_program(work, tiles[1]) if config.per_tile
                                else tile_order(work, tiles[1], self.grid[0]))
         elif config.per_tile:

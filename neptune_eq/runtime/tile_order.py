@@ -27,16 +27,31 @@ TAIL_WAVES = 4  # tiles a program, at least, in the last group of heads (see abo
 
 
 def tile_work(n_rb: int, rows_per_tile: int, keys: int, key_block: int,
-              lo: int | None, hi: int | None) -> list[int]:
+              lo: int | None, hi: int | None, consumer_rows: int | None = None,
+              row_extent: int | None = None) -> list[int]:
     """Per row block, the key blocks the kernel visits in ``[i + lo, i + hi)`` over the
-    tile's rows (``gluon_ws._key_range``), plus one for the tile's own start and store."""
+    tile's rows (``gluon_tiles.key_range``), plus one for the tile's own start and store.
+    With ``consumer_rows`` (and the rows' ``row_extent``), summed over the tile's consumer
+    warpgroups, each counting the blocks its own rows see (``gluon_tiles.consumer_blocks``:
+    a warpgroup past the rows computes one)."""
+    def blocks(first: int, last: int) -> int:
+        j_lo = (max(first + lo, 0) // key_block) * key_block if lo is not None else 0
+        j_hi = min(last + hi, keys) if hi is not None else keys
+        return max(-(-(j_hi - j_lo) // key_block), 1)
     out = []
     for rb in range(n_rb):
         first = rb * rows_per_tile
-        last = first + rows_per_tile - 1
-        j_lo = (max(first + lo, 0) // key_block) * key_block if lo is not None else 0
-        j_hi = min(last + hi, keys) if hi is not None else keys
-        out.append(max(-(-(j_hi - j_lo) // key_block), 1) + 1)
+        n = blocks(first, first + rows_per_tile - 1)
+        if consumer_rows is None:
+            out.append(n + 1)
+            continue
+        work = 0
+        for c0 in range(first, first + rows_per_tile, consumer_rows):
+            # (a warpgroup's blocks start at the tile's first key block)
+            mine = n if hi is None else min(n, blocks(first, c0 + consumer_rows - 1))
+            past = row_extent is not None and c0 >= row_extent
+            work += (1 if past else mine) + 1
+        out.append(work)
     return out
 
 

@@ -1,0 +1,117 @@
+"""Probe (session 47): each consumer warpgroup computes only the key blocks its rows see.
+
+A Gluon tile's producer streams the key blocks of all of the program's rows, and until
+session 47 every consumer warpgroup computed every one of them.  Two kinds of block were
+masked whole for a warpgroup and computed all the same:
+
+* under a causal bound, the first warpgroups' rows end before the tile's last keys
+  (192-row tiles of 128-key blocks: 1.5 of a tile's ~3 x 20 warpgroup blocks at head dim
+  64, S=5000);
+* a warpgroup whose rows all lie past the row extent, in the last tile of a length that
+  is not a multiple of the tile (S=5000 in 192-row tiles: the 27th holds 8 rows; S=3000
+  in 128-row tiles: the 24th holds 56) -- the whole key range, for nothing.
+
+``gluon_tiles.consumer_blocks`` gives each warpgroup its own count and
+``skipped_blocks`` releases the rest unread (switch ``gluon_ws.OWN_BLOCKS``).  This
+probe is the product's A/B: each case's form generated with the switch off and on,
+launched as the product launches it, outputs checked identical, then timed side by side
+under CUDA graphs, alternating, with cuDNN SDPA on the same inputs.
+
+    python bench/gluon_probe/own_blocks.py [--cases ...] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import tile_timeline as tt  # noqa: E402  (run_cases)
+import gluon_validate as gv  # noqa: E402
+import torch  # noqa: E402
+
+from neptune_eq.lowering import gluon_ws  # noqa: E402
+from neptune_eq.runtime.gluon_launch import make_launcher  # noqa: E402
+from neptune_eq.runtime.tile_configs import TileConfig  # noqa: E402
+
+CASES = {  # name: (variant, B, H, S, D, kv heads, dtype, rows, key block, ring, options)
+    "causal-d64-wide128": ("causal", 4, 16, 5000, 64, None, "bfloat16", 192, 128, 2, {}),
+    "causal-d64-wide64": ("causal", 4, 16, 5000, 64, None, "bfloat16", 192, 64, 2, {}),
+    "causal-d64-two64": ("causal", 4, 16, 5000, 64, None, "bfloat16", 128, 64, 3, {}),
+    "gqa16-3000-d64-wide64": ("causal", 4, 16, 3000, 64, 8, "bfloat16", 192, 64, 2, {}),
+    "global-d64-wide128": ("global", 4, 16, 5000, 64, None, "bfloat16", 192, 128, 2, {}),
+    "causal-d128-3000": ("causal", 2, 32, 3000, 128, None, "float16", 128, 128, 2, {}),
+    "global-d128-3000": ("global", 2, 32, 3000, 128, None, "float16", 128, 128, 2, {}),
+    "causal-d128-8192": ("causal", 1, 32, 8192, 128, None, "float16", 128, 128, 2, {}),
+}
+
+
+def _launcher(case: str, own: bool):
+    """The case's product launcher with each warpgroup's own blocks, or every block."""
+    variant, b, h, s, d, kv, dtype, rows, bl, ring, opts = CASES[case]
+    gluon_ws.OWN_BLOCKS = own
+    try:
+        prog, ks = gv.derive(variant, b, h, s, d, dtype, kv)
+    finally:
+        gluon_ws.OWN_BLOCKS = True
+    form = ks.gluon.form_for(rows, False)
+    if ("my_n" in form.source) != own:
+        raise SystemExit(f"{case}: the switch did not give the form it names")
+    cfg = TileConfig({f"B_{ks.block_axis}": rows, "B_L": bl}, 4, ring, gluon_ws=True, **opts)
+    return prog, cfg, make_launcher(prog, ks, "cuda", cfg)
+
+
+def _cudnn_us(q, k, v, causal: bool) -> float:
+    import triton
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(g, 1) for t in (k, v))
+
+    def fn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
+
+
+def measure(case: str) -> dict:
+    import triton
+    prog, cfg, off = _launcher(case, False)
+    on = _launcher(case, True)[2]
+    dtype = CASES[case][6]
+    tensors = tt._tensors(prog, dtype, {})
+    (oname,) = prog.outputs
+    o = tensors[oname]
+    row = {"case": case, "config": str(cfg), "device": torch.cuda.get_device_name()}
+    outs = []
+    for la in (off, on):
+        o.fill_(float("nan"))
+        la(dict(tensors))
+        torch.cuda.synchronize()
+        outs.append(o.clone())
+    row["identical"] = bool(torch.equal(*(torch.nan_to_num(x, 7.0) for x in outs)))
+    q, k, v = (tensors[n] for n in ("q", "k", "v"))
+    ref = gv.reference(CASES[case][0], q.float(), k.float(), v.float())
+    row["max_err_on"] = float((outs[1].float() - ref).abs().max())
+    for rnd in range(3):  # alternate, so drift in clock or heat falls on both
+        for key, la in (("us_every_block", off), ("us_own_blocks", on)):
+            t = triton.testing.do_bench_cudagraph(lambda: la(dict(tensors)), rep=200) * 1e3
+            row.setdefault(key, []).append(t)
+        row.setdefault("us_cudnn", []).append(_cudnn_us(q, k, v, CASES[case][0] == "causal"))
+    row["ratio_every_over_own"] = min(row["us_every_block"]) / min(row["us_own_blocks"])
+    row["cudnn_over_own"] = min(row["us_cudnn"]) / min(row["us_own_blocks"])
+    row["cudnn_over_every"] = min(row["us_cudnn"]) / min(row["us_every_block"])
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    tt.run_cases(args.cases, measure, os.path.join(args.out, "own_blocks.json"))
+
+
+if __name__ == "__main__":
+    main()
