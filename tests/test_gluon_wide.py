@@ -88,3 +88,22 @@ def test_it_compiles_for_sm90_without_spills_at_64_keys(tmp_path, key_block):
     assert res["tma"] and res["wgmma"] and res["setmaxnreg"], res
     assert res["registers"] <= 128 and res["spill_stores"] == 0, res
     assert res["wgmma_serialized"] is None, res
+
+
+def test_causal_three_consumer_warpgroups_compute_only_their_own_blocks(monkeypatch):
+    """Under a causal bound the first of three warpgroups' rows end before the tile's last
+    keys: each computes its own ``my_n`` blocks and releases the rest unread (waiting for
+    each load, so its ring phases stay in step).  The two-consumer and the global forms
+    keep every block (measured slower with it, ``gluon_ws.OWN_BLOCKS``); off, none has it."""
+    form = _causal().kernel_source.gluon
+    src = form.wide.source
+    assert form.wide.own_blocks and not form.own_blocks
+    consumer = src.split("def _consumer(")[1].split("@gluon.jit")[0]
+    assert "my_n = gl.minimum(n_blocks," in consumer
+    skip = consumer.split("released unread")[1]
+    assert skip.index("mbarrier.wait(b_ready") < skip.index("mbarrier.arrive(b_empty")
+    assert skip.index("mbarrier.wait(c_ready") < skip.index("mbarrier.arrive(c_empty")
+    assert "my_n" not in form.source
+    assert not _attention(64).kernel_source.gluon.wide.own_blocks
+    monkeypatch.setattr(gluon_ws, "OWN_BLOCKS", False)
+    assert not _causal().kernel_source.gluon.wide.own_blocks

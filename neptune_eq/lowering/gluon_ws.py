@@ -89,7 +89,15 @@ PINGPONG = os.environ.get("NEPTUNE_EQ_PINGPONG", "0") == "1"
 # A head-dim-64 plan's form comes with a three-consumer form (192-row programs, see
 # generate) when on.  NEPTUNE_EQ_GLUON_WIDE=0 turns it off; read when a form is generated.
 WIDE = os.environ.get("NEPTUNE_EQ_GLUON_WIDE", "1") == "1"
-# Each consumer computes only the key blocks its own rows see (``gluon_tiles.consumer_blocks``).
+# A three-consumer form under a bound moving with the rows (causal) has each consumer
+# compute only the key blocks its own rows see (``gluon_tiles.consumer_blocks``).  H200,
+# the product's forms A/B under CUDA graphs (bench/gluon_probe/own_blocks.py, session 47):
+# head dim 64 causal B=4 H=16 S=5000 bf16 548 -> 520 us at 128-key blocks (cuDNN 522),
+# 561 -> 549 at 64; GQA 16/8 S=3000 causal 213 -> 202 (cuDNN 205).  Not elsewhere: the
+# two-consumer forms' first warpgroup skips one 64-key block a tile at most (+0.8%), and
+# where only a last tile's rows-past-the-extent warpgroups skip, the forms lost: global
+# head dim 64 909 -> 963 us, global D=128 S=3000 535 -> 550, causal D=128 S=3000 322 ->
+# 327, S=8192 1012 -> 1018 with no block skipped (the same work, ptxas's other schedule).
 # NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block of its tile (A/B).
 OWN_BLOCKS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_BLOCKS", "1") == "1"
 # setmaxnreg of each worker consumer: three consumers and the producer's warpgroup share
@@ -420,9 +428,11 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "        mbarrier.wait(c_empty.index(s), ph ^ 1)",
         "        mbarrier.expect(c_ready.index(s), c_desc.block_type.nbytes)",
         "        tma_load(c_desc, [c_row + j_lo + jb * B_L, 0], c_ready.index(s), c_bufs.index(s))"]
-    # Each warpgroup computes only the blocks its own rows see (``consumer_blocks``); with
-    # ping-pong every warpgroup takes a turn per block of the tile, so all compute all.
-    count = "my_n" if OWN_BLOCKS and not turn_wait else "n_blocks"
+    # Each warpgroup computes only the blocks its own rows see (``consumer_blocks``) in a
+    # three-consumer causal form (see OWN_BLOCKS); with ping-pong every warpgroup takes a
+    # turn per block of the tile, so all compute all.
+    own = OWN_BLOCKS and consumers == 3 and ps.hi_offset is not None and not turn_wait
+    count = "my_n" if own else "n_blocks"
     consumer = [
         f"    my_first = row_block * {rows} + WHICH * {ROWS}",
         *(consumer_blocks(plan) if count == "my_n" else []),
