@@ -129,7 +129,10 @@ def _key(r):
 def write(out: Path, rows: list[dict], meta: dict, merge: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if merge and (out / "offgrid.csv").exists():
-        old = {_key(r): r for r in csv.DictReader(open(out / "offgrid.csv"))}
+        # the JSON keeps the rows' types (the CSV's are all strings)
+        kept = (json.loads((out / "offgrid.json").read_text())["rows"]
+                if (out / "offgrid.json").exists() else csv.DictReader(open(out / "offgrid.csv")))
+        old = {_key(r): r for r in kept}
         old.update({_key(r): r for r in rows})
         rows = [old[k] for k in sorted(old)]
     with open(out / "offgrid.csv", "w", newline="") as fh:
