@@ -148,7 +148,10 @@ def write(out: Path, rows: list[dict], meta: dict, merge: bool) -> None:
             return str(x)
     md = [f"# Off-grid prefill on {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}, "
           f"{meta['date']})", "", f"Command: `{meta['command']}`", "",
-          "TFLOP/s (4·B·Hq·S²·D, halved for causal); peers in the same process on the same inputs.",
+          "TFLOP/s (4·B·Hq·S²·D, halved for causal); peers in the same process on the same inputs."
+          + (f" The process's one-time start (CUDA context, first compiles) took "
+             f"{meta['process_warmup_s']} s before the rows." if meta.get("process_warmup_s")
+             else ""),
           "", "| dtype | B | Hq/Hkv | S | D | mask | neptune_eq | cuDNN | flash | Flex | vs best peer "
           "| notes | chosen config | run |", "|" + " --- |" * 14]
     for r in rows:
@@ -181,8 +184,15 @@ def main():
     import torch
     import triton
     os.environ["NEPTUNE_EQ_CACHE"] = tempfile.mkdtemp(prefix="neptune_eq_offgrid_")  # cold = miss
+    # ... no Triton compile of an earlier run reused, and the process's one-time start (CUDA
+    # context, first compiles) paid before the rows and reported apart, as neptune_ops does:
+    # each row's cold_s is its operator's own build (the first row of session 47's run took
+    # 19.6 s, the same shape in the other dtype 13.8)
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_offgrid_")
+    from neptune_ops import process_warmup
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"), "command": "python " + " ".join(sys.argv)}
+            "date": time.strftime("%Y-%m-%d"), "command": "python " + " ".join(sys.argv),
+            "process_warmup_s": process_warmup()}
     rows = []
     for dtype in a.dtypes:
         for n in a.setups:
