@@ -12,10 +12,13 @@ masked whole for a warpgroup and computed all the same:
   in 128-row tiles: the 24th holds 56) -- the whole key range, for nothing.
 
 ``gluon_tiles.consumer_blocks`` gives each warpgroup its own count and
-``skipped_blocks`` releases the rest unread (switch ``gluon_ws.OWN_BLOCKS``).  This
-probe is the product's A/B: each case's form generated with the switch off and on,
-launched as the product launches it, outputs checked identical, then timed side by side
-under CUDA graphs, alternating, with cuDNN SDPA on the same inputs.
+``skipped_blocks`` releases the rest unread (switches ``gluon_ws.OWN_BLOCKS`` and
+``OWN_PAST_ROWS``).  This probe is the product's A/B: each case's form generated under
+each setting of the switches (``VARIANTS``), launched as the product launches it,
+outputs checked identical, then timed side by side under CUDA graphs, alternating, with
+cuDNN SDPA on the same inputs.  Its first run (session 47, at commit 2e4f2a7, where every
+form took both skips) is ``bench/results/s47/own_blocks_h200.json``; since, only the
+three-consumer causal forms have them, so the other cases time alike.
 
     python bench/gluon_probe/own_blocks.py [--cases ...] [--out DIR]
 """
@@ -47,17 +50,23 @@ CASES = {  # name: (variant, B, H, S, D, kv heads, dtype, rows, key block, ring,
 }
 
 
-def _launcher(case: str, own: bool):
-    """The case's product launcher with each warpgroup's own blocks, or every block."""
+VARIANTS = {  # name: (OWN_BLOCKS, OWN_PAST_ROWS)
+    "every_block": (False, False),   # every warpgroup computes every block of its tile
+    "own_blocks": (True, True),      # its own rows' blocks; past the rows, block 0 only
+    "own_no_past": (True, False),    # its own rows' blocks; past the rows, every block
+}
+
+
+def _launcher(case: str, variant_name: str):
+    """The case's product launcher under one setting of the switches."""
     variant, b, h, s, d, kv, dtype, rows, bl, ring, opts = CASES[case]
-    gluon_ws.OWN_BLOCKS = own
+    gluon_ws.OWN_BLOCKS, gluon_ws.OWN_PAST_ROWS = VARIANTS[variant_name]
     try:
         prog, ks = gv.derive(variant, b, h, s, d, dtype, kv)
     finally:
-        gluon_ws.OWN_BLOCKS = True
+        gluon_ws.OWN_BLOCKS = gluon_ws.OWN_PAST_ROWS = True
     form = ks.gluon.form_for(rows, False)
-    if ("my_n" in form.source) != own:
-        raise SystemExit(f"{case}: the switch did not give the form it names")
+    print(case, variant_name, form.own_blocks, form.own_past_rows, flush=True)
     cfg = TileConfig({f"B_{ks.block_axis}": rows, "B_L": bl}, 4, ring, gluon_ws=True, **opts)
     return prog, cfg, make_launcher(prog, ks, "cuda", cfg)
 
@@ -75,42 +84,45 @@ def _cudnn_us(q, k, v, causal: bool) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
 
 
-def measure(case: str) -> dict:
+def measure(case: str, variants: list[str]) -> dict:
     import triton
-    prog, cfg, off = _launcher(case, False)
-    on = _launcher(case, True)[2]
+    built = {v: _launcher(case, v) for v in variants}
+    prog, cfg, _ = built[variants[0]]
     dtype = CASES[case][6]
     tensors = tt._tensors(prog, dtype, {})
     (oname,) = prog.outputs
     o = tensors[oname]
     row = {"case": case, "config": str(cfg), "device": torch.cuda.get_device_name()}
     outs = []
-    for la in (off, on):
+    for v in variants:
         o.fill_(float("nan"))
-        la(dict(tensors))
+        built[v][2](dict(tensors))
         torch.cuda.synchronize()
         outs.append(o.clone())
-    row["identical"] = bool(torch.equal(*(torch.nan_to_num(x, 7.0) for x in outs)))
-    q, k, v = (tensors[n] for n in ("q", "k", "v"))
-    ref = gv.reference(CASES[case][0], q.float(), k.float(), v.float())
-    row["max_err_on"] = float((outs[1].float() - ref).abs().max())
-    for rnd in range(3):  # alternate, so drift in clock or heat falls on both
-        for key, la in (("us_every_block", off), ("us_own_blocks", on)):
+    row["identical"] = all(bool(torch.equal(*(torch.nan_to_num(x, 7.0) for x in (outs[0], y))))
+                           for y in outs[1:])
+    q, k, v_ = (tensors[n] for n in ("q", "k", "v"))
+    ref = gv.reference(CASES[case][0], q.float(), k.float(), v_.float())
+    row["max_err"] = max(float((y.float() - ref).abs().max()) for y in outs)
+    for rnd in range(3):  # alternate, so drift in clock or heat falls on all
+        for v in variants:
+            la = built[v][2]
             t = triton.testing.do_bench_cudagraph(lambda: la(dict(tensors)), rep=200) * 1e3
-            row.setdefault(key, []).append(t)
-        row.setdefault("us_cudnn", []).append(_cudnn_us(q, k, v, CASES[case][0] == "causal"))
-    row["ratio_every_over_own"] = min(row["us_every_block"]) / min(row["us_own_blocks"])
-    row["cudnn_over_own"] = min(row["us_cudnn"]) / min(row["us_own_blocks"])
-    row["cudnn_over_every"] = min(row["us_cudnn"]) / min(row["us_every_block"])
+            row.setdefault(f"us_{v}", []).append(t)
+        row.setdefault("us_cudnn", []).append(_cudnn_us(q, k, v_, CASES[case][0] == "causal"))
+    for v in variants:
+        row[f"cudnn_over_{v}"] = min(row["us_cudnn"]) / min(row[f"us_{v}"])
     return row
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    tt.run_cases(args.cases, measure, os.path.join(args.out, "own_blocks.json"))
+    tt.run_cases(args.cases, lambda c: measure(c, args.variants),
+                 os.path.join(args.out, "own_blocks.json"))
 
 
 if __name__ == "__main__":

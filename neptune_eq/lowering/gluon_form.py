@@ -38,6 +38,7 @@ class GluonForm:
     o_store: object = None           # the output tile stored by TMA (gluon_epilogue.TileStore)
     wide: "GluonForm | None" = None  # the three-consumer form at head dim 64 (see generate)
     own_blocks: bool = False         # each consumer computes only its rows' key blocks
+    own_past_rows: bool = False      # ... one block where its rows lie past the extent
 
     @property
     def rows(self) -> int:

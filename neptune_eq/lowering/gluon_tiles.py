@@ -307,7 +307,7 @@ def grid_order(plan: TilePlan, rows: int) -> list[str]:
             "    pid_grid = gl.program_id(1) + hf * (gl.program_id(0) - gl.program_id(1))"]
 
 
-def consumer_blocks(plan: TilePlan) -> list[str]:
+def consumer_blocks(plan: TilePlan, past_rows: bool = True) -> list[str]:
     """A consumer warpgroup's lines fixing ``my_n``, the blocks of its tile it computes: the
     tile's key range serves all of the program's rows, and a warpgroup's own 64 rows may
     see fewer of its blocks.  Under a bound moving with the rows (causal) the first
@@ -315,8 +315,9 @@ def consumer_blocks(plan: TilePlan) -> list[str]:
     1.5 of a tile's ~3·20 warpgroup blocks are masked whole (head dim 64, S=5000).  A
     warpgroup whose rows all lie past the row extent (the last tile of a length that is
     not a multiple of the tile's rows: at S=5000 the 27th 192-row tile holds 8 rows)
-    computes only block 0, which the loop's shape needs (its rows are stored nowhere).
-    The blocks it skips it still waits for and releases (``skipped_blocks``)."""
+    computes only block 0, which the loop's shape needs (its rows are stored nowhere) --
+    with ``past_rows``.  The blocks it skips it still waits for and releases
+    (``skipped_blocks``)."""
     ps = plan.passes[0]
     out = []
     if ps.hi_offset is not None:  # past this warpgroup's last row's last key: masked whole
@@ -324,8 +325,9 @@ def consumer_blocks(plan: TilePlan) -> list[str]:
                    f"{ROWS - 1} + ({ps.hi_offset}), {ps.extent}) - j_lo, B_L), 1))")
     else:
         out.append("    my_n = n_blocks")
-    out.append(f"    my_n = 1 + (my_n - 1) * (my_first < {plan.row_extent}).to(gl.int32)"
-               "  # rows past the extent: block 0 only")
+    if past_rows:
+        out.append(f"    my_n = 1 + (my_n - 1) * (my_first < {plan.row_extent}).to(gl.int32)"
+                   "  # rows past the extent: block 0 only")
     return out
 
 

@@ -100,6 +100,8 @@ WIDE = os.environ.get("NEPTUNE_EQ_GLUON_WIDE", "1") == "1"
 # 327, S=8192 1012 -> 1018 with no block skipped (the same work, ptxas's other schedule).
 # NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block of its tile (A/B).
 OWN_BLOCKS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_BLOCKS", "1") == "1"
+# ... and a warpgroup whose rows all lie past the row extent computes block 0 only
+OWN_PAST_ROWS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_PAST_ROWS", "1") == "1"
 # setmaxnreg of each worker consumer: three consumers and the producer's warpgroup share
 # the SM's 64K registers (3 x 160 + 24, the default partition takes the rest, 168)
 CONSUMER_REGS = {1: 232, 2: 232, 3: 160}
@@ -435,7 +437,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
     count = "my_n" if own else "n_blocks"
     consumer = [
         f"    my_first = row_block * {rows} + WHICH * {ROWS}",
-        *(consumer_blocks(plan) if count == "my_n" else []),
+        *(consumer_blocks(plan, OWN_PAST_ROWS) if count == "my_n" else []),
         *_gl(prologue), *_gl(prologue_tail),
         "    mbarrier.wait(a_bar, it & 1)",
         "    # block 0: the first contraction and the block's math; its P·c is issued next block",
@@ -556,7 +558,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
                      not persistent,
                      _dynamic_form(plan, name) if mode == "single" and data and consumers == 2
                      and DYNAMIC_TIMED else None,
-                     o_store=o_store, own_blocks=count == "my_n",
+                     o_store=o_store, own_blocks=own, own_past_rows=own and OWN_PAST_ROWS,
                      wide=_wide_form(plan, name) if consumers == 2 and WIDE and not data
                      and widths == (64, 64) else None)
 

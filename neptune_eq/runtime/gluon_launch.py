@@ -114,8 +114,8 @@ class GluonLauncher:
                 work = tile_work(tiles[0], rows, max(keys, default=ks.row_extent), key_block,
                                  *form.key_offsets,
                                  consumer_rows=ROWS if form.own_blocks else None,
-                                 row_extent=ks.row_extent if isinstance(ks.row_extent, int)
-                                 else None)
+                                 row_extent=ks.row_extent if form.own_past_rows
+                                 and isinstance(ks.row_extent, int) else None)
                 self._order = (one_tile_per_program(work, tiles[1]) if config.per_tile
                                else tile_order(work, tiles[1], self.grid[0]))
         elif config.per_tile:
