@@ -100,7 +100,11 @@ WIDE = os.environ.get("NEPTUNE_EQ_GLUON_WIDE", "1") == "1"
 # 327, S=8192 1012 -> 1018 with no block skipped (the same work, ptxas's other schedule).
 # NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block of its tile (A/B).
 OWN_BLOCKS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_BLOCKS", "1") == "1"
-# ... and a warpgroup whose rows all lie past the row extent computes block 0 only
+# ... and a warpgroup whose rows all lie past the row extent computes block 0 only.  Both
+# skips measured apart on the same forms (session 47, H200 bf16, CUDA graphs): causal D=64
+# B=4 H=16 S=5000 at 128 keys 548.3 us every block, 530.0 the causal bound's skip alone,
+# 519.6 both (cuDNN 520.6); GQA 16/8 S=3000 211.7 / 203.8 / 201.0 (cuDNN 204.1); at 64
+# keys S=5000 559.2 / 543.7 / 547.9.  NEPTUNE_EQ_GLUON_OWN_PAST_ROWS=0 turns it off.
 OWN_PAST_ROWS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_PAST_ROWS", "1") == "1"
 # setmaxnreg of each worker consumer: three consumers and the producer's warpgroup share
 # the SM's 64K registers (3 x 160 + 24, the default partition takes the rest, 168)
