@@ -6,6 +6,8 @@ tile lies in the keys the producer streams, ``[j_lo, j_lo + n_blocks·B_L)``, an
 in ``[dm_lo, dm_hi)`` is visible to every real row of the tile wherever the mask's affine
 atoms hold (the blocks there run without the mask; the affine atoms are the consumers'
 own loop bounds)."""
+import textwrap
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -178,8 +180,7 @@ class _Ops:
 
 
 def _run_lines(lines, env):
-    for ln in lines:
-        exec(ln.strip(), {"tl": _Ops, "gl": _Ops}, env)
+    exec(textwrap.dedent("\n".join(lines)), {"tl": _Ops, "gl": _Ops}, env)
     return env
 
 
@@ -200,14 +201,14 @@ def test_a_warpgroup_skips_only_blocks_its_rows_never_see(name, consumers, key_b
         env = _run_lines(gluon_tiles.key_range(pl, "k", data=False, rows=rows),
                          {"row_block": rb, "B_L": key_block})
         for which in range(consumers):
-            mine = _run_lines(gluon_tiles.consumer_blocks(pl),
+            mine = _run_lines(gluon_tiles.consumer_blocks(pl, consumers=consumers),
                               dict(env, my_first=torch.tensor(rb * rows + which * 64)))
             my_n, n_blocks = int(mine["my_n"]), int(env["n_blocks"])
             assert 1 <= my_n <= n_blocks
             first = rb * rows + which * 64
             q = torch.arange(first, max(first, min(first + 64, _AFFINE_S)))
-            if len(q) == 0:
-                assert my_n == 1
+            if len(q) == 0:  # (at the key blocks the warpgroups skip at)
+                assert my_n == 1 or key_block > 64 * (consumers - 1)
                 continue
             j_lo = int(env["j_lo"])
             start = j_lo + my_n * key_block

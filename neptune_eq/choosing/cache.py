@@ -78,6 +78,7 @@ def lowering_switches() -> dict:
             "ws_dynamic_heads_first": gluon_tiles.DYNAMIC_HEADS_FIRST,
             "ws_solo": gluon_ws.SOLO, "ws_wide": gluon_ws.WIDE,
             "ws_own_blocks": gluon_ws.OWN_BLOCKS, "ws_own_past_rows": gluon_ws.OWN_PAST_ROWS,
+            "ws_own_consumers": gluon_ws.OWN_CONSUMERS,
             "ws_tma_store": gluon_epilogue.TMA_STORE,
             "sums_persistent": gluon_sums.PERSISTENT}
 

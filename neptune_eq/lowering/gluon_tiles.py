@@ -307,7 +307,7 @@ def grid_order(plan: TilePlan, rows: int) -> list[str]:
             "    pid_grid = gl.program_id(1) + hf * (gl.program_id(0) - gl.program_id(1))"]
 
 
-def consumer_blocks(plan: TilePlan, past_rows: bool = True) -> list[str]:
+def consumer_blocks(plan: TilePlan, past_rows: bool = True, consumers: int = 3) -> list[str]:
     """A consumer warpgroup's lines fixing ``my_n``, the blocks of its tile it computes: the
     tile's key range serves all of the program's rows, and a warpgroup's own 64 rows may
     see fewer of its blocks.  Under a bound moving with the rows (causal) the first
@@ -317,33 +317,40 @@ def consumer_blocks(plan: TilePlan, past_rows: bool = True) -> list[str]:
     not a multiple of the tile's rows: at S=5000 the 27th 192-row tile holds 8 rows)
     computes only block 0, which the loop's shape needs (its rows are stored nowhere) --
     with ``past_rows``.  The blocks it skips it still waits for and releases
-    (``skipped_blocks``)."""
+    (``skipped_blocks``).  Only at key blocks a warpgroup's rows can end a block before
+    the tile's (``own_key_blocks``: any with three consumers, 64 with two), a test on the
+    constexpr ``B_L``: at the others the code is the every-block form's."""
     ps = plan.passes[0]
-    out = []
+    out = ["    my_n = n_blocks", f"    if {own_key_blocks(consumers)}:"]
     if ps.hi_offset is not None:  # past this warpgroup's last row's last key: masked whole
-        out.append(f"    my_n = gl.minimum(n_blocks, gl.maximum(gl.cdiv(gl.minimum(my_first + "
-                   f"{ROWS - 1} + ({ps.hi_offset}), {ps.extent}) - j_lo, B_L), 1))")
-    else:
-        out.append("    my_n = n_blocks")
+        out.append(f"        my_n = gl.minimum(n_blocks, gl.maximum(gl.cdiv(gl.minimum(my_first "
+                   f"+ {ROWS - 1} + ({ps.hi_offset}), {ps.extent}) - j_lo, B_L), 1))")
     if past_rows:
-        out.append(f"    my_n = 1 + (my_n - 1) * (my_first < {plan.row_extent}).to(gl.int32)"
+        out.append(f"        my_n = 1 + (my_n - 1) * (my_first < {plan.row_extent}).to(gl.int32)"
                    "  # rows past the extent: block 0 only")
-    return out
+    return out if len(out) > 2 else out[:1]
 
 
-def skipped_blocks() -> list[str]:
+def own_key_blocks(consumers: int) -> str:
+    """The constexpr test on ``B_L`` under which a warpgroup's own rows may see fewer of
+    its tile's key blocks: the rows before its own span at least a block."""
+    return f"B_L <= {ROWS * (consumers - 1)}"
+
+
+def skipped_blocks(consumers: int) -> list[str]:
     """A consumer's lines after its tile's last product and epilogue: the key blocks past
     its ``my_n`` are waited for and released unread.  Waited for, not only released: an
     mbarrier wait on a parity passes at once while the barrier is one phase behind, so a
     warpgroup that ran ahead of a load would read the next tile's block before it lands."""
-    return ["    for jb in range(my_n, n_blocks):  # past this warpgroup's keys: released unread",
-            "        g = base + jb",
-            "        st = g % STAGES",
-            "        ph = (g // STAGES) & 1",
-            "        mbarrier.wait(b_ready.index(st), ph)",
-            "        mbarrier.arrive(b_empty.index(st), count=1)",
-            "        mbarrier.wait(c_ready.index(st), ph)",
-            "        mbarrier.arrive(c_empty.index(st), count=1)"]
+    return [f"    if {own_key_blocks(consumers)}:",
+            "        for jb in range(my_n, n_blocks):  # past this warpgroup's keys: released unread",
+            "            g = base + jb",
+            "            st = g % STAGES",
+            "            ph = (g // STAGES) & 1",
+            "            mbarrier.wait(b_ready.index(st), ph)",
+            "            mbarrier.arrive(b_empty.index(st), count=1)",
+            "            mbarrier.wait(c_ready.index(st), ph)",
+            "            mbarrier.arrive(c_empty.index(st), count=1)"]
 
 
 def interior_loops(ps, body_edge, body_in, body_ew, issue, with_wait, data: bool,

@@ -100,6 +100,9 @@ WIDE = os.environ.get("NEPTUNE_EQ_GLUON_WIDE", "1") == "1"
 # 327, S=8192 1012 -> 1018 with no block skipped (the same work, ptxas's other schedule).
 # NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block of its tile (A/B).
 OWN_BLOCKS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_BLOCKS", "1") == "1"
+# The forms with it: three consumers; with OWN_CONSUMERS = 2 (NEPTUNE_EQ_GLUON_OWN_TWO=1)
+# the two-consumer forms too, at 64-key blocks (a switch for the A/B probe).
+OWN_CONSUMERS = 2 if os.environ.get("NEPTUNE_EQ_GLUON_OWN_TWO", "0") == "1" else 3
 # ... and a warpgroup whose rows all lie past the row extent computes block 0 only.  Both
 # skips measured apart on the same forms (session 47, H200 bf16, CUDA graphs): causal D=64
 # B=4 H=16 S=5000 at 128 keys 548.3 us every block, 530.0 the causal bound's skip alone,
@@ -434,14 +437,15 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         "        mbarrier.wait(c_empty.index(s), ph ^ 1)",
         "        mbarrier.expect(c_ready.index(s), c_desc.block_type.nbytes)",
         "        tma_load(c_desc, [c_row + j_lo + jb * B_L, 0], c_ready.index(s), c_bufs.index(s))"]
-    # Each warpgroup computes only the blocks its own rows see (``consumer_blocks``) in a
-    # three-consumer causal form (see OWN_BLOCKS); with ping-pong every warpgroup takes a
-    # turn per block of the tile, so all compute all.
-    own = OWN_BLOCKS and consumers == 3 and ps.hi_offset is not None and not turn_wait
+    # Each warpgroup computes only the blocks its own rows see (``consumer_blocks``) under a
+    # causal bound, at the key blocks where its rows can end one early (see OWN_BLOCKS);
+    # with ping-pong every warpgroup takes a turn per block of the tile, so all compute all.
+    own = (OWN_BLOCKS and consumers >= OWN_CONSUMERS and ps.hi_offset is not None
+           and not turn_wait)
     count = "my_n" if own else "n_blocks"
     consumer = [
         f"    my_first = row_block * {rows} + WHICH * {ROWS}",
-        *(consumer_blocks(plan, OWN_PAST_ROWS) if count == "my_n" else []),
+        *(consumer_blocks(plan, OWN_PAST_ROWS, consumers) if own else []),
         *_gl(prologue), *_gl(prologue_tail),
         "    mbarrier.wait(a_bar, it & 1)",
         "    # block 0: the first contraction and the block's math; its P·c is issued next block",
@@ -465,7 +469,7 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         *(["    " + turn_pass] if turn_pass else []),
         f"    {pv_fold} = warpgroup_mma_wait(0, deps=({pv_fold}, ))",
         "    mbarrier.arrive(c_empty.index(last), count=1)",
-        *_gl(epi), *(skipped_blocks() if count == "my_n" else [])]
+        *_gl(epi), *(skipped_blocks(consumers) if own else [])]
     if persistent:
         place = persistent_place(plan, rows)
     else:

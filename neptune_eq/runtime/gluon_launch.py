@@ -109,12 +109,14 @@ class GluonLauncher:
             n_tiles = tiles[0] * tiles[1]
             # (``per_tile``: the same kernel, a program per tile -- each walks one)
             self.grid = (n_tiles if config.per_tile else min(sms, n_tiles), 1)
+            # (the consumers skip blocks at key blocks ``gluon_tiles.own_key_blocks`` holds at)
+            own = form.own_blocks and key_block <= ROWS * (form.consumers - 1)
             if form.scheduled:  # tiles of unequal work: the balanced order, once
                 keys = [n for n in _key_extents(ks) if isinstance(n, int)]
                 work = tile_work(tiles[0], rows, max(keys, default=ks.row_extent), key_block,
                                  *form.key_offsets,
-                                 consumer_rows=ROWS if form.own_blocks else None,
-                                 row_extent=ks.row_extent if form.own_past_rows
+                                 consumer_rows=ROWS if own else None,
+                                 row_extent=ks.row_extent if own and form.own_past_rows
                                  and isinstance(ks.row_extent, int) else None)
                 self._order = (one_tile_per_program(work, tiles[1]) if config.per_tile
                                else tile_order(work, tiles[1], self.grid[0]))
