@@ -90,20 +90,25 @@ def test_it_compiles_for_sm90_without_spills_at_64_keys(tmp_path, key_block):
     assert res["wgmma_serialized"] is None, res
 
 
-def test_causal_three_consumer_warpgroups_compute_only_their_own_blocks(monkeypatch):
-    """Under a causal bound the first of three warpgroups' rows end before the tile's last
-    keys: each computes its own ``my_n`` blocks and releases the rest unread (waiting for
-    each load, so its ring phases stay in step).  The two-consumer and the global forms
-    keep every block (measured slower with it, ``gluon_ws.OWN_BLOCKS``); off, none has it."""
+def test_causal_warpgroups_compute_only_their_own_blocks(monkeypatch):
+    """Under a causal bound the first warpgroups' rows end before the tile's last keys:
+    each computes its own ``my_n`` blocks and releases the rest unread (waiting for each
+    load, so its ring phases stay in step) -- at every key block with three consumers, at
+    64 with two (a test on the constexpr ``B_L``).  Global forms keep every block
+    (measured slower with only the last tile's skip, ``gluon_ws.OWN_BLOCKS``); with
+    ``OWN_CONSUMERS`` = 3 only the three-consumer forms skip; off, none does."""
     form = _causal().kernel_source.gluon
-    src = form.wide.source
+    assert form.wide.own_blocks and form.own_blocks
+    for f, test in ((form.wide, "if B_L <= 128:"), (form, "if B_L <= 64:")):
+        consumer = f.source.split("def _consumer(")[1].split("@gluon.jit")[0]
+        assert f"{test}\n            my_n = gl.minimum(n_blocks," in consumer
+        skip = consumer.split("released unread")[1]
+        assert skip.index("mbarrier.wait(b_ready") < skip.index("mbarrier.arrive(b_empty")
+        assert skip.index("mbarrier.wait(c_ready") < skip.index("mbarrier.arrive(c_empty")
+    glob = _attention(64).kernel_source.gluon
+    assert not glob.own_blocks and not glob.wide.own_blocks and "my_n" not in glob.wide.source
+    monkeypatch.setattr(gluon_ws, "OWN_CONSUMERS", 3)
+    form = _causal().kernel_source.gluon
     assert form.wide.own_blocks and not form.own_blocks
-    consumer = src.split("def _consumer(")[1].split("@gluon.jit")[0]
-    assert "my_n = gl.minimum(n_blocks," in consumer
-    skip = consumer.split("released unread")[1]
-    assert skip.index("mbarrier.wait(b_ready") < skip.index("mbarrier.arrive(b_empty")
-    assert skip.index("mbarrier.wait(c_ready") < skip.index("mbarrier.arrive(c_empty")
-    assert "my_n" not in form.source
-    assert not _attention(64).kernel_source.gluon.wide.own_blocks
     monkeypatch.setattr(gluon_ws, "OWN_BLOCKS", False)
     assert not _causal().kernel_source.gluon.wide.own_blocks

@@ -100,12 +100,14 @@ def test_an_affine_mask_cuts_the_loop_and_the_interior_body_drops_it():
     src = _kernel(**VARIANTS["causal-bf16-d128"]).kernel_source.gluon.source
     loops = [ln for ln in src.splitlines() if ln.strip().startswith("for jb in range(")]
     assert [ln.split("#")[1].strip() for ln in loops[1:]] == [
-        "edge", "interior: no mask", "edge", "the ragged last block"]
+        "edge", "interior: no mask", "edge", "the ragged last block",
+        "past this warpgroup's keys: released unread"]  # (at 64-key blocks)
     interior = src.split("# interior: no mask")[1].split("for jb in range(")[0]
     assert ">=" not in interior and "if " not in interior
     # only the ragged last block tests the key extent
     edges = src.split("for jb in range(")[2:]
-    assert [("| EVEN_L" in e.split("\n    if ")[0]) for e in edges] == [False, False, False, True]
+    assert [("| EVEN_L" in e.split("\n    if ")[0]) for e in edges] == [False, False, False, True,
+                                                                       False]
     # the second contraction of block j-1 is issued before block j's math and waited after
     assert interior.index("warpgroup_mma(p_op") < interior.index("gl.exp2(")
     assert interior.index("gl.exp2(") < interior.index("warpgroup_mma_wait(0")
@@ -139,8 +141,10 @@ def _check_data_mask_body(name: str, src: str) -> None:
     """The consumer's loops: the blocks every row sees whole run a body without the
     mask's loads, the others load and test it."""
     loops = src.split("for jb in range(")[2:]   # the consumer's: edge, interior, edge
+    # (a causal bound's warpgroups release the blocks past their rows' keys unread)
+    skip = ["past this warpgroup's keys: released unread"] if "my_n" in src else []
     assert [lp.split("#")[1].split("\n")[0].strip() for lp in loops] == \
-        ["edge", "interior: no mask", "edge", "the ragged last block"], name
+        ["edge", "interior: no mask", "edge", "the ragged last block", *skip], name
     # the mask's per-key work (documents: a read of doc at the keys) in edge loops only
     assert len(loops[1].splitlines()) < len(loops[0].splitlines()), name
     if name.startswith(("documents", "flex")):
@@ -174,6 +178,8 @@ def test_the_deferred_product_keeps_its_operand_live_until_its_wait():
     for name, kern in kerns.items():
         consumer = kern.kernel_source.gluon.source.split("def _consumer(")[1].split("@gluon.jit")[0]
         loops = consumer.split("for jb in range(")[1:]
+        if "released unread" in loops[-1]:  # (no product: blocks past the warpgroup's keys)
+            loops.pop()
         assert len(loops) == 4, name
         for lp in loops:
             issue = lp.index("warpgroup_mma(p_op, c_bufs.index(prev)")

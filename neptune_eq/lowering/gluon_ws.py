@@ -89,25 +89,25 @@ PINGPONG = os.environ.get("NEPTUNE_EQ_PINGPONG", "0") == "1"
 # A head-dim-64 plan's form comes with a three-consumer form (192-row programs, see
 # generate) when on.  NEPTUNE_EQ_GLUON_WIDE=0 turns it off; read when a form is generated.
 WIDE = os.environ.get("NEPTUNE_EQ_GLUON_WIDE", "1") == "1"
-# A three-consumer form under a bound moving with the rows (causal) has each consumer
-# compute only the key blocks its own rows see (``gluon_tiles.consumer_blocks``).  H200,
-# the product's forms A/B under CUDA graphs (bench/gluon_probe/own_blocks.py, session 47):
-# head dim 64 causal B=4 H=16 S=5000 bf16 548 -> 520 us at 128-key blocks (cuDNN 522),
-# 561 -> 549 at 64; GQA 16/8 S=3000 causal 213 -> 202 (cuDNN 205).  Not elsewhere: the
-# two-consumer forms' first warpgroup skips one 64-key block a tile at most (+0.8%), and
-# where only a last tile's rows-past-the-extent warpgroups skip, the forms lost: global
-# head dim 64 909 -> 963 us, global D=128 S=3000 535 -> 550, causal D=128 S=3000 322 ->
-# 327, S=8192 1012 -> 1018 with no block skipped (the same work, ptxas's other schedule).
-# NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block of its tile (A/B).
+# Under a bound moving with the rows (causal, windows, causal documents) each consumer
+# computes only the key blocks its own rows see (``gluon_tiles.consumer_blocks``) at the
+# key blocks where a warpgroup's rows can end one early (any with three consumers, 64
+# with two; at the others the code is the every-block form's, SASS identical).  H200, the
+# product's forms A/B under CUDA graphs (bench/gluon_probe/own_blocks.py, session 47):
+# head dim 64 causal B=4 H=16 S=5000 bf16 548 -> 520 us at 128 keys (cuDNN 521), GQA
+# 16/8 S=3000 212 -> 201 (cuDNN 204); two consumers at 64 keys, fp16 D=128: window 256
+# at S=8192 159.2 -> 146.9, 64 documents 96.2 -> 91.5, 13 documents (dynamic walk) 129.7
+# -> 127.9, causal D=64 606 -> 600.  Where only the last tile's rows-past-the-extent
+# warpgroups would skip (global; two consumers at 128 keys) the forms lost (global D=64
+# 909 -> 963 us, causal D=128 S=3000 322 -> 327): not there.
+# NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block of its tile (A/B);
+# NEPTUNE_EQ_GLUON_OWN_TWO=0: only the three-consumer forms skip.
 OWN_BLOCKS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_BLOCKS", "1") == "1"
-# The forms with it: three consumers; with OWN_CONSUMERS = 2 (NEPTUNE_EQ_GLUON_OWN_TWO=1)
-# the two-consumer forms too, at 64-key blocks (a switch for the A/B probe).
-OWN_CONSUMERS = 2 if os.environ.get("NEPTUNE_EQ_GLUON_OWN_TWO", "0") == "1" else 3
+OWN_CONSUMERS = 2 if os.environ.get("NEPTUNE_EQ_GLUON_OWN_TWO", "1") == "1" else 3
 # ... and a warpgroup whose rows all lie past the row extent computes block 0 only.  Both
-# skips measured apart on the same forms (session 47, H200 bf16, CUDA graphs): causal D=64
-# B=4 H=16 S=5000 at 128 keys 548.3 us every block, 530.0 the causal bound's skip alone,
-# 519.6 both (cuDNN 520.6); GQA 16/8 S=3000 211.7 / 203.8 / 201.0 (cuDNN 204.1); at 64
-# keys S=5000 559.2 / 543.7 / 547.9.  NEPTUNE_EQ_GLUON_OWN_PAST_ROWS=0 turns it off.
+# skips measured apart (three consumers, 128 keys): 548.3 us every block, 530.0 the
+# causal bound's skip alone, 519.6 both; GQA 16/8 211.7 / 203.8 / 201.0.
+# NEPTUNE_EQ_GLUON_OWN_PAST_ROWS=0 turns it off.
 OWN_PAST_ROWS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_PAST_ROWS", "1") == "1"
 # setmaxnreg of each worker consumer: three consumers and the producer's warpgroup share
 # the SM's 64K registers (3 x 160 + 24, the default partition takes the rest, 168)
