@@ -89,25 +89,13 @@ PINGPONG = os.environ.get("NEPTUNE_EQ_PINGPONG", "0") == "1"
 # A head-dim-64 plan's form comes with a three-consumer form (192-row programs, see
 # generate) when on.  NEPTUNE_EQ_GLUON_WIDE=0 turns it off; read when a form is generated.
 WIDE = os.environ.get("NEPTUNE_EQ_GLUON_WIDE", "1") == "1"
-# Under a bound moving with the rows (causal, windows, causal documents) each consumer
-# computes only the key blocks its own rows see (``gluon_tiles.consumer_blocks``) at the
-# key blocks where a warpgroup's rows can end one early (any with three consumers, 64
-# with two; at the others the code is the every-block form's, SASS identical).  H200, the
-# product's forms A/B under CUDA graphs (bench/gluon_probe/own_blocks.py, session 47):
-# head dim 64 causal B=4 H=16 S=5000 bf16 548 -> 520 us at 128 keys (cuDNN 521), GQA
-# 16/8 S=3000 212 -> 201 (cuDNN 204); two consumers at 64 keys, fp16 D=128: window 256
-# at S=8192 159.2 -> 146.9, 64 documents 96.2 -> 91.5, 13 documents (dynamic walk) 129.7
-# -> 127.9, causal D=64 606 -> 600.  Where only the last tile's rows-past-the-extent
-# warpgroups would skip (global; two consumers at 128 keys) the forms lost (global D=64
-# 909 -> 963 us, causal D=128 S=3000 322 -> 327): not there.
-# NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block of its tile (A/B);
-# NEPTUNE_EQ_GLUON_OWN_TWO=0: only the three-consumer forms skip.
+# Under a bound moving with the rows each consumer computes only the key blocks its own
+# rows see, and one past the rows (``gluon_tiles.consumer_blocks``, which has the
+# measurements).  NEPTUNE_EQ_GLUON_OWN_BLOCKS=0: every consumer computes every block (A/B);
+# NEPTUNE_EQ_GLUON_OWN_TWO=0: only the three-consumer forms skip;
+# NEPTUNE_EQ_GLUON_OWN_PAST_ROWS=0: a warpgroup past the rows computes every block.
 OWN_BLOCKS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_BLOCKS", "1") == "1"
 OWN_CONSUMERS = 2 if os.environ.get("NEPTUNE_EQ_GLUON_OWN_TWO", "1") == "1" else 3
-# ... and a warpgroup whose rows all lie past the row extent computes block 0 only.  Both
-# skips measured apart (three consumers, 128 keys): 548.3 us every block, 530.0 the
-# causal bound's skip alone, 519.6 both; GQA 16/8 211.7 / 203.8 / 201.0.
-# NEPTUNE_EQ_GLUON_OWN_PAST_ROWS=0 turns it off.
 OWN_PAST_ROWS = os.environ.get("NEPTUNE_EQ_GLUON_OWN_PAST_ROWS", "1") == "1"
 # setmaxnreg of each worker consumer: three consumers and the producer's warpgroup share
 # the SM's 64K registers (3 x 160 + 24, the default partition takes the rest, 168)
@@ -579,7 +567,9 @@ def _wide_form(plan: TilePlan, name: str) -> GluonForm:
     from the host on a flushed L2, alternated (bench/gluon_probe/wide_form.py --host):
     global B=4 H=16 S=5000 0.966 ms at 128 keys against 1.024 for the tl 64x64 tiles and
     1.039 for two consumers; GQA 16/8 S=3000 causal 0.222-0.226 at 64 keys against 0.232
-    for two consumers (tl 0.212); causal B=4 S=5000 lost, 0.587 against 0.563.  At 128
+    for two consumers (tl 0.212); causal B=4 S=5000 lost, 0.587 against 0.563, until each
+    warpgroup computed only its own rows' blocks (session 47, ``consumer_blocks``: 0.520
+    ms under CUDA graphs, cuDNN 0.521; chosen in every head-dim-64 off-grid row).  At 128
     keys ptxas spills ~800 bytes a thread within the consumers' 160 registers (S, P and O
     live at once); measured faster all the same.  Not for a data mask: its pre-pass's tl
     tiles take power-of-2 rows only."""
