@@ -67,9 +67,8 @@ def lowering_switches() -> dict:
     whether a score term linear in the key index splits off a per-block shift; how Gluon
     tiles are walked, how many consumers a program has, whether they take turns, whether
     each computes only its rows' key blocks, whether the output goes by TMA).  The benches
-    flip them to A/B a form in one process; a kernel
-    chosen under one setting is not the kernel the other emits, so a cache entry must not
-    serve both."""
+    flip them to A/B a form in one process; a kernel chosen under one setting is not the
+    kernel the other emits, so a cache entry must not serve both."""
     from ..lowering import block_shift, gluon_epilogue, gluon_sums, gluon_tiles, gluon_ws, lower
     return {"max_before_scale": lower.MAX_BEFORE_SCALE, "block_shift": block_shift.ENABLED,
             "ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,

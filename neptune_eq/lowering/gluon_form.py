@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gluon_tiles import ROWS
+from .gluon_tiles import ROWS, own_block_limit
 
 WIDTHS = (64, 128)  # contraction and column widths the skeleton issues
 KEY_BLOCKS = (64, 128)  # key blocks (B_L) it issues: the wgmma N of the score tile
@@ -39,6 +39,11 @@ class GluonForm:
     wide: "GluonForm | None" = None  # the three-consumer form at head dim 64 (see generate)
     own_blocks: bool = False         # each consumer computes only its rows' key blocks
     own_past_rows: bool = False      # ... one block where its rows lie past the extent
+
+    def skips_blocks(self, key_block: int) -> bool:
+        """Whether its consumers compute only their own rows' blocks at ``key_block``
+        (``gluon_tiles.consumer_blocks``: the code tests the constexpr key block)."""
+        return self.own_blocks and key_block <= own_block_limit(self.consumers)
 
     @property
     def rows(self) -> int:

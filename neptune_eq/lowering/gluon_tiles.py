@@ -346,7 +346,12 @@ def consumer_blocks(plan: TilePlan, past_rows: bool = True, consumers: int = 3) 
 def own_key_blocks(consumers: int) -> str:
     """The constexpr test on ``B_L`` under which a warpgroup's own rows may see fewer of
     its tile's key blocks: the rows before its own span at least a block."""
-    return f"B_L <= {ROWS * (consumers - 1)}"
+    return f"B_L <= {own_block_limit(consumers)}"
+
+
+def own_block_limit(consumers: int) -> int:
+    """The largest key block at which ``consumers`` warpgroups skip blocks (see above)."""
+    return ROWS * (consumers - 1)
 
 
 def skipped_blocks(consumers: int) -> list[str]:

@@ -109,8 +109,7 @@ class GluonLauncher:
             n_tiles = tiles[0] * tiles[1]
             # (``per_tile``: the same kernel, a program per tile -- each walks one)
             self.grid = (n_tiles if config.per_tile else min(sms, n_tiles), 1)
-            # (the consumers skip blocks at key blocks ``gluon_tiles.own_key_blocks`` holds at)
-            own = form.own_blocks and key_block <= ROWS * (form.consumers - 1)
+            own = form.skips_blocks(key_block)  # (each consumer's own blocks are its work)
             if form.scheduled:  # tiles of unequal work: the balanced order, once
                 keys = [n for n in _key_extents(ks) if isinstance(n, int)]
                 work = tile_work(tiles[0], rows, max(keys, default=ks.row_extent), key_block,
