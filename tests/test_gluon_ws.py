@@ -310,16 +310,20 @@ def test_the_tile_order_is_a_permutation_and_balanced(n_rb, heads, programs, hi,
 
 @pytest.mark.parametrize("heads, seq, rows", [(64, 5000, 128), (64, 5000, 192), (32, 8192, 128),
                                               (8, 8192, 128)])
-def test_the_tile_orders_end_is_balanced_too(heads, seq, rows):
+@pytest.mark.parametrize("own", [False, True])
+def test_the_tile_orders_end_is_balanced_too(heads, seq, rows, own):
     """Causal tiles on 132 programs: the most loaded program within 1% of the average
     (the heads' last group merged to at least ``TAIL_WAVES`` tiles a program; with two
-    waves' worth it was 5-9% over, the measured tail of session 46)."""
+    waves' worth it was 5-9% over, the measured tail of session 46) -- and within 1.5%
+    with each warpgroup's own blocks as a tile's work (``own``, the launcher's weights
+    since session 47: 1.1% at 192-row tiles, S=5000, where the order computed from whole
+    tiles' blocks is 5.1% over under these weights)."""
     n_rb = -(-seq // rows)
-    work = tile_work(n_rb, rows, seq, 128, None, 1)
+    work = tile_work(n_rb, rows, seq, 128, None, 1, *((64, seq) if own else ()))
     order = tile_order(work, heads, 132)
     starts, ids = order[:133], order[133:]
     load = [sum(work[n_rb - 1 - t % n_rb] for t in ids[a:b]) for a, b in zip(starts, starts[1:])]
-    assert max(load) <= 1.01 * sum(load) / 132
+    assert max(load) <= (1.015 if own else 1.01) * sum(load) / 132
 
 
 @settings(max_examples=40, deadline=None)
