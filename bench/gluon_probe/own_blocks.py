@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import tile_timeline as tt  # noqa: E402  (run_cases)
 import gluon_validate as gv  # noqa: E402
+from wide_form import cudnn_ms  # noqa: E402
 import torch  # noqa: E402
 
 from neptune_eq.lowering import gluon_ws  # noqa: E402
@@ -85,19 +86,6 @@ def _launcher(case: str, variant_name: str):
     return prog, cfg, make_launcher(prog, ks, "cuda", cfg), captured
 
 
-def _cudnn_us(q, k, v, causal: bool) -> float:
-    import triton
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    g = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(g, 1) for t in (k, v))
-
-    def fn():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
-
-
 def measure(case: str, variants: list[str]) -> dict:
     import triton
     built = {v: _launcher(case, v) for v in variants}
@@ -129,7 +117,8 @@ def measure(case: str, variants: list[str]) -> dict:
                 row["as_called"] = True
             row.setdefault(f"us_{v}", []).append(t)
         if not captured and CASES[case][0] in ("causal", "global"):
-            row.setdefault("us_cudnn", []).append(_cudnn_us(q, k, v_, CASES[case][0] == "causal"))
+            row.setdefault("us_cudnn", []).append(
+                cudnn_ms({"q": q, "k": k, "v": v_}, CASES[case][0] == "causal", graph=True) * 1e3)
     for v in variants:
         row[f"every_over_{v}"] = min(row[f"us_{variants[0]}"]) / min(row[f"us_{v}"])
         if "us_cudnn" in row:

@@ -30,8 +30,10 @@ from neptune_eq.runtime.tile_configs import TileConfig, gluon_configs  # noqa: E
 from neptune_eq.runtime.tuning import time_configs  # noqa: E402
 
 
-def cudnn_ms(bound, causal: bool) -> float:
-    """cuDNN SDPA on the case's inputs (K/V expanded for grouped heads), do_bench median."""
+def cudnn_ms(bound, causal: bool, graph: bool = False) -> float:
+    """cuDNN SDPA on the case's inputs (K/V expanded for grouped heads), do_bench median;
+    ``graph``: replayed from a CUDA graph (``do_bench_cudagraph``), as probes time the
+    product's launches on the GPU alone."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q, k, v = bound["q"], bound["k"], bound["v"]
     g = q.shape[1] // k.shape[1]
@@ -40,6 +42,8 @@ def cudnn_ms(bound, causal: bool) -> float:
     def fn():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=200)
     return triton.testing.do_bench(fn, warmup=25, rep=200)
 
 
