@@ -59,6 +59,18 @@ CASES.update({  # masks over captured tensors (gluon_validate.data_case), 64-key
     "doc64-8192-heads-first": ("doc64", 1, 16, 8192, 128, None, "float16", 128, 64, 2,
                                {"heads_first": True}),
     "window-8192": ("window", 1, 32, 8192, 128, None, "float16", 128, 64, 2, {}),
+    # issue 17's long rows (session 48): the forms the cold choice picks between there
+    # (jagged: gluon_validate.data_case's 7 documents, not doc_mask_gpu.py's 13)
+    "jagged-32768-tile128": ("jagged", 1, 16, 32768, 128, None, "float16", 128, 128, 2,
+                             {"heads_first": True}),
+    "jagged-32768-dynamic": ("jagged", 1, 16, 32768, 128, None, "float16", 128, 64, 2,
+                             {"dynamic": True}),
+    "jagged-32768-heads-first": ("jagged", 1, 16, 32768, 128, None, "float16", 128, 64, 2,
+                                 {"heads_first": True}),
+    "doc13-32768-dynamic": ("doc13", 1, 16, 32768, 128, None, "float16", 128, 64, 2,
+                            {"dynamic": True}),
+    "doc13-32768-heads-first": ("doc13", 1, 16, 32768, 128, None, "float16", 128, 64, 2,
+                                {"heads_first": True}),
 })
 VARIANTS = {  # name: (OWN_BLOCKS, OWN_PAST_ROWS, OWN_CONSUMERS)
     "every_block": (False, False, 3),  # every warpgroup computes every block of its tile

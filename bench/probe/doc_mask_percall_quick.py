@@ -22,6 +22,18 @@ import neptune_eq as ne  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
 
+def chooser_timings(kern) -> list:
+    """[config, ms] of every config the cold choice timed for the chosen candidate, fastest
+    first: what the choice saw, beside what the call then measures."""
+    rows = []
+    for bucket in (kern._dispatch.buckets.values() if kern._dispatch else ()):
+        for choice in bucket:
+            rows += [r for r in choice.rows if r.chosen] or [choice.row]
+    rows = rows or [r for r in kern.candidates if r.chosen]
+    timed = [(str(t[0]), t[1]) for r in rows for t in r.timings if t[1] is not None]
+    return sorted(timed, key=lambda t: t[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--S", type=int, default=32768)
@@ -41,8 +53,9 @@ def main() -> None:
         torch.cuda.synchronize()
         row = {"case": name, "S": S, "dtype": args.dtype, "cold_s": time.perf_counter() - t0,
                "device": torch.cuda.get_device_name()}
-        _, la, _ = dm.launcher_of(q, k, v, mask)
+        kern, la, _ = dm.launcher_of(q, k, v, mask)
         row["config"] = str(la.config)
+        row["chooser_ms"] = chooser_timings(kern)
         bm = create_block_mask(mask, B, None, S, S, device="cuda")
         row["max_abs_diff_vs_flex"] = (ours.float() - flex(q, k, v, block_mask=bm).float()).abs().max().item()
         row["ms_ours"] = dm.do_bench(lambda: ne.flex_attention(q, k, v, mask_mod=mask),

@@ -47,10 +47,20 @@ def _plain(f) -> bool:
 
 
 def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
-    """Split factors worth considering for a grid of ``programs``: enough programs to fill
-    ``sms`` one, two and four times over, with chunks of at least two key blocks."""
+    """Split factors worth considering for a grid of ``programs``: for one, two and four
+    programs an SM, the most that do not overfill ``sms`` (at most k·sms programs: whole
+    waves where an SM holds one program), with chunks of at least two key blocks.
+
+    Not the fewest that fill them: a factor just past a wave leaves a short last wave.
+    Causal decode of 32 heads at 32768 keys (H200, fp16 D=128, 128-key blocks, one
+    program an SM) ran 3.40 TB/s at 5 splits (160 programs) and 4.37 at 4 (128); at 64
+    keys 3.92 at 9 and 4.32 at 8 (``bench/decode_configs.py --sweep``, session 48).  At
+    2048 and 8192 keys, and for GQA's 8 programs (16 or 17 splits), the pairs timed within
+    2% of each other (sessions 23 and 48).  Offering both doubled the configs a decode's
+    cold choice times: causal decode at 8192 keys built in 13.9 s with both, 8.4 with
+    these (H200, session 48)."""
     most = max(1, extent // (2 * block_keys))
-    return sorted({min(most, max(1, -(-k * sms // programs))) for k in (1, 2, 4)})
+    return sorted({min(most, max(1, k * sms // programs)) for k in (1, 2, 4)})
 
 
 def combine_min_rows(tp, has_dot: bool) -> int:
