@@ -42,7 +42,6 @@ KEYS = ["dtype", "B", "Hq", "Hkv", "S", "D", "causal", "neptune_eq", *PEERS, "vs
 
 def peers(q, k, v, causal, g):
     """name -> (callable, note) for SDPA/cuDNN, SDPA/flash and FlexAttention."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import neptune_ops as nb
@@ -167,44 +166,67 @@ def write(out: Path, rows: list[dict], meta: dict, merge: bool) -> None:
     (out / "offgrid.md").write_text("\n".join(md) + "\n")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def sweep_args(doc: str, setups: list[str]) -> argparse.Namespace:
+    """The command line of an off-grid sweep (this one and ``offgrid_decode.py``):
+    ``setups`` describes each setup for --help."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"],
                     choices=["bfloat16", "float16"])
-    ap.add_argument("--setups", type=int, nargs="+", default=list(range(len(SETUPS))),
+    ap.add_argument("--setups", type=int, nargs="+", default=list(range(len(setups))),
                     help="indices into SETUPS: " + "; ".join(
-                        f"{n}: B={b} {hq}/{hkv} S={s} D={d}{' causal' if c else ''}"
-                        for n, (b, hq, hkv, s, d, c) in enumerate(SETUPS)))
+                        f"{n}: {what}" for n, what in enumerate(setups)))
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--merge", action="store_true", help="keep rows of setups not rerun")
     ap.add_argument("--run", default=time.strftime("run-%H%M"), help="label of this run's rows")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def cold_process(name: str) -> dict:
+    """A sweep's process made cold and its table's header: empty neptune_eq and Triton
+    caches (every build a miss: no compile of an earlier run reused), and the process's
+    one-time start (CUDA context, first compiles) paid before the rows and reported apart,
+    as neptune_ops does -- each row's cold_s is its operator's own build (the first row of
+    session 47's run took 19.6 s, the same shape in the other dtype 13.8)."""
     import os
     import tempfile
     import torch
     import triton
-    os.environ["NEPTUNE_EQ_CACHE"] = tempfile.mkdtemp(prefix="neptune_eq_offgrid_")  # cold = miss
-    # ... no Triton compile of an earlier run reused, and the process's one-time start (CUDA
-    # context, first compiles) paid before the rows and reported apart, as neptune_ops does:
-    # each row's cold_s is its operator's own build (the first row of session 47's run took
-    # 19.6 s, the same shape in the other dtype 13.8)
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_offgrid_")
+    os.environ["NEPTUNE_EQ_CACHE"] = tempfile.mkdtemp(prefix=f"neptune_eq_{name}_")
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton_{name}_")
     from neptune_ops import process_warmup
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"), "command": "python " + " ".join(sys.argv),
-            "process_warmup_s": process_warmup()}
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+            "command": "python " + " ".join(sys.argv), "process_warmup_s": process_warmup()}
+
+
+def sweep(a: argparse.Namespace, name: str, setups: list, run_setup, write, failed_row) -> None:
+    """Run an off-grid sweep's chosen setups in each dtype in a cold process
+    (``cold_process``), writing the table after every row; a setup that fails is
+    recorded (``failed_row(setup, dtype, exception, run)``) and the sweep goes on."""
+    import torch
+    meta = cold_process(name)
     rows = []
     for dtype in a.dtypes:
         for n in a.setups:
             try:
-                rows.append(run_setup(SETUPS[n], dtype, a.run))
+                rows.append(run_setup(setups[n], dtype, a.run))
             except Exception as ex:  # noqa: BLE001 - record and go on
                 print(f"{dtype} setup {n}: FAILED {type(ex).__name__}: {ex}", flush=True)
-                b, hq, hkv, s, d, c = SETUPS[n]
-                rows.append({"dtype": dtype, "B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d, "causal": c,
-                             "neptune_eq": f"failed: {type(ex).__name__}", "run": a.run})
+                rows.append(failed_row(setups[n], dtype, ex, a.run))
             torch.cuda.empty_cache()
             write(Path(a.out), rows, meta, a.merge)
+
+
+def _failed(setup, dtype, ex, run) -> dict:
+    b, hq, hkv, s, d, c = setup
+    return {"dtype": dtype, "B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d, "causal": c,
+            "neptune_eq": f"failed: {type(ex).__name__}", "run": run}
+
+
+def main():
+    a = sweep_args(__doc__, [f"B={b} {hq}/{hkv} S={s} D={d}{' causal' if c else ''}"
+                             for b, hq, hkv, s, d, c in SETUPS])
+    sweep(a, "offgrid", SETUPS, run_setup, write, _failed)
 
 
 if __name__ == "__main__":

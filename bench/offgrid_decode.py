@@ -24,7 +24,6 @@ offgrid_decode.{json,md} under --out (``--merge`` keeps rows of setups not rerun
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -187,42 +186,16 @@ def write(out: Path, rows: list[dict], meta: dict, merge: bool) -> None:
     (out / "offgrid_decode.md").write_text("\n".join(md) + "\n")
 
 
+def _failed(setup, dtype, ex, run) -> dict:
+    b, hq, hkv, s, d = setup
+    return {"dtype": dtype, "B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d,
+            "called_neptune_eq": f"failed: {type(ex).__name__}: {ex}"[:200], "run": run}
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"],
-                    choices=["bfloat16", "float16"])
-    ap.add_argument("--setups", type=int, nargs="+", default=list(range(len(SETUPS))),
-                    help="indices into SETUPS: " + "; ".join(
-                        f"{n}: B={b} {hq}/{hkv} S={s} D={d}"
-                        for n, (b, hq, hkv, s, d) in enumerate(SETUPS)))
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--merge", action="store_true", help="keep rows of setups not rerun")
-    ap.add_argument("--run", default=time.strftime("run-%H%M"), help="label of this run's rows")
-    a = ap.parse_args()
-    import os
-    import tempfile
-    import torch
-    import triton
-    # cold = a miss of both caches; the process's one-time start is paid and reported apart
-    os.environ["NEPTUNE_EQ_CACHE"] = tempfile.mkdtemp(prefix="neptune_eq_offgrid_decode_")
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_offgrid_decode_")
-    from neptune_ops import process_warmup
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
-            "command": "python " + " ".join(sys.argv), "process_warmup_s": process_warmup()}
-    rows = []
-    for dtype in a.dtypes:
-        for n in a.setups:
-            try:
-                rows.append(run_setup(SETUPS[n], dtype, a.run))
-            except Exception as ex:  # noqa: BLE001 - record and go on
-                print(f"{dtype} setup {n}: FAILED {type(ex).__name__}: {ex}", flush=True)
-                b, hq, hkv, s, d = SETUPS[n]
-                rows.append({"dtype": dtype, "B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d,
-                             "called_neptune_eq": f"failed: {type(ex).__name__}: {ex}"[:200],
-                             "run": a.run})
-            torch.cuda.empty_cache()
-            write(Path(a.out), rows, meta, a.merge)
+    from offgrid import sweep, sweep_args
+    a = sweep_args(__doc__, [f"B={b} {hq}/{hkv} S={s} D={d}" for b, hq, hkv, s, d in SETUPS])
+    sweep(a, "offgrid_decode", SETUPS, run_setup, write, _failed)
 
 
 if __name__ == "__main__":
