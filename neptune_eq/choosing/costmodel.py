@@ -209,7 +209,7 @@ def best_estimate(plan: TilePlan, device: Device, few_rows: tuple = ()) -> Estim
         for bk in (32, 64, 128):
             if plan.split:
                 base = -(-plan.row_extent // br) * math.prod(plan.grid_extent(a) for a in plan.grid_axes)
-                for k in split_factors(base, keys, bk, device.sms):
+                for k in split_factors(base, keys, bk, device.sms, past_waves=True):
                     out.append(estimate(plan, device, br, bk, k))
             else:
                 out.append(estimate(plan, device, br, bk))

@@ -46,7 +46,8 @@ def _plain(f) -> bool:
     return f.op == "splitk" and not accessed(f.term.args[1], ("run", "prev"))
 
 
-def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list[int]:
+def split_factors(programs: int, extent: int, block_keys: int, sms: int,
+                  past_waves: bool = False) -> list[int]:
     """Split factors worth considering for a grid of ``programs``: for one, two and four
     programs an SM, the most that do not overfill ``sms`` (at most k·sms programs: whole
     waves where an SM holds one program), with chunks of at least two key blocks.
@@ -58,9 +59,16 @@ def split_factors(programs: int, extent: int, block_keys: int, sms: int) -> list
     2048 and 8192 keys, and for GQA's 8 programs (16 or 17 splits), the pairs timed within
     2% of each other (sessions 23 and 48).  Offering both doubled the configs a decode's
     cold choice times: causal decode at 8192 keys built in 13.9 s with both, 8.4 with
-    these (H200, session 48)."""
+    these (H200, session 48).
+
+    ``past_waves``: the fewest that fill them instead, as the cost model weighs split-k
+    (``costmodel.best_estimate``): its ranking of split-k against the rolling form was
+    fit so, and with whole waves it put split-k ahead for a 1000-key prefill, which the
+    GPU never measured faster (``bench/results/grid_evidence.md``: rolling won all 44
+    prefill rows that timed both, by 1.11-1.69x)."""
     most = max(1, extent // (2 * block_keys))
-    return sorted({min(most, max(1, k * sms // programs)) for k in (1, 2, 4)})
+    fill = (lambda k: -(-k * sms // programs)) if past_waves else (lambda k: k * sms // programs)
+    return sorted({min(most, max(1, fill(k))) for k in (1, 2, 4)})
 
 
 def combine_min_rows(tp, has_dot: bool) -> int:
