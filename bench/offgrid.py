@@ -40,26 +40,37 @@ KEYS = ["dtype", "B", "Hq", "Hkv", "S", "D", "causal", "neptune_eq", *PEERS, "vs
         "best_peer", "notes", "cold_s", "config", "structure", "run"]
 
 
-def peers(q, k, v, causal, g):
-    """name -> (callable, note) for SDPA/cuDNN, SDPA/flash and FlexAttention."""
+def sdpa_peers(q, k, v, g, causal=False) -> dict:
+    """name -> (callable(q, k, v), note) for SDPA restricted to cuDNN and to FlashAttention-2:
+    grouped K/V where the backend takes it (tried on these inputs), else "K/V expanded" --
+    the callable then wants K and V expanded to every query head, which the caller does
+    beforehand, outside the timed call."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    import neptune_ops as nb
     out = {}
-    ke, ve = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if g > 1 else (k, v)
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        def grouped(backend=backend):
+        def grouped(q, k, v, backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=g > 1)
 
-        def expanded(backend=backend):
+        def expanded(q, k, v, backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         try:
-            grouped()
+            grouped(q, k, v)
             out[name] = (grouped, "")
         except Exception:  # noqa: BLE001 - this backend does not take grouped K/V (or the shape)
             out[name] = (expanded, "K/V expanded")
+    return out
+
+
+def peers(q, k, v, causal, g):
+    """name -> (callable, note) for SDPA/cuDNN, SDPA/flash and FlexAttention."""
+    import neptune_ops as nb
+    out = {}
+    ke, ve = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if g > 1 else (k, v)
+    for name, (fn, note) in sdpa_peers(q, k, v, g, causal).items():
+        out[name] = ((lambda fn=fn: fn(q, ke, ve)) if note else (lambda fn=fn: fn(q, k, v)), note)
     if nb.FLEX is not None:
         bm = nb.create_block_mask(lambda b, h, i, j: j <= i, 1, 1, q.shape[2], k.shape[2],
                                   device="cuda") if causal else None

@@ -47,25 +47,11 @@ MODES = ("called", "graphed", "dram")
 
 
 def peers(q, k, v, g):
-    """name -> (callable(q, k, v), note) for SDPA/cuDNN, SDPA/flash and FlexAttention."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """name -> (callable(q, k, v), note) for SDPA/cuDNN, SDPA/flash (``offgrid.sdpa_peers``)
+    and FlexAttention."""
     import neptune_ops as nb
-    out = {}
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("flash", SDPBackend.FLASH_ATTENTION)):
-        def grouped(q, k, v, backend=backend):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=g > 1)
-
-        def expanded(q, k, v, backend=backend):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v)
-        try:
-            grouped(q, k, v)
-            out[name] = (grouped, "")
-        except Exception:  # noqa: BLE001 - this backend does not take grouped K/V (or the shape)
-            out[name] = (expanded, "K/V expanded")
+    from offgrid import sdpa_peers
+    out = sdpa_peers(q, k, v, g)
     if nb.FLEX is not None:
         out["flex"] = (lambda q, k, v: nb.FLEX(q, k, v, enable_gqa=g > 1), "")
     return out
