@@ -2,6 +2,7 @@
 as called and on the GPU alone, beside SDPA and FlexAttention in the same process.
 
     python bench/decode_configs.py [--ops gqa-dc causal-dc] [--seqs 2048 8192]
+                                   [--offgrid B,Hq,Hkv,S,D[,dtype] ...]
                                    [--sweep] [--kernels] [--combine-tile N] [--out DIR]
 
 At decode lengths a call is host-bound: ``do_bench`` of a call measures the host's launch
@@ -65,6 +66,22 @@ def sweep(ks, template: TileConfig, S: int) -> list[TileConfig]:
     return out
 
 
+def rolling_sweep(template: TileConfig, S: int) -> list[TileConfig]:
+    """The one-pass (not split-k) decode kernel's wider grid: key blocks 32..256 x 2..5
+    stages x 4 and 8 warps, pointer loads and tensor descriptors -- where a batch fills
+    the GPU without splitting the keys, what its loop's depth and block are worth."""
+    out = []
+    for bl in (32, 64, 128, 256):
+        if bl > max(32, S):
+            continue
+        for st in (2, 3, 4, 5):
+            for w in (4, 8):
+                for tma in (False, True):
+                    blocks = {k: (bl if k == "B_L" else v) for k, v in template.blocks.items()}
+                    out.append(TileConfig(blocks, w, st, tma=tma))
+    return out
+
+
 def device_kernels(fns: list) -> list[dict]:
     """Each kernel's GPU microseconds per call (torch profiler), the calls rotating over
     the copies of the inputs as the cold column does: where the time of a call goes."""
@@ -78,9 +95,41 @@ def device_kernels(fns: list) -> list[dict]:
                     "launches": 0}]
 
 
+def offgrid_setup(text: str):
+    """(program, inputs, TB of K+V, peers of a copy of the inputs) of an off-grid decode
+    ``B,Hq,Hkv,S,D[,dtype]``: one query per sequence at the cache's end, as
+    ``bench/offgrid_decode.py`` runs it, with its peers (cuDNN, flash, Flex)."""
+    import offgrid_decode
+    parts = text.split(",")
+    dtype = "float16" if parts[-1].isdigit() else parts.pop()
+    b, hq, hkv, s, d = map(int, parts)
+    g = hq // hkv
+    torch.manual_seed(0)
+    tdt = getattr(torch, dtype)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=tdt)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=tdt)
+    v = torch.randn_like(k)
+
+    def peers_of(a):
+        out = {}
+        for name, (fn, note) in offgrid_decode.peers(*a, g).items():
+            ea = (a[0], a[1].repeat_interleave(g, 1), a[2].repeat_interleave(g, 1)) if note else a
+            out[name] = lambda fn=fn, ea=ea: fn(*ea)
+        return out
+    work = 2 * b * hkv * s * d * k.element_size() / 1e12
+    return ne.attention(b, hq, 1, s, d, dtype, kv_heads=hkv), (q, k, v), work, peers_of
+
+
 def one(op: str, S: int, wide: bool, kernels: bool = False) -> dict:
-    out, spec, work, unit = ops.build(op, S)
-    q, k, v, slopes, args = ops.make_inputs(spec)
+    if op.startswith("offgrid:"):
+        out, args, work, peers_of = offgrid_setup(op[len("offgrid:"):])
+        S = args[1].shape[2]
+    else:
+        out, spec, work, unit = ops.build(op, S)
+        q, k, v, slopes, args = ops.make_inputs(spec)
+
+        def peers_of(a):
+            return {n: f for n, f in ops.peers(spec, *a[:3], slopes).items() if n != "compile"}
     kern = ne.superoptimize(out, target="cuda", top_k=2)
     ours = kern(*args)
     row = {"op": op, "S": S, "chosen": str(kern.config), "structure": kern.chosen_row.structure,
@@ -88,9 +137,8 @@ def one(op: str, S: int, wide: bool, kernels: bool = False) -> dict:
     copies = copy_inputs(list(args), input_copies(list(args), torch.cuda.get_device_properties(0).L2_cache_size))
     fns = {"neptune_eq (chosen)": [lambda a=a: kern(*a) for a in copies]}
     for a in copies:  # each peer once per copy of the inputs (its block mask included)
-        for name, fn in ops.peers(spec, *a[:3], slopes).items():
-            if name != "compile":
-                fns.setdefault(name, []).append(fn)
+        for name, fn in peers_of(a).items():
+            fns.setdefault(name, []).append(fn)
     for name, fn in fns.items():
         try:
             if (fn[0]().float() - ours.float()).abs().max().item() > 2e-2:
@@ -112,9 +160,10 @@ def one(op: str, S: int, wide: bool, kernels: bool = False) -> dict:
             continue
         tensors = timing_tensors(r.program, dict(zip([p.name for p in r.program.inputs], args)))
         configs = [c for c, ms, _ in r.timings if ms is not None]
-        if wide and r.chosen and r.config.splits:
+        if wide and r.config.splits or wide and r.chosen:
             seen = {str(c) for c in configs}
-            configs += [c for c in sweep(r.kernel, r.config, S) if str(c) not in seen]
+            more = sweep(r.kernel, r.config, S) if r.config.splits else rolling_sweep(r.config, S)
+            configs += [c for c in more if str(c) not in seen]
             compile_in_parallel([(r.program, r.kernel, c) for c in configs], "cuda", tensors)
         called = time_configs(r.program, r.kernel, "cuda", tensors, configs, host=True)
         cold = time_configs(r.program, r.kernel, "cuda", tensors, configs)
@@ -167,7 +216,7 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["gqa-dc", "causal-dc", "alibi-dc", "softcap-dc"])
+    ap.add_argument("--ops", nargs="*", default=["gqa-dc", "causal-dc", "alibi-dc", "softcap-dc"])
     ap.add_argument("--seqs", nargs="+", type=int, default=[2048, 8192])
     ap.add_argument("--sweep", action="store_true", help="also a wider grid than the offered one")
     ap.add_argument("--kernels", action="store_true",
@@ -175,9 +224,15 @@ def main() -> None:
     ap.add_argument("--combine-tile", type=int, default=None,
                     help="values a combine step folds (runtime.launcher.COMBINE_TILE): fewer "
                          "spread the two-launch combine over more programs")
+    ap.add_argument("--offgrid", nargs="*", default=[], metavar="B,Hq,Hkv,S,D[,dtype]",
+                    help="also off-grid decodes as bench/offgrid_decode.py runs them "
+                         "(e.g. 16,32,8,2000,128,bfloat16)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = ap.parse_args()
+    a.ops += [f"offgrid:{x}" for x in a.offgrid]
     for op in a.ops:
+        if op.startswith("offgrid:"):
+            continue
         if op not in ops.OPS or not ops.OPS[op][2]:
             ap.error(f"expected decode operators of bench/neptune_ops.py "
                      f"({[o for o, s in ops.OPS.items() if s[2]]}), got {op!r}")
@@ -189,7 +244,7 @@ def main() -> None:
             "command": "python bench/decode_configs.py " + " ".join(sys.argv[1:])}
     rows = []
     for op in a.ops:
-        for S in a.seqs:
+        for S in ([0] if op.startswith("offgrid:") else a.seqs):
             rows.append(one(op, S, a.sweep, a.kernels))
             write(a.out, rows, meta)  # after each setup: a cut-off run keeps what it measured
 
