@@ -129,6 +129,21 @@ def test_split_k_combine_spreads_the_head_dim_over_programs(monkeypatch):
     assert (got.double() - ref).abs().max().item() <= 1e-5
 
 
+def test_split_k_combine_of_few_programs_spreads_the_width_to_one_line_a_row():
+    """Two KV heads make two combine programs at full width: the width is halved while
+    the programs do not fill the SMs, down to 32 fp32 values (one 128-byte line) a row --
+    not further, however few programs that leaves."""
+    out = ne.attention(1, 4, 1, 70, 128, "float32", kv_heads=2, mask_mod=_causal(1, 70))
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    row = _split_row(kern)
+    la = Launcher(row.program, row.kernel, "interpreter", candidate_configs(row.kernel, "interpreter")[0])
+    assert la._combine_shape(3) == (4, {"B_e": 32}, 4)
+    ins = random_inputs(kern.input_program)
+    got = _run_row(row, kern.input_program, ins, 3)
+    ref = evaluate(kern.input_program, ins)["o"]
+    assert (got.double() - ref).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("chain", examples.CHAINS + ["softmax"])
 def test_split_k_of_every_chain_equals_the_reference(chain, monkeypatch):
     """Partials re-based by the derived h: log-sum-exp (a fold output), h = sqrt(s/s'),

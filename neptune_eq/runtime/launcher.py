@@ -6,6 +6,7 @@ without one the defaults are used.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import itertools
@@ -234,10 +235,23 @@ class Launcher:
             axis, ext = self.ks.combine_width
             bp = min(all_p, 64)
             bw = max(16, min(ext, _pow2_floor(tile // (bp * rows))))
+            # A decode's combine has few rows: spread the width further while its programs
+            # do not yet fill the SMs once, down to one 128-byte line of fp32 a row
+            programs = self._combine_grid(rows)[0] * self.ks.grid_size
+            while bw > COMBINE_LINE and programs * -(-ext // bw) < self._sms():
+                bw //= 2
             bp = max(2, min(bp, _pow2_floor(max(1, tile // (rows * bw)))))
             return bp, {f"B_{axis}": bw}, -(-ext // bw)
         width = max(self.ks.scratch.values())
         return max(2, min(64, tile // (rows * width), all_p)), {}, 1
+
+    def _sms(self) -> int:
+        """Streaming multiprocessors of the GPU this launcher runs on (an H100/H200's
+        132 in the interpreter, where the combine's shape only has to be valid)."""
+        if self.target != "cuda":
+            return 132
+        import torch
+        return _device_sms(torch.cuda.current_device())
 
     def _combine_rows(self, fused: bool) -> int:
         """Rows a combine folds per program (``kernelgen.COMBINE_ROWS``): the
@@ -413,6 +427,19 @@ class Launcher:
 # decode 0.90 vs 0.84 TB/s from DRAM (H200, bench/results/decode_s24/).
 COMBINE_TILE = 4096
 COMBINE_PROGRAMS = 512  # a combine with later passes: about 4 programs an SM of an H100/H200
+# The narrowest width a two-launch combine program takes while spreading the width to fill
+# the SMs (``Launcher._combine_shape``): 32 fp32 values, one 128-byte line of a row.  Batched
+# GQA decode's combine (B=4, 32/8 heads, 8 partials, 32 programs at 128 wide) ran 2.96 us at
+# 128 wide, 2.18 at 64 and 1.74 at 32 (128 programs; cuDNN's reduction 2.13); B=1's (8
+# programs a width, 16 partials) 2.60 at 64 wide, 2.18 at 32 and 2.51 at 16 (H200, session
+# 49, ``bench/decode_configs.py --kernels --combine-tile``, bench/results/s49/).
+COMBINE_LINE = 32
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _pow2_floor(n: int) -> int:
