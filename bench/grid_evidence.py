@@ -77,7 +77,7 @@ def main() -> None:
     lines = ["# Decode tile configs against the best of their case", "",
              "`python bench/grid_evidence.py` over "
              f"{len(files)} `decode_configs` runs ({cases} cases: operator x length x run; "
-             "H100 and H200, sessions 11-48). Speed = the config's cold TB/s (K/V from DRAM, "
+             "H100 and H200, sessions 11-49). Speed = the config's cold TB/s (K/V from DRAM, "
              "GPU alone) / the best offered config's in the same case.", "",
              "| kind left out of the decode grid | timings | best speed vs the case's best | median "
              "| the case's best without the kind: worst case | where |",
