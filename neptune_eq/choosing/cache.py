@@ -73,7 +73,7 @@ def lowering_switches() -> dict:
     return {"max_before_scale": lower.MAX_BEFORE_SCALE, "block_shift": block_shift.ENABLED,
             "ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,
             "ws_dynamic": gluon_ws.DYNAMIC, "ws_pingpong": gluon_ws.PINGPONG,
-            "ws_dynamic_timed": gluon_ws.DYNAMIC_TIMED,
+            "ws_dynamic_timed": gluon_ws.DYNAMIC_TIMED, "ws_dynamic_keys": gluon_ws.DYNAMIC_KEYS,
             "ws_dynamic_heads_first": gluon_tiles.DYNAMIC_HEADS_FIRST,
             "ws_solo": gluon_ws.SOLO, "ws_wide": gluon_ws.WIDE,
             "ws_own_blocks": gluon_ws.OWN_BLOCKS, "ws_own_past_rows": gluon_ws.OWN_PAST_ROWS,

@@ -73,6 +73,9 @@ DYNAMIC = False    # ... tiles of a data mask too, taken from a counter (see gen
 # A data mask's two-consumer form comes with its dynamic walk as a second form the timer
 # weighs (``GluonForm.dynamic``, ``TileConfig.dynamic``) when on; see generate.
 DYNAMIC_TIMED = os.environ.get("NEPTUNE_EQ_GLUON_DYNAMIC", "1") == "1"
+# The key blocks that walk is offered at (see ``_dynamic_form``);
+# NEPTUNE_EQ_GLUON_DYNAMIC_KEYS=64,128 offers both (A/B).
+DYNAMIC_KEYS = tuple(int(b) for b in os.environ.get("NEPTUNE_EQ_GLUON_DYNAMIC_KEYS", "64").split(","))
 # A data mask's form comes with its one-consumer form (see generate) when on.  On since
 # session 38: with its products pipelined again (``p_used`` below) it is the fastest
 # form on short documents (H200, fp16: jagged S=8192 0.127 ms against the tl form's
@@ -581,5 +584,5 @@ def _dynamic_form(plan: TilePlan, name: str) -> GluonForm:
     tile (measured in ``generate``), at 64-key blocks only: at 128 keys the walk was -6% to
     +1% against one program per tile (H200 session 28, H100 session 39)."""
     form = generate(plan, f"{name}_dyn", 2, dynamic=True)
-    form.key_blocks = tuple(b for b in form.key_blocks if b == 64) or form.key_blocks
+    form.key_blocks = tuple(b for b in form.key_blocks if b in DYNAMIC_KEYS) or form.key_blocks
     return form
