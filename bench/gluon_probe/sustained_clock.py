@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,7 @@ import neptune_eq as ne  # noqa: E402
 import torch  # noqa: E402
 
 import neptune_ops as ops  # noqa: E402
+from gpu_clocks import sampled_clocks  # noqa: E402
 
 
 def main():
@@ -35,26 +35,12 @@ def main():
         args = ops.make_inputs(spec)[-1]  # (q, k, v[, slopes]), as the table calls it
         kern(*args)
         torch.cuda.synchronize()
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
-                                "--format=csv,noheader,nounits", "-lms", "100"],
-                               stdout=subprocess.PIPE, text=True)
-        t0 = time.time()
-        marks = []  # (wall time, calls done, GPU ms of the second)
-        while time.time() - t0 < a.seconds:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            n = 0
-            t1 = time.time()
-            while time.time() - t1 < 1.0 and n < 200:
-                kern(*args)
-                n += 1
-            end.record()
-            end.synchronize()
-            marks.append((time.time() - t0, n, start.elapsed_time(end)))
-        smi.terminate()
-        samples = [ln.split(", ") for ln in smi.communicate()[0].splitlines() if ln.count(",") == 2]
-        clocks = [float(s[1]) for s in samples]
-        power = [float(s[2]) for s in samples]
+        with sampled_clocks() as smi:
+            marks = run_for(kern, args, a.seconds)
+        clocks = [c for c, _, _ in smi.samples]
+        power = [w for _, w, _ in smi.samples]
+        if not clocks:
+            raise SystemExit(smi.summary()["clock_note"])
         k = max(1, int(len(clocks) / a.seconds))  # samples in a second
 
         def tf(m):
@@ -64,6 +50,24 @@ def main():
                           "clock_first_last": [statistics.median(clocks[:k]), statistics.median(clocks[-k:])],
                           "power_first_last": [statistics.median(power[:k]), statistics.median(power[-k:])]}),
               flush=True)
+
+
+def run_for(kern, args, seconds: float) -> list:
+    """``kern(*args)`` back to back for ``seconds``: (wall time, calls, GPU ms) per second."""
+    t0 = time.time()
+    marks = []  # (wall time, calls done, GPU ms of the second)
+    while time.time() - t0 < seconds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        n = 0
+        t1 = time.time()
+        while time.time() - t1 < 1.0 and n < 200:
+            kern(*args)
+            n += 1
+        end.record()
+        end.synchronize()
+        marks.append((time.time() - t0, n, start.elapsed_time(end)))
+    return marks
 
 
 if __name__ == "__main__":
