@@ -17,7 +17,6 @@
    config, output and lse against SDPA / torch.
 
 ``--only-key-blocks``: the Gluon form's time at each key block and ring depth (one process).
-
 Writes DIR/gluon_validate.json (one row per case) and prints each row.
 """
 import argparse
@@ -54,10 +53,8 @@ MODS = {  # variant -> (ne mods, torch score_mod(s, h, q, kv), torch mask_mod(q,
                     lambda q, kv: (q >= kv) & (q >= 5)),
 }
 
-
-# the three-consumer form's checks (``GluonForm.wide``, head dim 64, 192-row programs):
-# odd lengths, a tile count not a multiple of 3 rows blocks, both walks, rings 2 and 3, and
-# 128-key blocks, which the product does not offer (ptxas spills there) but must be right
+# the three-consumer form's checks (``GluonForm.wide``, head dim 64, 192-row programs): odd
+# lengths, a tile count not a multiple of 3 row blocks, both walks and key blocks, rings 2-4
 WIDE_CHECKS = [(1, 3, 300, 64, "float16", False, {"key_block": 64}),
                (2, 3, 555, 64, "bfloat16", True, {"key_block": 64, "stages": 3}),
                (2, 2, 777, 64, "bfloat16", True, {"key_block": 64, "per_tile": True}),
@@ -511,9 +508,8 @@ def row_runner(rows, after=None):
     return run
 
 
-# The dynamic walk's checks (tiles taken from a counter, heads first; 64-key blocks, as
-# offered): (B, H, S, D, dtype, scores x8, further options); 13 heads: a tile count no
-# multiple of the row blocks, so heads first interleaves them unevenly
+# The dynamic walk's checks (tiles from a counter, heads first, 64-key blocks as offered): (B, H,
+# S, D, dtype, scores x8, options); 13 heads: heads first interleaves the row blocks unevenly
 DYNAMIC_CHECKS = ((1, 2, 1000, 128, "float16", False, {"key_block": 64}),
                   (2, 3, 777, 128, "bfloat16", True, {"key_block": 64, "stages": 3}),
                   (2, 3, 555, 64, "bfloat16", True, {"key_block": 64}),
@@ -523,27 +519,23 @@ DYNAMIC_CHECKS = ((1, 2, 1000, 128, "float16", False, {"key_block": 64}),
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--skip-choice", action="store_true")
-    ap.add_argument("--only-tanh", action="store_true", help="only the softcap tanh forms")
-    ap.add_argument("--skip-tanh", action="store_true", help="no softcap tanh forms")
     ap.add_argument("--head-dim", type=int, default=128, choices=sorted(PERSISTENCE_CASES),
                     help="the --only-persistence cases' head dim")
-    ap.add_argument("--only-persistence", action="store_true",
-                    help="only the persistent / one-program-per-tile A/B")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="check only these variants (MODS and DATA names)")
-    ap.add_argument("--only-key-blocks", action="store_true",
-                    help="only the Gluon form at each key block and ring depth")
-    ap.add_argument("--only-data-persistence", action="store_true",
-                    help="only the data masks' dynamic walk / one-program-per-tile A/B")
     ap.add_argument("--cases", nargs="+", default=None,
                     help="--only-data-persistence: only these variant:S cases (jagged:32768)")
     ap.add_argument("--walks", nargs="+", default=None,
                     help="--only-data-persistence: only these walks (and per_tile_keys64)")
-    ap.add_argument("--only-wide", action="store_true",
-                    help="only the three-consumer form's checks (head dim 64, 192 rows)")
-    ap.add_argument("--only-dynamic", action="store_true",
-                    help="only the data masks' dynamic walk (GluonForm.dynamic) checks")
+    for flag, what in (
+            ("--skip-choice", "no cold choices at S=8192"),
+            ("--only-tanh", "only the softcap tanh forms"), ("--skip-tanh", "no softcap tanh forms"),
+            ("--only-persistence", "only the persistent / one-program-per-tile A/B"),
+            ("--only-key-blocks", "only the Gluon form at each key block and ring depth"),
+            ("--only-data-persistence", "only the data masks' dynamic walk / one-program-per-tile A/B"),
+            ("--only-wide", "only the three-consumer form's checks (head dim 64, 192 rows)"),
+            ("--only-dynamic", "only the data masks' dynamic walk (GluonForm.dynamic) checks")):
+        ap.add_argument(flag, action="store_true", help=what)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
@@ -567,12 +559,10 @@ def main():
         return write(rows, args.out)
     if args.only_persistence or args.only_key_blocks:
         for row in persistence(args.head_dim) if args.only_persistence else key_blocks():
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            run(dict, row)  # (appended and printed)
         return write(rows, args.out)
     for row in () if args.skip_tanh else tanh_forms():
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        run(dict, row)
     for variant in () if args.only_tanh else [v for v in (*MODS, *DATA)
                                               if not args.variants or v in args.variants]:
         run(check, variant, 1, 2, 1000, 128, "float16")
