@@ -40,6 +40,10 @@ class sampled_clocks:
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError as e:
             self._proc, self.error = None, f"nvidia-smi not run: {e}"
+            return self
+        # nvidia-smi takes about a second to start: wait for its first sample, so that the
+        # block's samples are the block's (that one, taken before it, is left out)
+        self._proc.stdout.readline()
         return self
 
     def __exit__(self, *exc):
@@ -57,7 +61,8 @@ class sampled_clocks:
 
     def summary(self) -> dict:
         """Median and lowest SM clock (MHz), median and highest power (W), and the share of
-        samples under the power cap or any thermal slowdown."""
+        samples under the power cap or any thermal slowdown.  One sample per 100 ms: a
+        block as short as ``do_bench``'s default 100 ms gets one or two."""
         if not self.samples:
             return {"clock_note": self.error or "no nvidia-smi samples (the block ran < 100 ms?)"}
         mhz, watts, bits = zip(*self.samples)

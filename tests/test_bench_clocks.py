@@ -11,7 +11,9 @@ import gpu_clocks  # noqa: E402
 class _FakeSmi:
     """nvidia-smi -lms's csv lines, as the real one prints them, header and a cut line too."""
     def __init__(self, *a, **k):
-        pass
+        import io
+        self.stdout = io.StringIO("1980, 120.00, 0x0000000000000000\n")  # before the block
+
 
     def terminate(self):
         pass
