@@ -104,11 +104,7 @@ def offgrid_setup(text: str):
     dtype = "float16" if parts[-1].isdigit() else parts.pop()
     b, hq, hkv, s, d = map(int, parts)
     g = hq // hkv
-    torch.manual_seed(0)
-    tdt = getattr(torch, dtype)
-    q = torch.randn(b, hq, 1, d, device="cuda", dtype=tdt)
-    k = torch.randn(b, hkv, s, d, device="cuda", dtype=tdt)
-    v = torch.randn_like(k)
+    prog, (q, k, v) = offgrid_decode.decode_of((b, hq, hkv, s, d), dtype)
 
     def peers_of(a):
         out = {}
@@ -117,7 +113,7 @@ def offgrid_setup(text: str):
             out[name] = lambda fn=fn, ea=ea: fn(*ea)
         return out
     work = 2 * b * hkv * s * d * k.element_size() / 1e12
-    return ne.attention(b, hq, 1, s, d, dtype, kv_heads=hkv), (q, k, v), work, peers_of
+    return prog, (q, k, v), work, peers_of
 
 
 def one(op: str, S: int, wide: bool, kernels: bool = False) -> dict:

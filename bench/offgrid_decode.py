@@ -72,20 +72,28 @@ def times(fn, args_of, copies, work) -> dict:
     return {m: (work / (ms / 1e3) if isinstance(ms, float) else ms) for m, ms in out.items()}
 
 
+def decode_of(setup, dtype):
+    """(the ``ne.attention`` program, (q, k, v)) of a setup: one query per sequence, inputs
+    drawn from seed 0."""
+    import torch
+    import neptune_eq as ne
+    b, hq, hkv, s, d = setup
+    torch.manual_seed(0)
+    tdt = getattr(torch, dtype)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=tdt)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=tdt)
+    return ne.attention(b, hq, 1, s, d, dtype, kv_heads=hkv), (q, k, torch.randn_like(k))
+
+
 def run_setup(setup, dtype, run):
     import torch
     import neptune_eq as ne
     from neptune_eq.runtime.timing import copy_inputs, input_copies, l2_bytes
     b, hq, hkv, s, d = setup
     g = hq // hkv
-    torch.manual_seed(0)
-    tdt = getattr(torch, dtype)
-    q = torch.randn(b, hq, 1, d, device="cuda", dtype=tdt)
-    k = torch.randn(b, hkv, s, d, device="cuda", dtype=tdt)
-    v = torch.randn_like(k)
+    prog, (q, k, v) = decode_of(setup, dtype)
     t0 = time.perf_counter()
-    kern = ne.superoptimize(ne.attention(b, hq, 1, s, d, dtype, kv_heads=hkv), target="cuda",
-                            top_k=2)
+    kern = ne.superoptimize(prog, target="cuda", top_k=2)
     cold = time.perf_counter() - t0
     ref = torch.softmax((q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2))
                         / math.sqrt(d), -1) @ v.float().repeat_interleave(g, 1)
