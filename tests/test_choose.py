@@ -129,15 +129,20 @@ def test_split_k_combine_spreads_the_head_dim_over_programs(monkeypatch):
     assert (got.double() - ref).abs().max().item() <= 1e-5
 
 
-def test_split_k_combine_of_few_programs_spreads_the_width_to_one_line_a_row():
+@pytest.mark.parametrize("d, sms, width", [(128, 1, 128), (128, 132, 32), (128, 4, 64),
+                                             (48, 132, 32), (48, 1, 64)])
+def test_split_k_combine_spreads_its_width_until_it_fills_the_sms(d, sms, width, monkeypatch):
     """Two KV heads make two combine programs at full width: the width is halved while
-    the programs do not fill the SMs, down to 32 fp32 values (one 128-byte line) a row --
-    not further, however few programs that leaves."""
-    out = ne.attention(1, 4, 1, 70, 128, "float32", kv_heads=2, mask_mod=_causal(1, 70))
+    the programs are fewer than the SMs, down to 32 fp32 values (one 128-byte line) a
+    row and no further -- each width right, the padded head dim 48 too (its last program
+    partly masked)."""
+    monkeypatch.setattr(Launcher, "_sms", lambda self: sms)
+    out = ne.attention(1, 4, 1, 70, d, "float32", kv_heads=2, mask_mod=_causal(1, 70))
     kern = ne.superoptimize(out, target="interpreter", cache=False)
     row = _split_row(kern)
     la = Launcher(row.program, row.kernel, "interpreter", candidate_configs(row.kernel, "interpreter")[0])
-    assert la._combine_shape(3) == (4, {"B_e": 32}, 4)
+    padded = 1 << (d - 1).bit_length()
+    assert la._combine_shape(3) == (4, {"B_e": width}, padded // width)
     ins = random_inputs(kern.input_program)
     got = _run_row(row, kern.input_program, ins, 3)
     ref = evaluate(kern.input_program, ins)["o"]
