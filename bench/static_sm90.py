@@ -58,7 +58,11 @@ def gpu_source(kern):
     return prog, generate(make_plan(prog), bf16_dot_in_fp32=False)
 
 
-def compile_one(prog, ks, cfg, work: Path, python: str | None = None) -> dict:
+def compile_one(prog, ks, cfg, work: Path, python: str | None = None,
+                dump: str | None = None, divisible: tuple = ()) -> dict:
+    """``ks`` at ``cfg`` compiled for sm_90 (``tests/sm90_compile.py``); ``dump``: a folder
+    for its TTGIR and SASS; ``divisible``: parameters to specialise as multiples of 16,
+    as the GPU launch does for such pointers and strides."""
     consts = {**ks.tunables, **cfg.blocks, **{f: False for f in ks.even_flags},
               "TMA": cfg.tma, "WS": cfg.tma and cfg.warp_specialize,
               "LOOP_STAGES": cfg.loop_stages or cfg.num_stages, "VDOT": cfg.vector_dot,
@@ -76,7 +80,8 @@ def compile_one(prog, ks, cfg, work: Path, python: str | None = None) -> dict:
     path = work / f"k{abs(hash(ks.source))}.py"
     path.write_text(ks.source)
     spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": cfg.num_warps,
-            "num_stages": cfg.num_stages, "resources": True}
+            "num_stages": cfg.num_stages, "resources": True,
+            "divisible": [n for n in divisible if n not in consts], **({"dump": dump} if dump else {})}
     return compile_for_sm90(path, ks.name, spec, python=python)
 
 

@@ -7,7 +7,9 @@ Triton compiles for a named target without a driver (``triton.compile`` with a
 tensor descriptors, warp-specialised loops -- is checked for structure on CPU.  It must
 run without ``TRITON_INTERPRET`` (which turns ``@triton.jit`` into the interpreter), hence
 a subprocess.  JSON_SPEC: {"dtypes": {param: "*fp16" | "i32"}, "constexprs": {...},
-"num_warps": 4, "num_stages": 3, "options": {more of Triton's options, e.g. maxnreg}}.  Prints one JSON line: ok, error, and what the PTX
+"num_warps": 4, "num_stages": 3, "options": {more of Triton's options, e.g. maxnreg},
+"dump": DIR (optional: write KERNEL.ttgir and KERNEL.sass there), "divisible": [params
+Triton's launch would specialise as multiples of 16]}.  Prints one JSON line: ok, error, and what the PTX
 uses; with ``"resources": true`` in the spec also registers per thread, spill bytes and
 whether ptxas serialized the wgmma pipeline (its C7513 reason, else None), from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).
 This is the installed Triton's compiler (the line names its version), by default not
@@ -55,8 +57,10 @@ def main():
             sig[name] = f"tensordesc<{short[dt]}[{rows}, {width}],{layout!r}>"
         consts = {(fn.arg_names.index(k),): v for k, v in spec["constexprs"].items()}
         src = GluonASTSource(fn, sig, consts)
-    else:
-        src = ASTSource(fn, signature=sig, constexprs=spec["constexprs"])
+    else:  # "divisible": parameters the GPU launch specialises as multiples of 16
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                 for n in spec.get("divisible", ())}
+        src = ASTSource(fn, signature=sig, constexprs=spec["constexprs"], attrs=attrs)
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
@@ -77,6 +81,13 @@ def main():
            "launch_pdl": bool(getattr(ck.metadata, "launch_pdl", False))}
     if spec.get("resources"):
         out.update(ptxas_resources(ptx, ck.metadata.name))
+    if spec.get("dump"):  # the TTGIR and SASS, to read what the loop became
+        from triton.tools.disasm import get_sass
+        dump = Path(spec["dump"])
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"{kernel}.ttgir").write_text(ck.asm["ttgir"])
+        (dump / f"{kernel}.sass").write_text(get_sass(ck.asm["cubin"]))
+        out["dumped"] = str(dump)
     print(json.dumps(out))
 
 
