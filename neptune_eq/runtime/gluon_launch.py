@@ -28,7 +28,7 @@ from .tile_order import one_tile_per_program, tile_order, tile_work
 from .launch import (FastLaunch, current_stream, dependent_launch, dependent_options,
                      int_classes, launch_hooks, written_outputs)
 from .tma_launch import EncodedLaunch
-from .launcher import Launcher, import_source, same_outputs
+from .launcher import Launcher, device_sms, import_source, same_outputs
 from .tile_configs import TileConfig
 
 GLUON_NEEDS = ("the warp-specialised form needs contiguous streamed inputs and output with "
@@ -105,7 +105,7 @@ class GluonLauncher:
         self._order_on: dict = {}      # ... on each device it ran on
         if form.persistent:  # one program per SM (at most one per tile) walks the tiles
             import torch
-            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            sms = device_sms(torch.cuda.current_device())
             n_tiles = tiles[0] * tiles[1]
             # (``per_tile``: the same kernel, a program per tile -- each walks one)
             self.grid = (n_tiles if config.per_tile else min(sms, n_tiles), 1)

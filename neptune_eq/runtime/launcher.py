@@ -251,7 +251,7 @@ class Launcher:
         if self.target != "cuda":
             return 132
         import torch
-        return _device_sms(torch.cuda.current_device())
+        return device_sms(torch.cuda.current_device())
 
     def _combine_rows(self, fused: bool) -> int:
         """Rows a combine folds per program (``kernelgen.COMBINE_ROWS``): the
@@ -437,7 +437,8 @@ COMBINE_LINE = 32
 
 
 @functools.lru_cache(maxsize=None)
-def _device_sms(index: int) -> int:
+def device_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (asked once)."""
     import torch
     return torch.cuda.get_device_properties(index).multi_processor_count
 
