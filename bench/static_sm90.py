@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from neptune_eq.api import make_plan  # noqa: E402
 from neptune_eq.dropin import flex  # noqa: E402
+from neptune_eq.lowering.dependent_launch import PDL_FLAG  # noqa: E402
 from neptune_eq.lowering.kernelgen import generate  # noqa: E402
 from neptune_eq.runtime.tile_configs import candidate_configs  # noqa: E402
 from neptune_eq.sizes import Guards, specialise  # noqa: E402
@@ -59,14 +60,17 @@ def gpu_source(kern):
 
 
 def compile_one(prog, ks, cfg, work: Path, python: str | None = None,
-                dump: str | None = None, divisible: tuple = ()) -> dict:
+                dump: str | None = None, divisible: tuple = (), kernel: str | None = None) -> dict:
     """``ks`` at ``cfg`` compiled for sm_90 (``tests/sm90_compile.py``); ``dump``: a folder
     for its TTGIR and SASS; ``divisible``: parameters to specialise as multiples of 16,
-    as the GPU launch does for such pointers and strides."""
+    as the GPU launch does for such pointers and strides; ``kernel``: one of the module's
+    kernels other than ``ks.name`` (a split-k module's ``..._partial``)."""
     consts = {**ks.tunables, **cfg.blocks, **{f: False for f in ks.even_flags},
               "TMA": cfg.tma, "WS": cfg.tma and cfg.warp_specialize,
               "LOOP_STAGES": cfg.loop_stages or cfg.num_stages, "VDOT": cfg.vector_dot,
               "ONE_LOOP": cfg.one_loop}
+    if f"{PDL_FLAG}: tl.constexpr" in ks.source:  # launched plainly
+        consts[PDL_FLAG] = False
     # Contiguous inputs: the last dim's stride is 1, which Triton specialises into a
     # constant at launch (its address arithmetic then folds); the same here.
     inputs = {ph.name: ph for ph in prog.inputs}
@@ -77,12 +81,13 @@ def compile_one(prog, ks, cfg, work: Path, python: str | None = None,
     of = {sp.name: sp.tensor for sp in ks.summaries}
     dtypes = {f"{n}_ptr": PTR[prog.dtype_of(of.get(n, n)).replace("bool", "int32")]
               for n in (p[:-4] for p in ks.params)}
+    dtypes.update({f"{n}_ptr": "*fp32" for n in ks.scratch})  # split-k's fold states
     path = work / f"k{abs(hash(ks.source))}.py"
     path.write_text(ks.source)
     spec = {"dtypes": dtypes, "constexprs": consts, "num_warps": cfg.num_warps,
             "num_stages": cfg.num_stages, "resources": True,
             "divisible": [n for n in divisible if n not in consts], **({"dump": dump} if dump else {})}
-    return compile_for_sm90(path, ks.name, spec, python=python)
+    return compile_for_sm90(path, kernel or ks.name, spec, python=python)
 
 
 def main() -> None:

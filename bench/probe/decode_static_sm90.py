@@ -10,7 +10,9 @@ backward branch of the SASS), the CTA-wide barriers, tensor-core and exp2 instru
 async copies, shared-memory loads and stores and warp shuffles.
 
     python bench/probe/decode_static_sm90.py [--setup 16,32,8,2000,128,bfloat16]
-        [--configs 64:4 128:3] [--python /path/to/venv36/bin/python] [--out DIR]
+        [--configs 64:4 128:3] [--split] [--python /path/to/venv36/bin/python] [--out DIR]
+
+``--split``: the split-k candidate's partials kernel instead (B=1 GQA decode's form).
 """
 from __future__ import annotations
 
@@ -51,17 +53,21 @@ def main() -> None:
     ap.add_argument("--setup", default="16,32,8,2000,128,bfloat16", metavar="B,Hq,Hkv,S,D,dtype")
     ap.add_argument("--configs", nargs="+", default=["64:4", "128:3"], metavar="KEYS:STAGES")
     ap.add_argument("--python", default=None, help="compile with this interpreter's Triton")
+    ap.add_argument("--split", action="store_true",
+                    help="the split-k candidate's partials kernel, not the one-pass kernel")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_static_sm90"))
     a = ap.parse_args()
     *dims, dtype = a.setup.split(",")
     b, hq, hkv, s, d = map(int, dims)
     prog = ne.attention(b, hq, 1, s, d, dtype, kv_heads=hkv)
     kern = ne.superoptimize(prog, target="interpreter", cache=False, top_k=2)
-    row = next((r for r in kern.candidates if r.plan is not None and not r.plan.split), None)
+    row = next((r for r in kern.candidates
+                if r.plan is not None and bool(r.plan.split) == a.split), None)
     if row is None:
-        raise SystemExit(f"Expected a one-pass candidate for {a.setup}; got "
-                         f"{[r.structure for r in kern.candidates]}")
+        raise SystemExit(f"Expected a {'split-k' if a.split else 'one-pass'} candidate for "
+                         f"{a.setup}; got {[r.structure for r in kern.candidates]}")
     ks = generate(row.plan, bf16_dot_in_fp32=False)
+    name = f"{ks.name}_partial" if a.split else ks.name
     # contiguous tensors of these shapes: which strides the launch sees as multiples of 16
     shapes = {ph.name: ph.shape for ph in row.program.inputs}
     shapes.update({o: row.program.shape_of(o) for o in row.program.outputs})
@@ -73,15 +79,15 @@ def main() -> None:
     rows = []
     for c in a.configs:
         keys, stages = map(int, c.split(":"))
-        cfg = TileConfig({f"B_{ks.block_axis}": 16, "B_L": keys}, 4, stages)
+        cfg = TileConfig({f"B_{ks.block_axis}": 16, "B_L": keys}, 4, stages, splits=8 if a.split else 0)
         where = out / f"keys{keys}_stages{stages}"
         with tempfile.TemporaryDirectory() as tmp:
             res = static_sm90.compile_one(row.program, ks, cfg, Path(tmp), a.python, str(where),
-                                          tuple(divisible))
+                                          tuple(divisible), kernel=name)
         if not res.get("ok"):
             raise SystemExit(f"{cfg}: the sm_90 compile failed: {res.get('error')}")
-        loop = key_loop((where / f"{ks.name}.sass").read_text())
-        got = {"setup": a.setup, "config": str(cfg), "triton": res.get("triton"),
+        loop = key_loop((where / f"{name}.sass").read_text())
+        got = {"setup": a.setup, "kernel": name, "config": str(cfg), "triton": res.get("triton"),
                "registers": res.get("registers"), "shared": res.get("shared"),
                "loop_instructions": len(loop),
                **{k: sum(bool(re.search(p, ln)) for ln in loop) for k, p in COUNTED.items()}}
