@@ -40,7 +40,8 @@ from neptune_eq.runtime.timing import copy_inputs, device_ms, input_copies  # no
 
 def sweep(ks, template: TileConfig, S: int) -> list[TileConfig]:
     """Key blocks 32..256 x split factors 2..64 (chunks of at least one key block) x one
-    and two launches, at 4 warps / 3 stages, in the tensor-core form; where the kernel has
+    and two launches, at 4 warps / 3 stages, in the tensor-core form, and one-warp programs
+    at 16..64 keys x 8..128 splits; where the kernel has
     a CUDA-core form (one or two rows, ``codegen.VDOT``), that form at 16..128 keys x 4
     and 8 warps x split factors 4..128 too, in programs of exactly the kernel's rows."""
     out = []
@@ -53,6 +54,15 @@ def sweep(ks, template: TileConfig, S: int) -> list[TileConfig]:
                       for k, v in template.blocks.items()}
             for fused in (False, True):
                 out.append(TileConfig(blocks, 8 if bl == 256 else 4, 3, sp, fused=fused))
+    # one warp a program, four times the splits: no warps to exchange a block's row max,
+    # sum and P across -- 2 CTA barriers a key block against 9 at four warps (Triton 3.6,
+    # sm_90, bench/probe/decode_static_sm90.py; session 49)
+    for bl in (16, 32, 64):
+        for sp in (8, 16, 32, 64, 128):
+            if S // sp >= bl:
+                blocks = {k: (bl if k == "B_L" else 16 if k == rows else v)
+                          for k, v in template.blocks.items()}
+                out.append(TileConfig(blocks, 1, 3, sp))
     if not ks.vector_dot:
         return out
     for bl, w in ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8)):

@@ -10,7 +10,8 @@ backward branch of the SASS), the CTA-wide barriers, tensor-core and exp2 instru
 async copies, shared-memory loads and stores and warp shuffles.
 
     python bench/probe/decode_static_sm90.py [--setup 16,32,8,2000,128,bfloat16]
-        [--configs 64:4 128:3] [--split] [--python /path/to/venv36/bin/python] [--out DIR]
+        [--configs 64:4 128:3] [--split] [--warps 4] [--python /path/to/venv36/bin/python]
+        [--out DIR]
 
 ``--split``: the split-k candidate's partials kernel instead (B=1 GQA decode's form).
 """
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--setup", default="16,32,8,2000,128,bfloat16", metavar="B,Hq,Hkv,S,D,dtype")
     ap.add_argument("--configs", nargs="+", default=["64:4", "128:3"], metavar="KEYS:STAGES")
     ap.add_argument("--python", default=None, help="compile with this interpreter's Triton")
+    ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--split", action="store_true",
                     help="the split-k candidate's partials kernel, not the one-pass kernel")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_static_sm90"))
@@ -79,8 +81,9 @@ def main() -> None:
     rows = []
     for c in a.configs:
         keys, stages = map(int, c.split(":"))
-        cfg = TileConfig({f"B_{ks.block_axis}": 16, "B_L": keys}, 4, stages, splits=8 if a.split else 0)
-        where = out / f"keys{keys}_stages{stages}"
+        cfg = TileConfig({f"B_{ks.block_axis}": 16, "B_L": keys}, a.warps, stages,
+                         splits=8 if a.split else 0)
+        where = out / f"keys{keys}_stages{stages}_warps{a.warps}"
         with tempfile.TemporaryDirectory() as tmp:
             res = static_sm90.compile_one(row.program, ks, cfg, Path(tmp), a.python, str(where),
                                           tuple(divisible), kernel=name)
@@ -93,7 +96,7 @@ def main() -> None:
                **{k: sum(bool(re.search(p, ln)) for ln in loop) for k, p in COUNTED.items()}}
         rows.append(got)
         print(json.dumps(got), flush=True)
-    (out / "decode_static_sm90.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / f"decode_static_sm90_warps{a.warps}.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / f"{ks.name}.py").write_text(ks.source)  # the kernel compiled, its GPU form
 
 
