@@ -40,10 +40,10 @@ from neptune_eq.runtime.timing import copy_inputs, device_ms, input_copies  # no
 
 def sweep(ks, template: TileConfig, S: int) -> list[TileConfig]:
     """Key blocks 32..256 x split factors 2..64 (chunks of at least one key block) x one
-    and two launches, at 4 warps / 3 stages, in the tensor-core form, and one-warp programs
-    at 16..64 keys x 8..128 splits; where the kernel has
-    a CUDA-core form (one or two rows, ``codegen.VDOT``), that form at 16..128 keys x 4
-    and 8 warps x split factors 4..128 too, in programs of exactly the kernel's rows."""
+    and two launches, at 4 warps / 3 stages, in the tensor-core form, and one-warp
+    programs at 16..64 keys x 8..128 splits; where the kernel has a CUDA-core form (one or
+    two rows, ``codegen.VDOT``), that form at 16..128 keys x 4 and 8 warps x split factors
+    4..128 too, in programs of exactly the kernel's rows."""
     out = []
     rows = f"B_{ks.block_axis}"
     for bl in (32, 64, 128, 256):
@@ -119,8 +119,7 @@ def offgrid_setup(text: str):
     def peers_of(a):
         out = {}
         for name, (fn, note) in offgrid_decode.peers(*a, g).items():
-            ea = (a[0], a[1].repeat_interleave(g, 1), a[2].repeat_interleave(g, 1)) if note else a
-            out[name] = lambda fn=fn, ea=ea: fn(*ea)
+            out[name] = lambda fn=fn, ea=offgrid_decode.peer_args(a, g, note): fn(*ea)
         return out
     work = 2 * b * hkv * s * d * k.element_size() / 1e12
     return prog, (q, k, v), work, peers_of
@@ -166,7 +165,7 @@ def one(op: str, S: int, wide: bool, kernels: bool = False) -> dict:
             continue
         tensors = timing_tensors(r.program, dict(zip([p.name for p in r.program.inputs], args)))
         configs = [c for c, ms, _ in r.timings if ms is not None]
-        if wide and r.config.splits or wide and r.chosen:
+        if wide and (r.config.splits or r.chosen):
             seen = {str(c) for c in configs}
             more = sweep(r.kernel, r.config, S) if r.config.splits else rolling_sweep(r.config, S)
             configs += [c for c in more if str(c) not in seen]

@@ -57,6 +57,13 @@ def peers(q, k, v, g):
     return out
 
 
+def peer_args(args, g: int, note: str):
+    """A peer's (q, k, v): K and V expanded to every query head where its note says the
+    backend does not take grouped K/V (done beforehand, outside the timed call)."""
+    return (args[0], args[1].repeat_interleave(g, 1), args[2].repeat_interleave(g, 1)) \
+        if note else args
+
+
 def times(fn, args_of, copies, work) -> dict:
     """TB/s of ``fn(*args)`` called, graphed and over the DRAM-sized copies."""
     from triton.testing import do_bench, do_bench_cudagraph
@@ -110,9 +117,8 @@ def run_setup(setup, dtype, run):
     row.update({f"{m}_neptune_eq": x for m, x in times(kern, lambda c: c, copies, work).items()})
     notes = []
     for name, (fn, note) in peers(q, k, v, g).items():
-        def args_of(c, note=note):  # (expanded beforehand: outside the timed call)
-            return (c[0], c[1].repeat_interleave(g, 1), c[2].repeat_interleave(g, 1)) \
-                if note else c
+        def args_of(c, note=note):
+            return peer_args(c, g, note)
         try:
             diff = (fn(*args_of([q, k, v])).float() - ours.float()).abs().max().item()
             if not diff < tol:

@@ -154,7 +154,7 @@ def time_gpu() -> list[dict]:
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import neptune_eq as ne
-    from offgrid_decode import decode_of
+    from offgrid_decode import decode_of, peer_args
     from offgrid import sdpa_peers
     from neptune_eq.runtime.timing import copy_inputs, device_ms, input_copies, l2_bytes
     setup = (16, 32, 8, 2000, 128)
@@ -167,10 +167,8 @@ def time_gpu() -> list[dict]:
     for bl, st in ((64, 3), (64, 4), (128, 2), (128, 3)):
         fns[f"warp split keys={bl} stages={st}"] = [
             lambda c=c, o=o, bl=bl, st=st: launch(*c, o, bl, 4, st) for c, o in zip(copies, outs)]
-    for name, (fn, note) in sdpa_peers(q, k, v, 4).items():  # K/V expanded beforehand if noted
-        args = [(c[0], c[1].repeat_interleave(4, 1), c[2].repeat_interleave(4, 1)) if note else c
-                for c in copies]
-        fns[name] = [lambda a=a, fn=fn: fn(*a) for a in args]
+    for name, (fn, note) in sdpa_peers(q, k, v, 4).items():
+        fns[name] = [lambda a=peer_args(c, 4, note), fn=fn: fn(*a) for c in copies]
     work = 2 * 16 * 8 * 2000 * 128 * 2 / 1e12
     rows = []
     for name, calls in fns.items():
