@@ -149,8 +149,8 @@ def sm90(python: str) -> list[dict]:
 
 
 def time_gpu() -> list[dict]:
-    """Ours (warp split) at two tiles, the product's kernel and cuDNN, graphed over copies
-    of the inputs larger than L2: TB/s of K+V."""
+    """Ours (warp split) at four tiles, the product's kernel and SDPA's backends, graphed
+    over copies of the inputs larger than L2: TB/s of K+V."""
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import neptune_eq as ne
