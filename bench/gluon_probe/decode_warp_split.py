@@ -126,8 +126,7 @@ def sm90(python: str) -> list[dict]:
     sys.path.insert(0, str(here.parents[2] / "tests"))
     sys.path.insert(0, str(here.parents[1] / "probe"))
     from sm90_compile import compile_for_sm90
-    from decode_static_sm90 import COUNTED, key_loop
-    import re
+    from decode_static_sm90 import loop_counts
     rows = []
     names = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "q_sb", "q_sh", "k_sb", "k_sh", "k_ss",
              "v_sb", "v_sh", "v_ss", "o_sb", "o_sh"]
@@ -138,11 +137,11 @@ def sm90(python: str) -> list[dict]:
                     "num_warps": 4, "num_stages": stages, "resources": True,
                     "divisible": names, "dump": tmp}
             res = compile_for_sm90(here, "warp_split_decode", spec, python=python)
-            loop = key_loop((Path(tmp) / "warp_split_decode.sass").read_text()) if res.get("ok") else []
+            counts = loop_counts((Path(tmp) / "warp_split_decode.sass").read_text()) \
+                if res.get("ok") else {}
         row = {"keys": bl, "stages": stages, "ok": res.get("ok"), "error": res.get("error"),
                "registers": res.get("registers"), "spill_stores": res.get("spill_stores"),
-               "shared": res.get("shared"), "loop_instructions": len(loop),
-               **{k: sum(bool(re.search(p, ln)) for ln in loop) for k, p in COUNTED.items()}}
+               "shared": res.get("shared"), **counts}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

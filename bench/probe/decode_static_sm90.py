@@ -37,6 +37,13 @@ COUNTED = {"barriers": r"\bBAR\.SYNC", "tensor_core": r"\bHMMA|\bHGMMA", "exp2":
            "shared_loads": r"\bLDS\b|\bLDS\.|\bLDSM", "shuffles": r"\bSHFL"}
 
 
+def loop_counts(sass: str) -> dict:
+    """The key loop's instruction count and its ``COUNTED`` kinds, from a kernel's SASS."""
+    loop = key_loop(sass)
+    return {"loop_instructions": len(loop),
+            **{k: sum(bool(re.search(p, ln)) for ln in loop) for k, p in COUNTED.items()}}
+
+
 def key_loop(sass: str) -> list[str]:
     """The instructions of the longest loop: from a label to the last branch back to it."""
     lines = sass.splitlines()
@@ -89,11 +96,9 @@ def main() -> None:
                                           tuple(divisible), kernel=name)
         if not res.get("ok"):
             raise SystemExit(f"{cfg}: the sm_90 compile failed: {res.get('error')}")
-        loop = key_loop((where / f"{name}.sass").read_text())
         got = {"setup": a.setup, "kernel": name, "config": str(cfg), "triton": res.get("triton"),
                "registers": res.get("registers"), "shared": res.get("shared"),
-               "loop_instructions": len(loop),
-               **{k: sum(bool(re.search(p, ln)) for ln in loop) for k, p in COUNTED.items()}}
+               **loop_counts((where / f"{name}.sass").read_text())}
         rows.append(got)
         print(json.dumps(got), flush=True)
     (out / f"decode_static_sm90_warps{a.warps}.json").write_text(json.dumps(rows, indent=1) + "\n")
