@@ -60,6 +60,9 @@ def _same_as_launcher(bc: BoundCall, names: list, tensors: dict) -> None:
     got = bc.arg_lists(vals, None)
     known.update({id(t): "sem" for t in la._sems.values()})
     assert [_norm(a, known) for a in got] == [_norm(a, known) for a in want]
+    # what a GPU replay launches: the same lists with every tensor as its data pointer
+    ptrs = bc.arg_lists([t.data_ptr() for t in vals], None, False, pointers=True)
+    assert ptrs == [[x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a] for a in got]
     assert bc.steps == steps
     if key is not None:
         align = tuple([vals[k].data_ptr() & 15 == 0 for k in bc.param_slots])
@@ -103,10 +106,11 @@ def test_split_k_replays_same_arguments_and_key(keyed, fused):
     assert (got.double() - ref).abs().max().item() <= 2e-3 * max(1, ref.abs().max().item())
     # the fold states' scratch is kept per stream: the next call on new data reuses it
     key = (None, threading.get_ident())  # (the interpreter's stream, this thread)
-    kept = [t.data_ptr() for t in bc._scratch[key]]
+    kept = [t.data_ptr() for t in bc._scratch[key][0]]
     ins2 = {n: (t * 3 if t.is_floating_point() else t) for n, t in ins.items()}
     got2 = bc([ins2[n] for n in names])[0]
-    assert [t.data_ptr() for t in bc._scratch[key]] == kept
+    assert [t.data_ptr() for t in bc._scratch[key][0]] == kept
+    assert bc._scratch[key][1] == kept  # the pointers a GPU launch passes as ints
     ref2 = evaluate(prog, ins2)["o"]
     assert (got2.double() - ref2).abs().max().item() <= 2e-3 * max(1, ref2.abs().max().item())
     # the kernels write the scratch before they read it: under deterministic algorithms
@@ -537,3 +541,19 @@ def test_a_short_gluon_config_is_charged_its_host_path_only_where_it_bounds_the_
     assert gluon_short_ms(0.020, 0.0243) == 0.020          # GQA S=512: the GPU's time
     assert gluon_short_ms(0.010, 0.300) == 0.300           # a host-bound launch path
     assert gluon_short_ms(0.010, HOST_SLACK * 0.010) == 0.010
+
+
+@pytest.mark.parametrize("shape", [(), (0, 3), (2, 3, 4, 5), (1, 64, 1, 128), (2, 4, 3, 3, 2)])
+def test_output_maker_makes_fresh_contiguous_tensors_of_the_specs(shape):
+    from neptune_eq.runtime.launch import OutputMaker
+    make = OutputMaker([(shape, torch.float16), ((3,), torch.int32)], torch.device("cpu"))
+    a, b = make(), make()
+    for (x, y), (sh, dt) in zip(zip(a, b), make.specs):
+        assert x.shape == sh and x.dtype == dt and x.is_contiguous() and x.device.type == "cpu"
+        assert x.numel() == 0 or x.data_ptr() != y.data_ptr()  # a call never shares storage
+    try:  # deterministic algorithms: the storage is taken as it comes, not NaN-filled
+        torch.use_deterministic_algorithms(True)
+        (x, _), = [make()]
+        assert x.shape == shape and x.is_contiguous()
+    finally:
+        torch.use_deterministic_algorithms(False)

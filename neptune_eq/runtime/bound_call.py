@@ -23,7 +23,7 @@ import threading
 
 from .descriptors import ensure_allocator, tma_ok
 from .index_check import check_data_indices
-from .launch import current_stream, written_outputs
+from .launch import OutputMaker, current_stream, written_outputs
 
 
 class BoundCall:
@@ -44,6 +44,7 @@ class BoundCall:
         self.device = tensors[self.names[0]].device
         self.interpret = la.target == "interpreter"
         self.out_specs = [(tuple(tensors[n].shape), tensors[n].dtype) for n in self.outputs]
+        self.make_outputs = OutputMaker(self.out_specs, self.device)
         self.zeroed = [k for k, n in enumerate(self.outputs) if n in ks.scattered]
         slot = {n: k for k, n in enumerate(self.names + self.outputs)}
         # the pre-pass: its plan for these captured shapes, and where its inputs sit
@@ -89,10 +90,13 @@ class BoundCall:
         # them before its kernel reads them, in stream order
         self._summaries: dict = {}
 
-    def arg_lists(self, vals: list, stream, capturing: bool | None = None) -> list[list]:
+    def arg_lists(self, vals: list, stream, capturing: bool | None = None,
+                  pointers: bool = False) -> list[list]:
         """The arguments of every launch, in order, for the call whose tensors are
         ``vals`` (inputs, outputs, then summaries, as ``slots`` number them); ``capturing``
-        (a CUDA graph capture is running) as the caller found it, else asked here."""
+        (a CUDA graph capture is running) as the caller found it, else asked here.
+        ``pointers``: ``vals`` are the tensors' data pointers (ints), and the scratch and
+        semaphores go in as theirs too (see ``__call__``)."""
         import torch
         args = [vals[k] for k in self.param_slots]
         lists = []
@@ -108,12 +112,17 @@ class BoundCall:
         if capturing is None:
             capturing = stream is not None and torch.cuda.is_current_stream_capturing()
 
-        def scratch():
+        def scratch():  # the fold states' slices, and their data pointers
             buf = written_outputs([((total,), self._fp32)], self.device)[0]
-            return [buf[at:at + n] for n, at in cuts]
-        ws = _kept(self._scratch, _FRESH if capturing else stream, scratch)
+            cut = [buf[at:at + n] for n, at in cuts]
+            return cut, [c.data_ptr() for c in cut]
+        # while a graph is captured the buffer is fresh and only its tensors hold it:
+        # those go to the launch, not their pointers, so it stays alive past the launch
+        ws = _kept(self._scratch, _FRESH if capturing else stream, scratch)[
+            1 if pointers and not capturing else 0]
         if self.launcher.config.fused:
             sem = self.launcher._semaphores(self.device, stream)
+            sem = sem.data_ptr() if pointers else sem
             lists.append(args + ws + [sem] + self.strides + [chunk, nsplit])
         else:
             lists += [args + ws + self.strides + [chunk], args + ws + self.strides + [nsplit]]
@@ -130,7 +139,7 @@ class BoundCall:
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
         import torch
-        outs = written_outputs(self.out_specs, self.device)
+        outs = self.make_outputs()
         for k in self.zeroed:  # atomically summed outputs start at zero
             outs[k].zero_()
         vals = inputs + outs
@@ -150,16 +159,25 @@ class BoundCall:
         if self.pre:
             vals += self._summary_buffers(stream, capturing)
         cks = None
-        tma_pointers_ok = not any(vals[k].data_ptr() & 15 for k in self.desc_slots)
+        ptrs = [t.data_ptr() for t in vals]
+        tma_pointers_ok = not any(ptrs[k] & 15 for k in self.desc_slots)
         if self.int_key is not None and la.fast_ok and tma_pointers_ok:
-            align = tuple([vals[k].data_ptr() & 15 == 0 for k in self.param_slots])
+            align = tuple([ptrs[k] & 15 == 0 for k in self.param_slots])
             cks = la._checked.get((cur, align, self.int_key))
         if cks is None:  # not checked under this key yet, or TMA cannot take these pointers
             la({**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))})
             return outs
-        if la.tma:
+        if la.tma:  # descriptors are encoded from the tensors themselves
             ensure_allocator()  # per call: Triton keeps the allocator per thread context
-        for fl, ck, a in zip(self.steps, cks, self.arg_lists(vals, stream, capturing)):
+            lists = self.arg_lists(vals, stream, capturing)
+        else:
+            # Pointers go to the launcher as ints: Triton's launcher takes an int as the
+            # address itself, where for a tensor it calls data_ptr() and asks the driver
+            # (cuPointerGetAttribute) whether the GPU can reach it -- per pointer, per
+            # launch.  The signature this replay is keyed on fixed every tensor's device
+            # (a CUDA device, checked by the general call), so the answer is known here.
+            lists = self.arg_lists(ptrs, stream, capturing, pointers=True)
+        for fl, ck, a in zip(self.steps, cks, lists):
             fl.fast(ck, a, stream)
         return outs
 

@@ -25,8 +25,8 @@ from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
 from .bound_call import _FRESH, _kept
 from .tile_order import one_tile_per_program, tile_order, tile_work
-from .launch import (FastLaunch, current_stream, dependent_launch, dependent_options,
-                     int_classes, launch_hooks, written_outputs)
+from .launch import (FastLaunch, OutputMaker, current_stream, dependent_launch,
+                     dependent_options, int_classes, launch_hooks, written_outputs)
 from .tma_launch import EncodedLaunch
 from .launcher import Launcher, device_sms, import_source, same_outputs
 from .tile_configs import TileConfig
@@ -352,6 +352,7 @@ class GluonBoundCall:
         self.launcher, self.names, self.outputs = launcher, list(names), list(outputs)
         self.device = tensors[self.names[0]].device
         self.out_specs = [(tuple(tensors[n].shape), tensors[n].dtype) for n in self.outputs]
+        self.make_outputs = OutputMaker(self.out_specs, self.device)
         self.zeroed = [k for k, n in enumerate(self.outputs) if n in launcher.ks.scattered]
         example = dict(tensors)
         self.pre = None  # (captured tensors' names, summaries, launch, its int arguments)
@@ -381,7 +382,7 @@ class GluonBoundCall:
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
-        outs = written_outputs(self.out_specs, self.device)
+        outs = self.make_outputs()
         tensors = {**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))}
         la = self.launcher
         if la.fast_ok:
