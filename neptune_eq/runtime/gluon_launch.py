@@ -212,15 +212,18 @@ class GluonLauncher:
         rest, key = self._rest(tensors, integers)
         return self._descriptors(tensors) + rest, key
 
-    def _rest(self, tensors: dict, integers: tuple | None = None) -> tuple[list, tuple]:
+    def _rest(self, tensors: dict, integers: tuple | None = None,
+              pointers: bool = False) -> tuple[list, tuple]:
         """(the kernel's arguments after its descriptors, the launch key); ``integers``:
-        ``integer_args`` of these tensors' signature, if known (a replay)."""
+        ``integer_args`` of these tensors' signature, if known (a replay); ``pointers``:
+        the tensors go in as their data pointers (ints: see ``BoundCall.__call__``)."""
         import torch
         dev = torch.cuda.current_device()
         ptrs = self._pointers(tensors, dev)
+        addrs = [t.data_ptr() for t in ptrs]
         ints, classes = integers or self.integer_args(tensors)
-        key = (dev, tuple([t.data_ptr() & 15 == 0 for t in ptrs]), classes)
-        return ptrs + ints, key
+        key = (dev, tuple([a & 15 == 0 for a in addrs]), classes)
+        return (addrs if pointers else ptrs) + ints, key
 
     def _summarised(self, tensors: dict) -> tuple[dict, tuple | None]:
         """``tensors`` with fresh (unfilled) summaries -- and a dynamic walk's
@@ -396,8 +399,11 @@ class GluonBoundCall:
                 run = {**tensors, **sums}
                 if la.form.ranges:
                     run["tile_sched"] = _kept(self._scheds, kept, self._new_sched)
-                pre = (launch, [tensors[n] for n in names] + list(sums.values()) + ints, classes)
-            rest, key = la._rest(run, self.integers)
+                # pointers as ints, as ``BoundCall`` launches (``run`` holds the tensors
+                # until the launches are issued: fresh summaries under a graph capture too)
+                pre = (launch, [tensors[n].data_ptr() for n in names]
+                       + [t.data_ptr() for t in sums.values()] + ints, classes)
+            rest, key = la._rest(run, self.integers, pointers=True)
             ck = la._checked.get(key + (pre[2] if pre else (),))
             if ck is not None:
                 for k in self.zeroed:  # every program adds its rows' terms into these
