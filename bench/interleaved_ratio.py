@@ -102,18 +102,26 @@ def one(label: str, built, rounds: int) -> dict:
         for m in modes:
             ms = {n: timers[m](n) for n in order}
             per_round[m].append({n: work / (t / 1e3) for n, t in ms.items()})
-    row = {"setup": label, "unit": unit, "config": config, "peers": names[1:], "rounds": rounds}
-    for m in modes:
-        ratios = [x["neptune_eq"] / max(x[n] for n in names[1:]) for x in per_round[m]] \
-            if len(names) > 1 else []
-        row[m] = {"ours": statistics.median(x["neptune_eq"] for x in per_round[m]),
-                  **{n: statistics.median(x[n] for x in per_round[m]) for n in names[1:]},
-                  "ratios": ratios}
-        if ratios:
-            row[m].update(median=statistics.median(ratios), low=min(ratios), high=max(ratios),
-                          below_one=sum(x < 1.0 for x in ratios))
-    print(json.dumps({k: v for k, v in row.items()}), flush=True)
+    row = {"setup": label, "unit": unit, "config": config, "peers": names[1:], "rounds": rounds,
+           **{m: summarise(per_round[m]) for m in modes}}
+    print(json.dumps(row), flush=True)
     return row
+
+
+def summarise(rounds: list[dict]) -> dict:
+    """One mode's rounds (each {implementation: speed}, ours as ``neptune_eq``): the median
+    speed of each, and each round's ratio of ours to that round's best peer -- their
+    median, lowest, highest and how many fall below 1.0 (no peer: speeds only)."""
+    names = list(rounds[0])
+    peers = [n for n in names if n != "neptune_eq"]
+    out = {n if n != "neptune_eq" else "ours": statistics.median(r[n] for r in rounds)
+           for n in names}
+    out["ratios"] = [r["neptune_eq"] / max(r[n] for n in peers) for r in rounds] if peers else []
+    if out["ratios"]:
+        x = out["ratios"]
+        out.update(median=statistics.median(x), low=min(x), high=max(x),
+                   below_one=sum(v < 1.0 for v in x))
+    return out
 
 
 def write(out: Path, rows: list[dict], meta: dict) -> None:
