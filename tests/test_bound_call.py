@@ -111,6 +111,13 @@ def test_split_k_replays_same_arguments_and_key(keyed, fused):
     got2 = bc([ins2[n] for n in names])[0]
     assert [t.data_ptr() for t in bc._scratch[key][0]] == kept
     assert bc._scratch[key][1] == kept  # the pointers a GPU launch passes as ints
+    # under a CUDA graph capture the scratch is fresh and goes in as tensors (they hold
+    # it past the launch), while the rest are pointers
+    vals = [ins2[n] for n in names] + [torch.empty(1, 4, 1, 32, dtype=torch.float16)]
+    lists = bc.arg_lists([t.data_ptr() for t in vals], None, True, pointers=True)
+    fresh = [a for a in lists[0] if isinstance(a, torch.Tensor)]
+    assert len(fresh) == len(kept) and all(t.data_ptr() not in kept for t in fresh)
+    assert all(not isinstance(a, torch.Tensor) for a in lists[0][:len(bc.param_slots)])
     ref2 = evaluate(prog, ins2)["o"]
     assert (got2.double() - ref2).abs().max().item() <= 2e-3 * max(1, ref2.abs().max().item())
     # the kernels write the scratch before they read it: under deterministic algorithms
