@@ -49,8 +49,9 @@ def setup_of(op: str, S: int):
     fns = {"neptune_eq": lambda: kern(*args), **peers}
     copies = copy_inputs(list(args), input_copies(list(args), l2_bytes(q.device)))
     over = {"neptune_eq": [lambda a=a: kern(*a) for a in copies]}
+    per_copy = [nops.peers(spec, *a[:3], slopes) for a in copies]  # (a block mask each)
     for n in peers:
-        over[n] = [nops.peers(spec, *a[:3], slopes)[n] for a in copies]
+        over[n] = [p[n] for p in per_copy]
     return fns, over, work, unit, str(kern.config)
 
 
