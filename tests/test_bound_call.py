@@ -566,3 +566,38 @@ def test_output_maker_makes_fresh_contiguous_tensors_of_the_specs(shape):
         assert x.shape == shape and x.is_contiguous()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_a_gpu_replay_launches_the_checked_kernels_with_pointers_as_ints(keyed, monkeypatch):
+    """The GPU path of a replay, with the GPU faked: every launch of a checked key gets the
+    argument lists of ``arg_lists`` with each tensor as its data pointer (an int: Triton's
+    launcher then neither calls data_ptr() nor asks the driver), the kept split-k scratch
+    among them, and the call returns fresh outputs of the signature."""
+    from neptune_eq.runtime import bound_call
+    out = ne.attention(1, 4, 1, 300, 32, "float16", kv_heads=4)
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    row = next(r for r in kern.candidates if r.kernel is not None and r.kernel.split_extent)
+    prog = kern.input_program
+    ins = random_inputs(prog)
+    la = keyed(Launcher(row.program, row.kernel, "interpreter",
+                        TileConfig({"B_i": 16, "B_L": 16}, 4, 1, 3)))
+    names = [ph.name for ph in prog.inputs]
+    bc = BoundCall(la, names, {**ins, "o": torch.empty(1, 4, 1, 32, dtype=torch.float16)}, ["o"])
+    launched = []
+    bc.interpret = False
+    bc.steps = [type("Step", (), {"fast": lambda self, ck, a, stream: launched.append((ck, a, stream))})()
+                for _ in bc.steps]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(bound_call, "current_stream", lambda device: "stream")
+    inputs = [ins[n] for n in names]
+    assert all(t.data_ptr() & 15 == 0 for t in inputs)  # (and the fresh output: every key aligned)
+    la._checked[(0, (True,) * len(bc.param_slots), bc.int_key)] = ["partials", "combine"]
+    outs = bc(inputs)
+    assert [ck for ck, _, _ in launched] == ["partials", "combine"]
+    assert all(s == "stream" for _, _, s in launched)
+    assert outs[0].shape == (1, 4, 1, 32) and outs[0].is_contiguous()
+    want = bc.arg_lists(inputs + outs, "stream", False)  # the same lists, with tensors
+    assert [a for _, a, _ in launched] == [[x.data_ptr() if isinstance(x, torch.Tensor) else x
+                                             for x in w] for w in want]
+    assert not any(isinstance(x, torch.Tensor) for _, a, _ in launched for x in a)
