@@ -41,7 +41,9 @@ PEERS = ("sdpa", "flex")
 
 
 def setup_of(op: str, S: int):
-    """(ours, {peer: fn}, copies of ours' args / the peers' fns over copies, work, unit)."""
+    """({implementation: its call}, {implementation: its calls over copies of the inputs
+    larger than L2}, work per call, unit, our chosen config) of one operator at S; ours
+    is ``neptune_eq``."""
     out, spec, work, unit = nops.build(op, S)
     q, k, v, slopes, args = nops.make_inputs(spec)
     kern = ne.superoptimize(out, target="cuda", top_k=2)
