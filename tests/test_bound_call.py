@@ -88,8 +88,9 @@ def test_plain_kernel_replays_same_arguments_and_key(keyed):
                       names, {**ins, prog.outputs[0]: out})
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_split_k_replays_same_arguments_and_key(keyed, fused):
+def _split_k_replay(keyed, fused: bool = False):
+    """(BoundCall, program, inputs by name, example tensors) of a split-k decode (4 heads,
+    300 keys) in the interpreter, at 16-row, 16-key tiles in one or two launches."""
     out = ne.attention(1, 4, 1, 300, 32, "float16", kv_heads=4)
     kern = ne.superoptimize(out, target="interpreter", cache=False)
     row = next(r for r in kern.candidates if r.kernel is not None and r.kernel.split_extent)
@@ -98,8 +99,13 @@ def test_split_k_replays_same_arguments_and_key(keyed, fused):
     la = keyed(Launcher(row.program, row.kernel, "interpreter",
                         TileConfig({"B_i": 16, "B_L": 16}, 4, 1, 3, fused=fused)))
     tensors = {**ins, "o": torch.empty(1, 4, 1, 32, dtype=torch.float16)}
-    names = [ph.name for ph in prog.inputs]
-    bc = BoundCall(la, names, tensors, ["o"])
+    return BoundCall(la, [ph.name for ph in prog.inputs], tensors, ["o"]), prog, ins, tensors
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_k_replays_same_arguments_and_key(keyed, fused):
+    bc, prog, ins, tensors = _split_k_replay(keyed, fused)
+    la, names = bc.launcher, bc.names
     _same_as_launcher(bc, names, tensors)
     got = bc([ins[n] for n in names])[0]          # and the replay itself is right
     ref = evaluate(prog, ins)["o"]
@@ -574,15 +580,8 @@ def test_a_gpu_replay_launches_the_checked_kernels_with_pointers_as_ints(keyed, 
     launcher then neither calls data_ptr() nor asks the driver), the kept split-k scratch
     among them, and the call returns fresh outputs of the signature."""
     from neptune_eq.runtime import bound_call
-    out = ne.attention(1, 4, 1, 300, 32, "float16", kv_heads=4)
-    kern = ne.superoptimize(out, target="interpreter", cache=False)
-    row = next(r for r in kern.candidates if r.kernel is not None and r.kernel.split_extent)
-    prog = kern.input_program
-    ins = random_inputs(prog)
-    la = keyed(Launcher(row.program, row.kernel, "interpreter",
-                        TileConfig({"B_i": 16, "B_L": 16}, 4, 1, 3)))
-    names = [ph.name for ph in prog.inputs]
-    bc = BoundCall(la, names, {**ins, "o": torch.empty(1, 4, 1, 32, dtype=torch.float16)}, ["o"])
+    bc, _, ins, _ = _split_k_replay(keyed)
+    la, names = bc.launcher, bc.names
     launched = []
     bc.interpret = False
     bc.steps = [type("Step", (), {"fast": lambda self, ck, a, stream: launched.append((ck, a, stream))})()
