@@ -574,29 +574,62 @@ def test_output_maker_makes_fresh_contiguous_tensors_of_the_specs(shape):
         torch.use_deterministic_algorithms(False)
 
 
-def test_a_gpu_replay_launches_the_checked_kernels_with_pointers_as_ints(keyed, monkeypatch):
+class _FakeHost:
+    """``HostQueries`` of a faked GPU: device 0, one stream, no capture; ``hooked``: a
+    profiler's launch hook is set."""
+
+    def __init__(self, hooked: bool):
+        self.hooked = hooked
+        self.device = lambda: 0
+        self.stream = lambda device: "stream"
+        self.capturing = lambda: False
+
+    def hooks_set(self):
+        return self.hooked
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_gpu_replay_launches_the_checked_kernels_with_pointers_as_ints(keyed, hooked):
     """The GPU path of a replay, with the GPU faked: every launch of a checked key gets the
     argument lists of ``arg_lists`` with each tensor as its data pointer (an int: Triton's
     launcher then neither calls data_ptr() nor asks the driver), the kept split-k scratch
-    among them, and the call returns fresh outputs of the signature."""
-    from neptune_eq.runtime import bound_call
+    among them, and the call returns fresh outputs of the signature.  With no launch hook
+    set each launch is its ``prepared`` call, made once per stream and checked kernels;
+    with a profiler's hook set, ``FastLaunch.fast`` (which hands the hook its metadata)."""
     bc, _, ins, _ = _split_k_replay(keyed)
     la, names = bc.launcher, bc.names
-    launched = []
+    launched, prepared = [], []
+
+    class Step:
+        def fast(self, ck, a, stream):
+            launched.append(("fast", ck, list(a), stream))
+
+        def prepared(self, ck, stream, tail):
+            prepared.append(ck)
+
+            def raw(*a):  # (head..., the call's own arguments..., tail...)
+                launched.append(("raw", ck, list(a[2:]), a[1]))
+            return raw, ("head", stream), tuple(tail)
+
     bc.interpret = False
-    bc.steps = [type("Step", (), {"fast": lambda self, ck, a, stream: launched.append((ck, a, stream))})()
-                for _ in bc.steps]
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(bound_call, "current_stream", lambda device: "stream")
+    bc.host = _FakeHost(hooked)
+    bc.steps = [Step() for _ in bc.steps]
     inputs = [ins[n] for n in names]
     assert all(t.data_ptr() & 15 == 0 for t in inputs)  # (and the fresh output: every key aligned)
-    la._checked[(0, (True,) * len(bc.param_slots), bc.int_key)] = ["partials", "combine"]
-    outs = bc(inputs)
-    assert [ck for ck, _, _ in launched] == ["partials", "combine"]
-    assert all(s == "stream" for _, _, s in launched)
-    assert outs[0].shape == (1, 4, 1, 32) and outs[0].is_contiguous()
-    want = bc.arg_lists(inputs + outs, "stream", False)  # the same lists, with tensors
-    assert [a for _, a, _ in launched] == [[x.data_ptr() if isinstance(x, torch.Tensor) else x
-                                             for x in w] for w in want]
-    assert not any(isinstance(x, torch.Tensor) for _, a, _ in launched for x in a)
+    checked = la._checked[(0, (True,) * len(bc.param_slots), bc.int_key)] = ["partials", "combine"]
+    for _ in range(2):
+        launched.clear()
+        outs = bc(inputs)
+        assert [(how, ck) for how, ck, _, _ in launched] == [
+            ("fast" if hooked else "raw", ck) for ck in checked]
+        assert all(s == "stream" for _, _, _, s in launched)
+        assert outs[0].shape == (1, 4, 1, 32) and outs[0].is_contiguous()
+        want = bc.arg_lists(inputs + outs, "stream", False)  # the same lists, with tensors
+        assert [a for _, _, a, _ in launched] == [
+            [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in w] for w in want]
+        assert not any(isinstance(x, torch.Tensor) for _, _, a, _ in launched for x in a)
+    assert prepared == ([] if hooked else checked)  # made once, kept for the stream
+    if not hooked:  # other checked kernels under the key: the plan is made again
+        la._checked[(0, (True,) * len(bc.param_slots), bc.int_key)] = ["p2", "c2"]
+        bc(inputs)
+        assert prepared == checked + ["p2", "c2"]

@@ -23,7 +23,7 @@ import threading
 
 from .descriptors import ensure_allocator, tma_ok
 from .index_check import check_data_indices
-from .launch import OutputMaker, current_stream, written_outputs
+from .launch import HostQueries, OutputMaker, written_outputs
 
 
 class BoundCall:
@@ -77,6 +77,20 @@ class BoundCall:
             self.scratch = (sum(pad), list(zip(sizes, itertools.accumulate([0] + pad))),
                             chunk, nsplit)
         self.steps = ([self.pre[2]] if self.pre else []) + la._launches
+        # each launch's arguments end in integers fixed by the signature (strides, sizes,
+        # chunking): kept here, after the call's own (pointers) -- ``_leading``
+        if self.pre:
+            self.tails = [self.pre[3]]
+        else:
+            self.tails = []
+        if self.scratch is None:
+            self.tails.append(self.strides)
+        elif la.config.fused:
+            self.tails.append(self.strides + [self.scratch[2], self.scratch[3]])
+        else:
+            self.tails += [self.strides + [self.scratch[2]], self.strides + [self.scratch[3]]]
+        self.host = None if self.interpret else HostQueries()
+        self._plans: dict = {}  # stream -> (checked kernels, each launch's prepared call)
         self.desc_slots = ([slot[n] for n in ks.descriptors] if la.tma else [])
         self._fp32 = torch.float32
         # (stream, thread) -> the split-k fold states' scratch, kept between calls: calls
@@ -97,20 +111,25 @@ class BoundCall:
         (a CUDA graph capture is running) as the caller found it, else asked here.
         ``pointers``: ``vals`` are the tensors' data pointers (ints), and the scratch and
         semaphores go in as theirs too (see ``__call__``)."""
-        import torch
+        return [lead + tail for lead, tail in
+                zip(self._leading(vals, stream, capturing, pointers), self.tails)]
+
+    def _leading(self, vals: list, stream, capturing: bool | None, pointers: bool) -> list:
+        """Each launch's arguments before its ``tails``: what changes from call to call
+        (pointers, the kept scratch; ``arg_lists`` says the rest).  Two launches may
+        share one list."""
         args = [vals[k] for k in self.param_slots]
         lists = []
         if self.pre:
-            lists.append([vals[k] for k in self.pre[0]]
-                         + vals[len(vals) - len(self.pre[1]):] + self.pre[3])
+            lists.append([vals[k] for k in self.pre[0]] + vals[len(vals) - len(self.pre[1]):])
         if self.scratch is None:
-            lists.append(args + self.strides)
+            lists.append(args)
             return lists
         total, cuts, chunk, nsplit = self.scratch
         # A call captured in a CUDA graph takes a fresh buffer from the graph's own pool,
         # which the graph keeps alive for its replays; a kept one could be freed first.
         if capturing is None:
-            capturing = stream is not None and torch.cuda.is_current_stream_capturing()
+            capturing = stream is not None and self.host.capturing()
 
         def scratch():  # the fold states' slices, and their data pointers
             buf = written_outputs([((total,), self._fp32)], self.device)[0]
@@ -123,10 +142,24 @@ class BoundCall:
         if self.launcher.config.fused:
             sem = self.launcher._semaphores(self.device, stream)
             sem = sem.data_ptr() if pointers else sem
-            lists.append(args + ws + [sem] + self.strides + [chunk, nsplit])
+            lists.append(args + ws + [sem])
         else:
-            lists += [args + ws + self.strides + [chunk], args + ws + self.strides + [nsplit]]
+            lead = args + ws
+            lists += [lead, lead]
         return lists
+
+    def _launch_plan(self, cks: list, stream):
+        """Each launch's ``FastLaunch.prepared`` call for the checked kernels ``cks`` on
+        ``stream``, kept per stream (and remade when the key's kernels are not those it
+        was made for); None where a launch has no raw launcher."""
+        got = self._plans.get(stream)
+        if got is not None and got[0] is cks:
+            return got[1]
+        plan = [getattr(fl, "prepared", lambda *a: None)(ck, stream, tail)
+                for fl, ck, tail in zip(self.steps, cks, self.tails)]
+        plan = None if any(p is None for p in plan) else plan
+        self._plans[stream] = (cks, plan)
+        return plan
 
     def _summary_buffers(self, stream, capturing: bool) -> list:
         """The pre-pass's outputs for this call: kept per (stream, thread) on the GPU;
@@ -138,7 +171,6 @@ class BoundCall:
 
     def __call__(self, inputs: list) -> list:
         """Launch on ``inputs`` (tensors of this signature, in call order); the outputs."""
-        import torch
         outs = self.make_outputs()
         for k in self.zeroed:  # atomically summed outputs start at zero
             outs[k].zero_()
@@ -153,9 +185,10 @@ class BoundCall:
             return outs
         # the device, stream and capture state, asked once per call (kept buffers and
         # launches both need them; only kept buffers need the capture state)
-        cur = torch.cuda.current_device()
-        stream = current_stream(cur)
-        capturing = bool(self.pre or self.scratch) and torch.cuda.is_current_stream_capturing()
+        host = self.host
+        cur = host.device()
+        stream = host.stream(cur)
+        capturing = bool(self.pre or self.scratch) and host.capturing()
         if self.pre:
             vals += self._summary_buffers(stream, capturing)
         cks = None
@@ -176,7 +209,13 @@ class BoundCall:
             # (cuPointerGetAttribute) whether the GPU can reach it -- per pointer, per
             # launch.  The signature this replay is keyed on fixed every tensor's device
             # (a CUDA device, checked by the general call), so the answer is known here.
-            lists = self.arg_lists(ptrs, stream, capturing, pointers=True)
+            leads = self._leading(ptrs, stream, capturing, pointers=True)
+            plan = None if host.hooks_set() else self._launch_plan(cks, stream)
+            if plan is not None:  # no profiler hook: one call per launch
+                for (raw, head, tail), lead in zip(plan, leads):
+                    raw(*head, *lead, *tail)
+                return outs
+            lists = [lead + tail for lead, tail in zip(leads, self.tails)]
         for fl, ck, a in zip(self.steps, cks, lists):
             fl.fast(ck, a, stream)
         return outs

@@ -92,6 +92,30 @@ def current_stream(device: int):
     return driver.active.get_current_stream(device)
 
 
+class HostQueries:
+    """The three facts a replayed call asks the host for on every call -- the current
+    device, its current stream (as Triton's launcher takes it) and whether a CUDA graph
+    capture is running -- as the functions under the public wrappers, found once.
+    ``torch.cuda.current_device()`` and ``is_current_stream_capturing()`` each add a
+    Python frame and a lazy-init check, and Triton's ``driver.active`` a property, to a
+    C call: together 6.4 of a GQA decode call's 50 us on the H200's host (session 51,
+    ``bench/probe/host_sections.py``).  A replay exists only after a GPU call, so CUDA
+    is initialised when these run.  Where a torch or Triton lacks one, the public call."""
+
+    def __init__(self):
+        import torch
+        from triton.runtime import driver
+        self.device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+        self.capturing = (getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+                          or torch.cuda.is_current_stream_capturing)
+        self.stream = getattr(driver.active, "get_current_stream", None) or current_stream
+        self._hooks = _hook_source()
+
+    def hooks_set(self) -> bool:
+        """Whether a profiler has set a launch hook (read per call: it may at any time)."""
+        return launch_hooks(self._hooks) != (None, None)
+
+
 def written_outputs(specs: list, device) -> list:
     """Tensors of ``specs`` ((shape, torch dtype) pairs) for a launch that writes every
     element of them (a kernel's outputs, and split-k's fold states and the pre-pass's summaries, which
@@ -215,14 +239,20 @@ def raw_launcher(ck):
     return raw
 
 
-def call_raw(raw, ck, grid: tuple, stream, args: list, meta=None, enter=None, exit_=None):
-    """Call a raw launcher of ``ck`` as 3.6's ``CudaLauncher.__call__`` would: grid,
-    stream, function, its cooperative-grid and PDL flags, no global or profile scratch
-    (``launcher_36`` checked there is none), the metadata and hooks, then ``args``.
-    The one place that layout is written (``FastLaunch`` and ``tma_launch`` both use it)."""
+def raw_head(ck, grid: tuple, stream, meta=None, enter=None, exit_=None) -> tuple:
+    """What a raw launcher of ``ck`` takes before the kernel's arguments, as 3.6's
+    ``CudaLauncher.__call__`` passes it: grid, stream, function, its cooperative-grid and
+    PDL flags, no global or profile scratch (``launcher_36`` checked there is none), the
+    metadata and hooks.  The one place that layout is written (``call_raw``,
+    ``FastLaunch.prepared`` and ``tma_launch`` use it)."""
     run = ck.run
-    raw(*grid, stream, ck.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-        ck.packed_metadata, meta, enter, exit_, *args)
+    return (*grid, stream, ck.function, run.launch_cooperative_grid, run.launch_pdl, None,
+            None, ck.packed_metadata, meta, enter, exit_)
+
+
+def call_raw(raw, ck, grid: tuple, stream, args: list, meta=None, enter=None, exit_=None):
+    """Call a raw launcher of ``ck`` with ``args`` after ``raw_head``."""
+    raw(*raw_head(ck, grid, stream, meta, enter, exit_), *args)
 
 
 RAW = os.environ.get("NEPTUNE_EQ_RAW_LAUNCH", "1") != "0"
@@ -243,17 +273,33 @@ class FastLaunch:
         """Triton's own launch; returns the compiled kernel it picked."""
         return self.fn[self.grid](*args, **self.consts, **self.options)
 
+    def _raw_of(self, ck):
+        raw = self._raw.get(id(ck))
+        if raw is None:
+            raw = self._raw[id(ck)] = (ck, raw_launcher(ck) if RAW else None)
+        return raw[1]
+
+    def prepared(self, ck, stream, tail: list):
+        """(raw launcher, what goes before the call's own arguments, what after) to launch
+        ``ck`` on ``stream`` with no hook set as ``fast`` would, the arguments being the
+        call's own then ``tail`` (those fixed per replay: strides, sizes); None where
+        there is no raw launcher.  A replay keeps it per stream: a launch is then one
+        call with its arguments spliced in, not ``fast``'s lookups and copies (session
+        51: 2 x 4 us of a GQA decode call on the H200's host)."""
+        raw = self._raw_of(ck)
+        if raw is None:
+            return None
+        return raw, raw_head(ck, self.grid, stream), (*tail, *self.const_values)
+
     def fast(self, ck, args: list, stream) -> None:
         enter, exit_ = launch_hooks(self._hooks)
         # the launch's metadata is read by a hook only (a profiler's): none set, none made
         # (the kernel's handles were set up by the checked launch this one repeats)
         meta = (ck.launch_metadata(self.grid, stream, *args, *self.const_values)
                 if enter is not None or exit_ is not None else None)
-        raw = self._raw.get(id(ck))
-        if raw is None:
-            raw = self._raw[id(ck)] = (ck, raw_launcher(ck) if RAW else None)
-        if raw[1] is not None:
-            call_raw(raw[1], ck, self.grid, stream, [*args, *self.const_values], meta, enter,
+        raw = self._raw_of(ck)
+        if raw is not None:
+            call_raw(raw, ck, self.grid, stream, [*args, *self.const_values], meta, enter,
                      exit_)
             return
         ck.run(*self.grid, stream, ck.function, ck.packed_metadata, meta, enter, exit_,
