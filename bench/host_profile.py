@@ -21,7 +21,7 @@ def launch_settings(hooks_as_none: bool = True, raw: bool = True, encoded: bool 
     descriptors encoded once per address (``runtime.tma_launch``).  Returns a function
     that puts the defaults back."""
     import gc
-    from neptune_eq.runtime import gluon_launch, launch, tma_launch
+    from neptune_eq.runtime import bound_call, gluon_launch, launch, tma_launch
     real_set = launch.__dict__.setdefault("_real_set", launch._set)
     launch._set = real_set if hooks_as_none else (lambda hook: hook)
     launch.RAW, tma_launch.ENABLED = raw, encoded
@@ -30,6 +30,8 @@ def launch_settings(hooks_as_none: bool = True, raw: bool = True, encoded: bool 
             o._raw.clear()
         elif type(o) is gluon_launch.GluonLauncher:
             o._encoded.clear()
+        elif type(o) is bound_call.BoundCall:  # (its launches' prepared raw calls)
+            o._plans.clear()
     return lambda: launch_settings()
 
 
