@@ -244,7 +244,7 @@ def raw_head(ck, grid: tuple, stream, meta=None, enter=None, exit_=None) -> tupl
     ``CudaLauncher.__call__`` passes it: grid, stream, function, its cooperative-grid and
     PDL flags, no global or profile scratch (``launcher_36`` checked there is none), the
     metadata and hooks.  The one place that layout is written (``call_raw``,
-    ``FastLaunch.prepared`` and ``tma_launch`` use it)."""
+    ``FastLaunch.prepared`` and ``tma_launch.EncodedLaunch`` use it)."""
     run = ck.run
     return (*grid, stream, ck.function, run.launch_cooperative_grid, run.launch_pdl, None,
             None, ck.packed_metadata, meta, enter, exit_)
