@@ -392,7 +392,6 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
         _pointers, integer_args, _args = (GluonLauncher._pointers, GluonLauncher.integer_args,
                                           GluonLauncher._args)
         _rest, _launch_form, _encoded = GluonLauncher._rest, GluonLauncher._launch_form, {}
-        _encoded_of, _ranges = GluonLauncher._encoded_of, None
         _tiles = [("q", None, None)]
         # (a compiled kernel that is not Triton's: ``EncodedLaunch.of`` declines it)
         _launch = NS(fast=lambda ck, args, stream: fast.append((ck, args)),
@@ -434,23 +433,16 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
                        calls[0], ["o"])
 
 
-@pytest.mark.parametrize("planned", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkeypatch, dynamic,
-                                                                          planned):
+def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkeypatch, dynamic):
     """A data mask's Gluon form is replayed too (``GluonBoundCall``): per call, the
     pre-pass's arguments -- the captured tensors, this stream's kept summaries, the
     signature's integers -- go with the form's launch under a key that counts the
     pre-pass's integer classes; the summaries are the launcher's pre-pass plan's shapes
     and are the same buffers on the next call on this stream.  A dynamic walk's
-    scheduler buffer (``tile_sched``, filled by its ranges kernel) is kept so too.
-    ``planned``: the launches have raw launchers, so a replay calls them through the
-    plan it keeps per stream (pre-pass, ranges kernel, then the form, with the same
-    arguments ``GluonLauncher._fast`` would give them); else through ``_fast``."""
-    from types import SimpleNamespace as NS
+    scheduler buffer (``tile_sched``, filled by its ranges kernel) is kept so too."""
     from neptune_eq.runtime import gluon_launch
     from neptune_eq.runtime.gluon_launch import GluonBoundCall, GluonLauncher
-    from neptune_eq.runtime.launch import FastLaunch
     doc = ne.placeholder((40,), "int32", "doc")
     kern = ne.superoptimize(ne.attention(1, 2, 40, 40, 16, "float32",
                                          mask_mod=lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i)),
@@ -470,35 +462,11 @@ def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkey
         _pointers, integer_args, _rest = (GluonLauncher._pointers, GluonLauncher.integer_args,
                                           GluonLauncher._rest)
 
-        _tiles = [("q", None, None), ("k", None, None)]
-        _ranges = (FastLaunch(lambda: None, (1,), {}, {}) if dynamic else None)
-        _launch = NS(grid=(3, 1, 1), const_values=["B_L"])
-
         def _fast(self, ck, pre, tensors, rest, stream, reuse=False):
             launched.append((ck, pre, tensors, rest, stream))
 
-        def _encoded_of(self, ck):  # the form's kernel as an EncodedLaunch (planned)
-            return Encoded() if planned else None
-
-        def _descriptor(self, k, t, reuse=False):
-            return ("desc", k, t.data_ptr(), reuse)
-
         def __call__(self, tensors):
             general.append(tensors)
-
-    raws = []  # (launch, its arguments) of the planned path, in order
-
-    class Encoded:  # an EncodedLaunch's replay side, recording its launch
-        ck = NS(function="fn", packed_metadata="md",
-                run=NS(launch_cooperative_grid=False, launch_pdl=False))
-
-        def launch_after(self, head, tensors, descriptor, rest):
-            raws.append(("form", head[:4], [descriptor(k) for k in range(len(tensors))], rest))
-
-    def prepared(self, ck, stream, tail):
-        return (lambda *a: raws.append((ck, a[:2], list(a[2:]))), ("head", stream),
-                tuple(tail) + tuple(self.const_values))
-    monkeypatch.setattr(FastLaunch, "prepared", prepared if planned else lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (integer_args asks)
     monkeypatch.setattr(gluon_launch, "HostQueries", lambda: _FakeHost(False))
     monkeypatch.setattr(gluon_launch, "gluon_inputs_ok", lambda ks, tensors: True)
@@ -521,15 +489,12 @@ def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkey
     if dynamic:
         run["tile_sched"] = torch.empty(11, dtype=torch.int32)
     _, key = la._rest(run, replay.integers)
-    checked = la._checked[key + (int_classes(ints),)] = ("pre", "form", "ranges")
+    la._checked[key + (int_classes(ints),)] = ("pre", "form")
     kern(*args)
     kern(*args)
-    if planned:
-        _planned_launches_match(raws, replay, la, launch, checked, ints, dynamic)
-        return
     assert len(general) == 2 and len(launched) == 2
     (ck, pre, tensors, rest, stream), second = launched
-    assert ck == checked and stream == "stream" and pre[0] is launch
+    assert ck == ("pre", "form") and stream == "stream" and pre[0] is launch
     sums = [tensors[n] for n, _, _ in specs]
     assert [tuple(t.shape) for t in sums] == [tuple(sh) for _, sh, _ in specs]
     ptr = [t.data_ptr() for t in [ids] + sums]  # pointers go in as ints
@@ -541,30 +506,6 @@ def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkey
         sched = tensors["tile_sched"]
         assert sched.dtype == torch.int32 and sched.shape == (11,)
         assert second[2]["tile_sched"] is sched and rest[len(la.tensors) - 1] == sched.data_ptr()
-
-
-def _planned_launches_match(raws, replay, la, launch, checked, ints, dynamic):
-    """Two replayed calls of a Gluon form with a pre-pass through the plan kept for the
-    stream: each launches the pre-pass (the captured ids' and kept summaries' pointers,
-    the integers, its constexprs), the ranges kernel of a dynamic walk (the form's
-    arguments after its descriptors), then the form (its descriptors, those arguments,
-    its constexprs), every pointer an int."""
-    per_call = 3 if dynamic else 2
-    assert len(raws) == 2 * per_call
-    sums = [t for t in replay._summaries[("stream", threading.get_ident())].values()]
-    for call in (raws[:per_call], raws[per_call:]):
-        ck, head, args = call[0]
-        assert ck == checked[0] and head == ("head", "stream")
-        assert args[:1 + len(sums)][1:] == [t.data_ptr() for t in sums]
-        assert args[1 + len(sums):] == ints + list(launch.const_values)
-        form = call[-1]
-        assert form[0] == "form" and form[1] == (3, 1, 1, "stream")
-        rest = form[3][:-1]
-        assert form[3][-1] == "B_L" and not any(isinstance(a, torch.Tensor) for a in rest)
-        assert [d[0] for d in form[2]] == ["desc", "desc"] and all(d[3] for d in form[2])
-        if dynamic:
-            assert call[1][0] == checked[2] and call[1][2] == rest
-    assert len(replay._plans) == 1  # made once for the stream
 
 
 def test_host_timing_runs_a_long_call_three_times_and_a_short_one_by_do_bench(monkeypatch):

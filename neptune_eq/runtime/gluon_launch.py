@@ -26,7 +26,7 @@ from .block_summary import SummaryPrepass
 from .bound_call import _FRESH, _kept
 from .tile_order import one_tile_per_program, tile_order, tile_work
 from .launch import (FastLaunch, HostQueries, OutputMaker, current_stream, dependent_launch,
-                     dependent_options, int_classes, launch_hooks, raw_head, written_outputs)
+                     dependent_options, int_classes, launch_hooks, written_outputs)
 from .tma_launch import EncodedLaunch
 from .launcher import Launcher, device_sms, import_source, same_outputs
 from .tile_configs import TileConfig
@@ -217,7 +217,7 @@ class GluonLauncher:
         """(the kernel's arguments after its descriptors, the launch key); ``integers``:
         ``integer_args`` of these tensors' signature, if known (a replay); ``pointers``:
         the tensors go in as their data pointers (ints: see ``BoundCall.__call__``);
-        ``dev``: the current device, if the caller asked already."""
+        ``dev``: the current device, where the caller has asked already."""
         if dev is None:
             import torch
             dev = torch.cuda.current_device()
@@ -255,21 +255,15 @@ class GluonLauncher:
         """The form's checked launch: through ``tma_launch.EncodedLaunch`` (descriptors
         encoded once per address) where this Triton's launcher allows it and no launch
         hook (a profiler's) is set, else ``FastLaunch`` with descriptors made here."""
-        enc = self._encoded_of(ck)
-        if enc is None or launch_hooks(self._launch._hooks) != (None, None):
-            self._launch.fast(ck, self._descriptors(tensors, reuse) + rest, stream)
-            return
-        enc.launch(self._launch.grid, stream, [tensors[n] for n, _, _ in self._tiles],
-                   lambda k: self._descriptor(k, tensors[self._tiles[k][0]], reuse),
-                   rest + self._launch.const_values)
-
-    def _encoded_of(self, ck) -> EncodedLaunch | None:
-        """The form's compiled kernel ``ck`` as an ``EncodedLaunch`` (None where this
-        Triton's launcher does not allow it), made once per kernel."""
         enc = self._encoded.get(id(ck))
         if enc is None:
             enc = self._encoded[id(ck)] = (ck, EncodedLaunch.of(ck, len(self._tiles)))
-        return enc[1]
+        if enc[1] is None or launch_hooks(self._launch._hooks) != (None, None):
+            self._launch.fast(ck, self._descriptors(tensors, reuse) + rest, stream)
+            return
+        enc[1].launch(self._launch.grid, stream, [tensors[n] for n, _, _ in self._tiles],
+                      lambda k: self._descriptor(k, tensors[self._tiles[k][0]], reuse),
+                      rest + self._launch.const_values)
 
     def _slow(self, pre, args: list) -> tuple:
         """Triton's own launches of a call, in order; what ``_fast`` replays."""
@@ -378,8 +372,7 @@ class GluonBoundCall:
         if launcher.form.ranges:
             example["tile_sched"] = self._new_sched()
         self.integers = launcher.integer_args(example)
-        self.host = None     # ``HostQueries``, found at the first call (on the GPU)
-        self._plans: dict = {}  # stream -> (checked kernels, their prepared launches)
+        self.host = None  # ``HostQueries``, found at the first call (on the GPU)
 
     def _new_summaries(self) -> dict:
         """Summaries of this signature by name, unfilled (each call's pre-pass fills them)."""
@@ -421,50 +414,13 @@ class GluonBoundCall:
             if ck is not None:
                 for k in self.zeroed:  # every program adds its rows' terms into these
                     outs[k].zero_()
-                plan = None if host.hooks_set() else self._launch_plan(ck, stream)
-                if plan is not None:  # no profiler hook: one raw call per launch
-                    self._launch_planned(plan, pre, run, rest)
-                elif pre:
+                if pre:
                     la._fast(ck, pre, run, rest, stream, reuse=True)
                 else:
                     la._launch_form(ck[1], run, rest, stream, reuse=True)
                 return outs
         la(tensors)
         return outs
-
-    def _launch_plan(self, ck: tuple, stream):
-        """The checked kernels ``ck`` (pre-pass, form, ranges kernel) prepared for raw
-        calls on ``stream`` -- (pre-pass's, ranges kernel's, the form's ``EncodedLaunch``
-        and its leading arguments) -- kept per stream as ``BoundCall._launch_plan`` keeps
-        its own; None where one has no raw launcher (``GluonLauncher._fast`` then)."""
-        got = self._plans.get(stream)
-        if got is not None and got[0] is ck:
-            return got[1]
-        la = self.launcher
-        pre = self.pre[2].prepared(ck[0], stream, ()) if self.pre else None
-        ranges = la._ranges.prepared(ck[2], stream, ()) if la._ranges is not None else None
-        enc = la._encoded_of(ck[1])
-        plan = None
-        if enc is not None and (pre is not None or not self.pre) \
-                and (ranges is not None or la._ranges is None):
-            plan = (pre, ranges, enc, raw_head(enc.ck, la._launch.grid, stream),
-                    tuple(la._launch.const_values))
-        self._plans[stream] = (ck, plan)
-        return plan
-
-    def _launch_planned(self, plan: tuple, pre, run: dict, rest: list) -> None:
-        """A checked call's launches through its prepared plan, in ``_fast``'s order."""
-        pre_call, ranges, enc, head, consts = plan
-        if pre_call is not None:
-            raw, h, t = pre_call
-            raw(*h, *pre[1], *t)
-        if ranges is not None:
-            raw, h, t = ranges
-            raw(*h, *rest, *t)
-        la = self.launcher
-        tiles = la._tiles
-        enc.launch_after(head, [run[n] for n, _, _ in tiles],
-                         lambda k: la._descriptor(k, run[tiles[k][0]], True), [*rest, *consts])
 
 
 def sm90_spec(program: Program, ks: KernelSource, stages: int = 2,

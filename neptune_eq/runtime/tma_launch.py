@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-from .launch import launcher_36, positional, raw_head
+from .launch import call_raw, launcher_36, positional
 
 KEEP = 256  # maps kept per compiled kernel (all dropped when full, as ``Kernel``'s replays)
 _PREFIX = 13  # grid (3), stream, function, flags (2), scratch (2), metadata (2), hooks (2)
@@ -84,12 +84,7 @@ class EncodedLaunch:
         ``rest`` every later argument (constexprs included, as ``CompiledKernel.run``
         takes them).  No launch hook may be set (the caller checks): a profiler's hook
         reads metadata this path does not make."""
-        self.launch_after(raw_head(self.ck, grid, stream), tensors, descriptor, rest)
-
-    def launch_after(self, head: tuple, tensors: list, descriptor, rest: list) -> None:
-        """``launch`` with the raw launcher's leading arguments made already (``raw_head``
-        of this kernel, its grid and a stream: a replay keeps them per stream)."""
         args = []
         for k, t in enumerate(tensors):
             args += self._map(k, t, descriptor)
-        self.raw(*head, *args, *rest)
+        call_raw(self.raw, self.ck, grid, stream, [*args, *rest])
