@@ -239,15 +239,19 @@ def raw_launcher(ck):
     return raw
 
 
-def raw_head(ck, grid: tuple, stream, meta=None, enter=None, exit_=None) -> tuple:
+def raw_head(ck, grid: tuple, stream, meta=None, enter=None, exit_=None,
+             plain: bool = False) -> tuple:
     """What a raw launcher of ``ck`` takes before the kernel's arguments, as 3.6's
     ``CudaLauncher.__call__`` passes it: grid, stream, function, its cooperative-grid and
     PDL flags, no global or profile scratch (``launcher_36`` checked there is none), the
-    metadata and hooks.  The one place that layout is written (``call_raw``,
-    ``FastLaunch.prepared`` and ``tma_launch.EncodedLaunch`` use it)."""
+    metadata and hooks.  The one place that layout is written (``call_raw`` and
+    ``FastLaunch.prepared`` use it).  ``plain``: launched without programmatic dependence
+    even where the kernel was compiled for it (its ``griddepcontrol.wait`` then returns at
+    once; Triton's ``launch_pdl`` option only sets this launch flag)."""
     run = ck.run
-    return (*grid, stream, ck.function, run.launch_cooperative_grid, run.launch_pdl, None,
-            None, ck.packed_metadata, meta, enter, exit_)
+    return (*grid, stream, ck.function, run.launch_cooperative_grid,
+            False if plain else run.launch_pdl, None, None, ck.packed_metadata, meta, enter,
+            exit_)
 
 
 def call_raw(raw, ck, grid: tuple, stream, args: list, meta=None, enter=None, exit_=None):
@@ -279,17 +283,19 @@ class FastLaunch:
             raw = self._raw[id(ck)] = (ck, raw_launcher(ck) if RAW else None)
         return raw[1]
 
-    def prepared(self, ck, stream, tail: list):
+    def prepared(self, ck, stream, tail: list, plain: bool = False):
         """(raw launcher, what goes before the call's own arguments, what after) to launch
         ``ck`` on ``stream`` with no hook set as ``fast`` would, the arguments being the
         call's own then ``tail`` (those fixed per replay: strides, sizes); None where
         there is no raw launcher.  A replay keeps it per stream: a launch is then one
         call with its arguments spliced in, not ``fast``'s lookups and copies (session
-        51: 2 x 4 us of a GQA decode call on the H200's host)."""
+        51: 2 x 4 us of a GQA decode call on the H200's host).  ``plain``: see
+        ``raw_head``."""
         raw = self._raw_of(ck)
         if raw is None:
             return None
-        return raw, raw_head(ck, self.grid, stream), (*tail, *self.const_values)
+        return (raw, raw_head(ck, self.grid, stream, plain=plain),
+                (*tail, *self.const_values))
 
     def fast(self, ck, args: list, stream) -> None:
         enter, exit_ = launch_hooks(self._hooks)

@@ -167,13 +167,15 @@ class Launcher:
         # that only guards ids (no summaries) the kernel never waits: the two run side by side
         dependent = dependent_launch(self.target)
         self.pdl = bool(self.ks.prepass) and dependent
-        # The combine after the partials is launched dependent only with
-        # NEPTUNE_EQ_PDL_COMBINE=1: replayed from a CUDA graph it ran 0.976-0.997x its plain
-        # launch (GQA and causal decode at 2048 / 32768 keys, H200, ``bench/decode_pdl.py``,
-        # 5 alternated passes each); only as called, with launches queued behind a busy
-        # GPU, did it gain (1.3-1.5 us a call).
+        # The combine after the partials is compiled to wait for them and launched
+        # dependent as called: with launches queued behind a busy GPU it gained 1.3-1.5 us
+        # a call, while replayed from a CUDA graph a dependent launch ran 0.976-0.997x the
+        # plain one (GQA and causal decode at 2048 / 32768 keys, H200, session 40,
+        # ``bench/decode_pdl.py``).  So a replay captured into a graph launches it plainly
+        # (``BoundCall._launch_plan``; the wait then returns at once), and eager calls
+        # dependent.  NEPTUNE_EQ_PDL_COMBINE=0 turns it off.
         self.pdl_combine = (bool(self.ks.split_extent) and dependent
-                            and os.environ.get("NEPTUNE_EQ_PDL_COMBINE", "0") == "1")
+                            and os.environ.get("NEPTUNE_EQ_PDL_COMBINE", "1") != "0")
         if self.ks.summaries or self.ks.split_extent:  # (the modules with the flag)
             consts[PDL_FLAG] = self.pdl or self.pdl_combine
         self.consts = consts
