@@ -5,11 +5,14 @@
 ``host_split.py`` (session 50) timed each piece of a replayed call alone, and the pieces
 summed to ~24 us of a replay that took ~40 us on the H200's host: where the other ~16 us
 go is not known.  This probe times the pieces *inside* a call instead: it runs the
-replay's own steps (``BoundCall.__call__`` for a pointer-form split-k or one-launch
-call, written out here step by step) with a clock read between steps, over 3000 calls,
-interleaved over 5 rounds with the real call, so the sections add up to a call.  It
-also runs cProfile over 2000 real calls (builtins show which torch/triton C calls take
-the time), and times the real call with Python's garbage collector off.
+replay's steps as session 50 left them (``BoundCall.__call__`` for a pointer-form
+split-k or one-launch call: ``arg_lists`` and ``FastLaunch.fast`` per launch, the public
+device / stream / capture queries, written out here step by step) with a clock read
+between steps, over 3000 calls, interleaved over 5 rounds with the real call, so the
+sections add up to a call -- since session 51 the real call is the faster replay, so
+"whole call" against "sections_sum_us" is that change's A/B in one process.  It also
+runs cProfile over 2000 real calls (builtins show which torch/triton C calls take the
+time), and times the real call with Python's garbage collector off.
 """
 import argparse
 import cProfile
