@@ -14,12 +14,8 @@ sections add up to a call -- since session 51 the real call is the faster replay
 runs cProfile over 2000 real calls (builtins show which torch/triton C calls take the
 time), and times the real call with Python's garbage collector off.
 """
-import argparse
-import cProfile
 import gc
-import io
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -28,20 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import neptune_eq as ne  # noqa: E402
 import neptune_ops as nops  # noqa: E402
+from host_profile import host_profile  # noqa: E402
+from host_split import arguments, per_call_us, warm_kernel  # noqa: E402  (this folder)
 from neptune_eq import api  # noqa: E402
 from neptune_eq.runtime.launch import current_stream  # noqa: E402
-
-
-def per_call_us(fn, n=3000):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
 
 
 def sectioned(kern, bc, args, n=3000):
@@ -91,24 +78,8 @@ def sectioned(kern, bc, args, n=3000):
     return {k: v / n / 1e3 for k, v in acc.items()}
 
 
-def profile_text(fn, n=2000, top=30):
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    return s.getvalue()
-
-
 def probe(op, S):
-    out, spec, work, unit = nops.build(op, S)
-    q, k, v, slopes, args = nops.make_inputs(spec)
-    kern = ne.superoptimize(out, target="cuda", top_k=2)
-    for _ in range(20):
-        kern(*args)
+    spec, q, k, v, slopes, args, kern = warm_kernel(op, S)
     bc = kern._bound[api._signature(args)]
     if bc.launcher.tma or bc.pre or type(bc).__name__ != "BoundCall":
         raise SystemExit(f"{op}: the sectioned replay covers the pointer form only")
@@ -143,17 +114,13 @@ def probe(op, S):
            "max_err_vs_first_call": float((kern(*args).float() - ref).abs().max())}
     del got_outs
     print(json.dumps(row), flush=True)
-    prof = profile_text(whole)
-    prof_sdpa = profile_text(sdpa, top=15)
+    prof = host_profile(whole, 2000, 30)[1]
+    prof_sdpa = host_profile(sdpa, 2000, 15)[1]
     return row, prof, prof_sdpa
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ops", nargs="+", default=["gqa-dc", "causal-dc"])
-    ap.add_argument("--S", type=int, default=2048)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = arguments()
     rows, texts = [], []
     for op in a.ops:
         row, prof, prof_sdpa = probe(op, a.S)

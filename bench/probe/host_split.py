@@ -36,12 +36,19 @@ def per_call_us(fn, n=3000):
     return (t1 - t0) / n * 1e6
 
 
-def pieces(op, S):
+def warm_kernel(op, S):
+    """(spec, q, k, v, slopes, call arguments, kernel) of ``neptune_ops`` setup ``op`` at
+    ``S``, superoptimized and called 20 times (its replay made and warm)."""
     out, spec, work, unit = nops.build(op, S)
     q, k, v, slopes, args = nops.make_inputs(spec)
     kern = ne.superoptimize(out, target="cuda", top_k=2)
     for _ in range(20):
         kern(*args)
+    return spec, q, k, v, slopes, args, kern
+
+
+def pieces(op, S):
+    spec, q, k, v, slopes, args, kern = warm_kernel(op, S)
     sig = api._signature(args)
     bc = kern._bound[sig]
     la = bc.launcher
@@ -94,12 +101,17 @@ def pieces(op, S):
     return row
 
 
-def main():
+def arguments():
+    """--ops, --S, --out: this probe's, and ``host_sections.py``'s."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", nargs="+", default=["gqa-dc", "causal-dc"])
     ap.add_argument("--S", type=int, default=2048)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    a = arguments()
     rows = [pieces(op, a.S) for op in a.ops]
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
