@@ -96,7 +96,7 @@ class BoundCall:
         combine = (la._launches[-1] if self.scratch and not la.config.fused
                    and getattr(la, "pdl_combine", False) else None)
         self._plain_in_graphs = [fl is combine for fl in self.steps]
-        self._plans: dict = {}  # stream -> (checked kernels, each launch's prepared call)
+        self._plans: dict = {}  # (stream, capturing) -> (checked kernels, prepared calls)
         self.desc_slots = ([slot[n] for n in ks.descriptors] if la.tma else [])
         self._fp32 = torch.float32
         # (stream, thread) -> the split-k fold states' scratch, kept between calls: calls

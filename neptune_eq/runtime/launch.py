@@ -98,9 +98,10 @@ class HostQueries:
     capture is running -- as the functions under the public wrappers, found once.
     ``torch.cuda.current_device()`` and ``is_current_stream_capturing()`` each add a
     Python frame and a lazy-init check, and Triton's ``driver.active`` a property, to a
-    C call: together 6.4 of a GQA decode call's 50 us on the H200's host (session 51,
-    ``bench/probe/host_sections.py``).  A replay exists only after a GPU call, so CUDA
-    is initialised when these run.  Where a torch or Triton lacks one, the public call."""
+    C call: the three public calls took 4.9 of a GQA decode call's 50 us on one H200
+    host, 1.9 of 25 on another (session 51, ``bench/probe/host_sections.py``).  A replay
+    exists only after a GPU call, so CUDA is initialised when these run.  Where a torch
+    or Triton lacks one, the public call."""
 
     def __init__(self):
         import torch
@@ -288,9 +289,9 @@ class FastLaunch:
         ``ck`` on ``stream`` with no hook set as ``fast`` would, the arguments being the
         call's own then ``tail`` (those fixed per replay: strides, sizes); None where
         there is no raw launcher.  A replay keeps it per stream: a launch is then one
-        call with its arguments spliced in, not ``fast``'s lookups and copies (session
-        51: 2 x 4 us of a GQA decode call on the H200's host).  ``plain``: see
-        ``raw_head``."""
+        call with its arguments spliced in, not ``fast``'s lookups and copies (with
+        ``HostQueries``: a GQA decode call's host time 25.2 -> 20.0 us on an H200's host,
+        session 51, ``bench/probe/host_sections.py``).  ``plain``: see ``raw_head``."""
         raw = self._raw_of(ck)
         if raw is None:
             return None
