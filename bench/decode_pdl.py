@@ -1,7 +1,10 @@
 """A split-k decode's combine launched dependent on its partials (programmatic dependent
 launch), against launched plainly: same tiles, same process, same output bit for bit.
-(``NEPTUNE_EQ_PDL_COMBINE=1`` turns it on outside this bench; it is off by default, as
-measured here: graphed it ran 0.976-0.997x the plain launch on an H200, session 40.)
+(Measured here in session 40 on an H200: graphed it ran 0.976-0.997x the plain launch, as
+called 1.3-1.5 us faster.  Since session 51 the product launches it dependent as called
+and plainly where a replay is captured in a CUDA graph; ``NEPTUNE_EQ_PDL_COMBINE=0`` turns
+it off.  This bench builds both launchers itself and captures them through the general
+launch path, which keeps the dependent launch inside the graph.)
 
 The two-launch split-k decode writes each chunk's fold states, then a combine kernel folds
 them.  With PDL (``lowering/dependent_launch.py``) the combine is launched while the
@@ -55,7 +58,7 @@ def measure(op: str, S: int) -> dict:
                                     device="cuda")
     runs, outs = {}, {}
     for pdl in (False, True):
-        os.environ["NEPTUNE_EQ_PDL_COMBINE"] = "1" if pdl else "0"  # (off by default)
+        os.environ["NEPTUNE_EQ_PDL_COMBINE"] = "1" if pdl else "0"
         t = twin(la, pdl, two)
         os.environ.pop("NEPTUNE_EQ_PDL_COMBINE")
         mine = {n: (x.clone() if n in prog.outputs else x) for n, x in tensors.items()}
