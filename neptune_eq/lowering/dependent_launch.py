@@ -22,7 +22,8 @@ import re
 # The constexpr of every kernel of a module with a pre-pass or a split-k combine.  The
 # pre-pass lets its dependents launch at once (``gdc_launch_dependents`` first thing): they
 # sit in their wait, and the pre-pass's few programs leave the SMs room for them.  The
-# combine's dependent launch is measured off by default (``runtime/launcher.py``).
+# combine is launched dependent as called and plainly inside a CUDA graph, where that
+# measured faster (``runtime/launcher.py``, ``runtime/bound_call.py``).
 PDL_FLAG = "PDL"
 
 
