@@ -239,3 +239,38 @@ def test_a_fast_launch_makes_the_launch_metadata_only_for_a_hook(monkeypatch):
     hooks.exit.add(print)  # a profiler's hook: both chains passed, with the metadata
     fl.fast(ck, ["x", 7], "stream")
     assert made and runs[-1][7] is hooks.enter and runs[-1][8] is hooks.exit
+
+
+def test_host_queries_take_the_functions_under_the_public_calls(monkeypatch):
+    """``launch.HostQueries`` (what a replay asks per call): torch's own device and
+    capture functions and Triton's stream getter, found once; the public calls where a
+    torch lacks them; a profiler's launch hook seen whenever it is set."""
+    from types import SimpleNamespace as NS
+    import triton.runtime
+    from triton import knobs
+    from neptune_eq.runtime.launch import HostQueries
+
+    def stream_of(device):
+        return ("stream", device)
+    monkeypatch.setattr(triton.runtime, "driver", NS(active=NS(get_current_stream=stream_of)))
+
+    def get_device():
+        return 3
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", get_device, raising=False)
+    host = HostQueries()
+    assert host.device is get_device and host.stream is stream_of
+    assert host.stream(host.device()) == ("stream", 3)
+    if hasattr(torch._C, "_cuda_isCurrentStreamCapturing"):
+        assert host.capturing is torch._C._cuda_isCurrentStreamCapturing
+    monkeypatch.delattr(torch._C, "_cuda_getDevice")
+    monkeypatch.delattr(torch._C, "_cuda_isCurrentStreamCapturing", raising=False)
+    public = HostQueries()
+    assert public.device == torch.cuda.current_device
+    assert public.capturing == torch.cuda.is_current_stream_capturing
+    assert not public.hooks_set()
+    knobs.runtime.launch_enter_hook.add(print)
+    try:
+        assert public.hooks_set()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(print)
+    assert not public.hooks_set()
