@@ -404,7 +404,7 @@ def test_a_gluon_launcher_is_replayed_with_outputs_from_the_signature(monkeypatc
             calls.append(tensors)
             tensors["o"].fill_(1.0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (integer_args asks)
-    monkeypatch.setattr(gluon_launch, "HostQueries", lambda: _FakeHost(False))
+    monkeypatch.setattr(gluon_launch, "host_queries", lambda: _FakeHost(False))
     kern = ne.superoptimize(examples.attention(1, 2, "S", "S", 16, "float32"),
                             target="interpreter", cache=False, sizes={"S": 24})
     la = FakeGluon()
@@ -468,7 +468,7 @@ def test_a_gluon_form_with_a_pre_pass_is_replayed_with_its_summaries_kept(monkey
         def __call__(self, tensors):
             general.append(tensors)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (integer_args asks)
-    monkeypatch.setattr(gluon_launch, "HostQueries", lambda: _FakeHost(False))
+    monkeypatch.setattr(gluon_launch, "host_queries", lambda: _FakeHost(False))
     monkeypatch.setattr(gluon_launch, "gluon_inputs_ok", lambda ks, tensors: True)
     la = FakeGluon()
     kern._launcher = la

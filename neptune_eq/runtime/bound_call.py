@@ -23,7 +23,7 @@ import threading
 
 from .descriptors import ensure_allocator, tma_ok
 from .index_check import check_data_indices
-from .launch import HostQueries, OutputMaker, written_outputs
+from .launch import OutputMaker, host_queries, written_outputs
 
 
 class BoundCall:
@@ -89,7 +89,7 @@ class BoundCall:
             self.tails.append(self.strides + [self.scratch[2], self.scratch[3]])
         else:
             self.tails += [self.strides + [self.scratch[2]], self.strides + [self.scratch[3]]]
-        self.host = None if self.interpret else HostQueries()
+        self.host = None if self.interpret else host_queries()
         # the launch a CUDA graph capture takes plainly: a split-k combine compiled to be
         # launched dependent on its partials (``_launch_plan``).  A kernel after a pre-pass
         # stays dependent in graphs too: there it saved time (session 40).
@@ -131,7 +131,7 @@ class BoundCall:
         if self.scratch is None:
             lists.append(args)
             return lists
-        total, cuts, chunk, nsplit = self.scratch
+        total, cuts = self.scratch[:2]
         # A call captured in a CUDA graph takes a fresh buffer from the graph's own pool,
         # which the graph keeps alive for its replays; a kept one could be freed first.
         if capturing is None:
@@ -165,8 +165,7 @@ class BoundCall:
         got = self._plans.get((stream, capturing))
         if got is not None and got[0] is cks:
             return got[1]
-        plan = [getattr(fl, "prepared", lambda *a, **k: None)(ck, stream, tail,
-                                                              plain=capturing and plain)
+        plan = [fl.prepared(ck, stream, tail, plain=capturing and plain)
                 for fl, ck, tail, plain in zip(self.steps, cks, self.tails,
                                                self._plain_in_graphs)]
         plan = None if any(p is None for p in plan) else plan

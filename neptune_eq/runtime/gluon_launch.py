@@ -25,8 +25,9 @@ from .gluon_device import gluon_unavailable
 from .block_summary import SummaryPrepass
 from .bound_call import _FRESH, _kept
 from .tile_order import one_tile_per_program, tile_order, tile_work
-from .launch import (FastLaunch, HostQueries, OutputMaker, current_stream, dependent_launch,
-                     dependent_options, int_classes, launch_hooks, written_outputs)
+from .launch import (FastLaunch, OutputMaker, current_stream, dependent_launch,
+                     dependent_options, host_queries, int_classes, launch_hooks,
+                     written_outputs)
 from .tma_launch import EncodedLaunch
 from .launcher import Launcher, device_sms, import_source, same_outputs
 from .tile_configs import TileConfig
@@ -372,7 +373,6 @@ class GluonBoundCall:
         if launcher.form.ranges:
             example["tile_sched"] = self._new_sched()
         self.integers = launcher.integer_args(example)
-        self.host = None  # ``HostQueries``, found at the first call (on the GPU)
 
     def _new_summaries(self) -> dict:
         """Summaries of this signature by name, unfilled (each call's pre-pass fills them)."""
@@ -392,9 +392,7 @@ class GluonBoundCall:
         tensors = {**dict(zip(self.names, inputs)), **dict(zip(self.outputs, outs))}
         la = self.launcher
         if la.fast_ok:
-            host = self.host
-            if host is None:
-                host = self.host = HostQueries()
+            host = host_queries()
             dev = host.device()
             stream = host.stream(dev)
             pre, run = None, tensors

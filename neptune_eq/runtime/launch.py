@@ -117,6 +117,13 @@ class HostQueries:
         return launch_hooks(self._hooks) != (None, None)
 
 
+@lru_cache(maxsize=1)
+def host_queries() -> HostQueries:
+    """The process's ``HostQueries``, made at the first replay that asks: not once per
+    replay, as a growing KV cache makes a new signature, and so a new replay, per step."""
+    return HostQueries()
+
+
 def written_outputs(specs: list, device) -> list:
     """Tensors of ``specs`` ((shape, torch dtype) pairs) for a launch that writes every
     element of them (a kernel's outputs, and split-k's fold states and the pre-pass's summaries, which
