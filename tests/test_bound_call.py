@@ -603,8 +603,8 @@ def test_a_gpu_replay_launches_the_checked_kernels_with_pointers_as_ints(keyed, 
         def fast(self, ck, a, stream):
             launched.append(("fast", ck, list(a), stream))
 
-        def prepared(self, ck, stream, tail, plain=False):
-            prepared.append((ck, plain) if plain else ck)
+        def prepared(self, ck, stream, tail):
+            prepared.append(ck)
 
             def raw(*a):  # (head..., the call's own arguments..., tail...)
                 launched.append(("raw", ck, list(a[2:]), a[1]))
@@ -632,12 +632,12 @@ def test_a_gpu_replay_launches_the_checked_kernels_with_pointers_as_ints(keyed, 
         la._checked[(0, (True,) * len(bc.param_slots), bc.int_key)] = ["p2", "c2"]
         bc(inputs)
         assert prepared == checked + ["p2", "c2"]
-        # captured into a CUDA graph, a combine compiled to be launched dependent on its
-        # partials is launched plainly (a plan of its own); the partials as always
-        bc._plain_in_graphs = [False, True]
+        # captured into a CUDA graph: the same plan (the combine launched dependent
+        # there too), the scratch fresh -- its tensors, not their pointers, go to the
+        # launch, so the graph's pool keeps them alive for its replays
         bc.host.capturing = lambda: True
         launched.clear()
         bc(inputs)
-        assert prepared[-2:] == ["p2", ("c2", True)]
+        assert prepared == checked + ["p2", "c2"]
         assert [ck for _, ck, _, _ in launched] == ["p2", "c2"]
         assert any(isinstance(x, torch.Tensor) for x in launched[0][2])  # fresh scratch

@@ -17,6 +17,7 @@ from neptune_eq.runtime.launcher import Launcher
 from neptune_eq.runtime.tile_configs import TileConfig
 
 WAIT = "tl.extra.cuda.gdc_wait()"
+RELEASE = "tl.extra.cuda.gdc_launch_dependents()"
 
 
 def _doc_attention(L=77, S=77, **kw):
@@ -99,17 +100,22 @@ def test_each_launch_waits_for_the_one_before_and_only_its_reads(monkeypatch):
     assert sum(WAIT in ln for ln in partial) == 1 and sum(WAIT in ln for ln in comb) == 1
     first_read = next(k for k, ln in enumerate(comb) if re.search(r"\bws_\w+_ptr\b", ln))
     assert next(k for k, ln in enumerate(comb) if WAIT in ln) < first_read
-    # the one-launch form (its last chunk combines) follows only the pre-pass
+    # the partials release the combine first thing (it waits before reading them)
+    assert partial[:2] == [f"    if PDL:  # dependents may launch now: they wait for this "
+                           "grid to finish", f"        {RELEASE}"]
+    assert sum(RELEASE in ln for ln in partial + comb) == 1
+    # the one-launch form (its last chunk combines) follows only the pre-pass, and has no
+    # dependent to release
     fused = _body(ks.source, f"{ks.name}_fused")
-    assert sum(WAIT in ln for ln in fused) == 1
+    assert sum(WAIT in ln for ln in fused) == 1 and not any(RELEASE in ln for ln in fused)
     assert dependent_options({"num_warps": 4}, False) == {"num_warps": 4}
 
 
 def test_a_plain_decode_s_combine_waits_for_its_partials(monkeypatch):
-    """No data mask, no pre-pass: the partials launch plainly, the combine dependent
-    (where the GPU can; a replay captured in a CUDA graph launches it plainly, see
-    test_bound_call); ``NEPTUNE_EQ_PDL_COMBINE=0`` launches both plainly, and without the
-    flag on no wait is emitted."""
+    """No data mask, no pre-pass: the partials launch plainly and release the combine
+    first thing, the combine is launched dependent (where the GPU can; captured in a CUDA
+    graph too) and waits; ``NEPTUNE_EQ_PDL_COMBINE=0`` launches both plainly, and without
+    the flag on neither instruction is emitted."""
     row = _split_row(ne.superoptimize(ne.attention(1, 4, 1, 300, 32, "float16", kv_heads=4),
                                       target="interpreter", cache=False))
     ks = row.kernel
@@ -118,7 +124,8 @@ def test_a_plain_decode_s_combine_waits_for_its_partials(monkeypatch):
     partials, combine = dep._launches
     assert not dep.pdl and dep.pdl_combine and dep.consts["PDL"] is True
     assert "launch_pdl" not in partials.options and combine.options.get("launch_pdl") is True
-    assert not any(WAIT in ln for ln in _body(ks.source, f"{ks.name}_partial"))
+    partial = _body(ks.source, f"{ks.name}_partial")
+    assert not any(WAIT in ln for ln in partial) and RELEASE in partial[1]
     assert sum(WAIT in ln for ln in _body(ks.source, f"{ks.name}_combine")) == 1
     monkeypatch.setenv("NEPTUNE_EQ_PDL_COMBINE", "0")
     off = Launcher(row.program, ks, "interpreter", dep.config)
@@ -191,3 +198,29 @@ def test_every_kernel_reading_summaries_waits_first_forward_and_backward(monkeyp
         assert _reads_wait_first(body, names, "griddepcontrol.wait"), form.name
         # the partitions run after the warp split, which comes after the wait
         assert body.index("griddepcontrol.wait") < body.index("gl.warp_specialize(")
+
+
+def test_a_decode_s_partials_release_and_its_combine_waits_when_compiled_for_sm90(tmp_path):
+    """Compiled for sm_90 with ``PDL`` on (offline: the compiler of this Triton; the GPU
+    machine's 3.6 ran it, ``bench/probe/decode_trigger.py``): the partials' PTX releases
+    its dependents and never waits, the combine's waits and never releases."""
+    from sm90_compile import compile_for_sm90
+    row = _split_row(ne.superoptimize(ne.attention(1, 8, 1, 300, 64, "float16", kv_heads=2),
+                                      target="interpreter", cache=False))
+    ks = row.kernel
+    path = tmp_path / "decode_module.py"
+    path.write_text(ks.source)
+    flags = {"TMA": False, "WS": False, "LOOP_STAGES": 2, "VDOT": False, "ONE_LOOP": False,
+             "PDL": True, **{f: False for f in ks.even_flags}}
+    base = {**ks.tunables, "B_i": 16, "B_L": 32, **flags}
+    dtypes = {p: "*fp16" for p in ks.params}
+    dtypes.update({f"{w}_ptr": "*fp32" for w in ks.scratch})
+    got = {}
+    for kernel, extra in (("partial", {}), ("combine", {"B_P": 16, "B_IC": 8})):
+        spec = {"dtypes": dtypes, "constexprs": {**base, **extra}, "num_warps": 4,
+                "num_stages": 2, "options": {"launch_pdl": kernel == "combine"}}
+        got[kernel] = compile_for_sm90(path, f"{ks.name}_{kernel}", spec, timeout=300)
+    assert got["partial"]["ok"] and got["combine"]["ok"], got
+    assert got["partial"]["pdl_launch_dependents"] and not got["partial"]["pdl_wait"]
+    assert got["combine"]["pdl_wait"] and not got["combine"]["pdl_launch_dependents"]
+    assert got["combine"]["launch_pdl"] and not got["partial"]["launch_pdl"]

@@ -187,16 +187,11 @@ def test_a_fast_launch_calls_the_compiled_launcher_as_triton_3_6_would(monkeypat
     fl.fast(ck, ["x", 7], "stream")
     assert launched[0] == ("run",) and launched[1] == launched[2] and len(launched) == 3
     # a replay's prepared call (the call's own arguments, then a fixed tail) launches the
-    # same; ``plain`` clears only the PDL flag (a combine launched inside a CUDA graph)
+    # same, the PDL flag as Triton's launch sets it
     raw, head, tail = fl.prepared(ck, "stream", [7])
     raw(*head, "x", *tail)
-    assert launched[-1] == launched[1]
-    raw, head, tail = fl.prepared(ck, "stream", [7], plain=True)
-    raw(*head, "x", *tail)
-    want = list(launched[1])
-    want[1 + 6] = False  # ("raw", grid x3, stream, function, cooperative, PDL, ...)
-    assert list(launched[-1]) == want and launched[1][1 + 6] is True
-    del launched[3:]
+    assert launched[-1] == launched[1] and launched[1][1 + 6] is True  # (grid x3, stream,
+    del launched[3:]                                   # function, cooperative, PDL, ...)
     for change in ({"global_scratch_size": 64}, {"launch": lambda *a: None}):
         other = NS(run=CudaLauncher(), function="fn", packed_metadata="packed")
         for k, val in change.items():

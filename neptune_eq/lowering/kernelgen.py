@@ -26,7 +26,7 @@ from .block_ranges import ONE_LOOP_FLAG, data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
 from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
 from .data_indices import checked_ids
-from .dependent_launch import PDL_FLAG, wait_before_reads
+from .dependent_launch import PDL_FLAG, release_first, wait_before_reads
 from .summary_kernel import prepass_source
 from .split_plan import combine_min_rows
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
@@ -565,8 +565,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     vector_dot = em.vector_dots > 0
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
-    part = _kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"] + consts, em,
-                        [sp.name for sp in summaries])
+    part = release_first(_kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"]
+                                      + consts, em, [sp.name for sp in summaries]))
     states = [em.desc]
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
     width = combine_width_axis(plan)

@@ -90,13 +90,7 @@ class BoundCall:
         else:
             self.tails += [self.strides + [self.scratch[2]], self.strides + [self.scratch[3]]]
         self.host = None if self.interpret else host_queries()
-        # the launch a CUDA graph capture takes plainly: a split-k combine compiled to be
-        # launched dependent on its partials (``_launch_plan``).  A kernel after a pre-pass
-        # stays dependent in graphs too: there it saved time (session 40).
-        combine = (la._launches[-1] if self.scratch and not la.config.fused
-                   and getattr(la, "pdl_combine", False) else None)
-        self._plain_in_graphs = [fl is combine for fl in self.steps]
-        self._plans: dict = {}  # (stream, capturing) -> (checked kernels, prepared calls)
+        self._plans: dict = {}  # stream -> (checked kernels, prepared calls)
         self.desc_slots = ([slot[n] for n in ks.descriptors] if la.tma else [])
         self._fp32 = torch.float32
         # (stream, thread) -> the split-k fold states' scratch, kept between calls: calls
@@ -154,22 +148,16 @@ class BoundCall:
             lists += [lead, lead]
         return lists
 
-    def _launch_plan(self, cks: list, stream, capturing: bool = False):
+    def _launch_plan(self, cks: list, stream):
         """Each launch's ``FastLaunch.prepared`` call for the checked kernels ``cks`` on
         ``stream``, kept per stream (and remade when the key's kernels are not those it
-        was made for); None where a launch has no raw launcher.  ``capturing`` (a CUDA
-        graph capture is running): a split-k combine compiled to be launched dependent on
-        its partials is launched plainly -- inside a graph a dependent launch ran
-        0.976-0.997x the plain one, as called it gained 1.3-1.5 us
-        (``Launcher.pdl_combine``)."""
-        got = self._plans.get((stream, capturing))
+        was made for); None where a launch has no raw launcher."""
+        got = self._plans.get(stream)
         if got is not None and got[0] is cks:
             return got[1]
-        plan = [fl.prepared(ck, stream, tail, plain=capturing and plain)
-                for fl, ck, tail, plain in zip(self.steps, cks, self.tails,
-                                               self._plain_in_graphs)]
+        plan = [fl.prepared(ck, stream, tail) for fl, ck, tail in zip(self.steps, cks, self.tails)]
         plan = None if any(p is None for p in plan) else plan
-        self._plans[(stream, capturing)] = (cks, plan)
+        self._plans[stream] = (cks, plan)
         return plan
 
     def _summary_buffers(self, stream, capturing: bool) -> list:
@@ -221,7 +209,7 @@ class BoundCall:
             # launch.  The signature this replay is keyed on fixed every tensor's device
             # (a CUDA device, checked by the general call), so the answer is known here.
             leads = self._leading(ptrs, stream, capturing, pointers=True)
-            plan = None if host.hooks_set() else self._launch_plan(cks, stream, capturing)
+            plan = None if host.hooks_set() else self._launch_plan(cks, stream)
             if plan is not None:  # no profiler hook: one call per launch
                 for (raw, head, tail), lead in zip(plan, leads):
                     raw(*head, *lead, *tail)

@@ -247,19 +247,15 @@ def raw_launcher(ck):
     return raw
 
 
-def raw_head(ck, grid: tuple, stream, meta=None, enter=None, exit_=None,
-             plain: bool = False) -> tuple:
+def raw_head(ck, grid: tuple, stream, meta=None, enter=None, exit_=None) -> tuple:
     """What a raw launcher of ``ck`` takes before the kernel's arguments, as 3.6's
     ``CudaLauncher.__call__`` passes it: grid, stream, function, its cooperative-grid and
     PDL flags, no global or profile scratch (``launcher_36`` checked there is none), the
     metadata and hooks.  The one place that layout is written (``call_raw`` and
-    ``FastLaunch.prepared`` use it).  ``plain``: launched without programmatic dependence
-    even where the kernel was compiled for it (its ``griddepcontrol.wait`` then returns at
-    once; Triton's ``launch_pdl`` option only sets this launch flag)."""
+    ``FastLaunch.prepared`` use it)."""
     run = ck.run
-    return (*grid, stream, ck.function, run.launch_cooperative_grid,
-            False if plain else run.launch_pdl, None, None, ck.packed_metadata, meta, enter,
-            exit_)
+    return (*grid, stream, ck.function, run.launch_cooperative_grid, run.launch_pdl, None,
+            None, ck.packed_metadata, meta, enter, exit_)
 
 
 def call_raw(raw, ck, grid: tuple, stream, args: list, meta=None, enter=None, exit_=None):
@@ -291,18 +287,18 @@ class FastLaunch:
             raw = self._raw[id(ck)] = (ck, raw_launcher(ck) if RAW else None)
         return raw[1]
 
-    def prepared(self, ck, stream, tail: list, plain: bool = False):
+    def prepared(self, ck, stream, tail: list):
         """(raw launcher, what goes before the call's own arguments, what after) to launch
         ``ck`` on ``stream`` with no hook set as ``fast`` would, the arguments being the
         call's own then ``tail`` (those fixed per replay: strides, sizes); None where
         there is no raw launcher.  A replay keeps it per stream: a launch is then one
         call with its arguments spliced in, not ``fast``'s lookups and copies (with
         ``HostQueries``: a GQA decode call's host time 25.2 -> 20.0 us on an H200's host,
-        session 51, ``bench/probe/host_sections.py``).  ``plain``: see ``raw_head``."""
+        session 51, ``bench/probe/host_sections.py``)."""
         raw = self._raw_of(ck)
         if raw is None:
             return None
-        return (raw, raw_head(ck, self.grid, stream, plain=plain),
+        return (raw, raw_head(ck, self.grid, stream),
                 (*tail, *self.const_values))
 
     def fast(self, ck, args: list, stream) -> None:

@@ -168,12 +168,11 @@ class Launcher:
         dependent = dependent_launch(self.target)
         self.pdl = bool(self.ks.prepass) and dependent
         # The combine after the partials is compiled to wait for them and launched
-        # dependent as called: with launches queued behind a busy GPU it gained 1.3-1.5 us
-        # a call, while replayed from a CUDA graph a dependent launch ran 0.976-0.997x the
-        # plain one (GQA and causal decode at 2048 / 32768 keys, H200, session 40,
-        # ``bench/decode_pdl.py``).  So a replay captured into a graph launches it plainly
-        # (``BoundCall._launch_plan``; the wait then returns at once), and eager calls
-        # dependent.  NEPTUNE_EQ_PDL_COMBINE=0 turns it off.
+        # dependent, as called and in CUDA graphs; the partials release it first thing
+        # (``dependent_launch.release_first``).  As called that gained 1.3-1.5 us a call
+        # (launches queued behind a busy GPU, session 40); graphed, GQA decode at 2048
+        # keys 8.19 -> 7.50 us against the plain launch (H200, session 52,
+        # ``bench/probe/decode_trigger.py``).  NEPTUNE_EQ_PDL_COMBINE=0 turns it off.
         self.pdl_combine = (bool(self.ks.split_extent) and dependent
                             and os.environ.get("NEPTUNE_EQ_PDL_COMBINE", "1") != "0")
         if self.ks.summaries or self.ks.split_extent:  # (the modules with the flag)
