@@ -61,21 +61,6 @@ def main():
     shapes = [(1, 64, 1, 128), (1, 8, 2048, 128), (1, 8, 2048, 128)]
     rows.append(graphed("gqa decode S=2048 fp16, replay captured in a CUDA graph", gqa, shapes,
                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
-    # a decode whose mask reads a tensor (its pre-pass, then the split-k launches where
-    # chosen): the query at the cache's end sees the keys of its own document
-    S = 8192
-    ids = dm.doc_ids(S, 13)[0]
-    doc = ne.placeholder((S,), "int32", "doc")
-    dd = ne.superoptimize(ne.attention(1, 64, 1, S, 128, "float16", kv_heads=8,
-                                       mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j]),
-                          target="cuda")
-    rows.append(graphed(f"doc-mask gqa decode S={S} fp16 {dd.config}, in a CUDA graph",
-                        lambda q, k, v: dd(q, k, v, ids), [(1, 64, 1, 128), (1, 8, S, 128),
-                                                           (1, 8, S, 128)],
-                        lambda q, k, v: F.scaled_dot_product_attention(
-                            q, k, v, attn_mask=(ids[S - 1] == ids)[None, None, None, :],
-                            enable_gqa=True),
-                        between=lambda c: ids.copy_(dm.doc_ids(S, 13, seed=c + 1)[0])))
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
 
