@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
