@@ -1,10 +1,11 @@
 """A split-k decode's combine launched dependent on its partials (programmatic dependent
 launch), against launched plainly: same tiles, same process, same output bit for bit.
-(Measured here in session 40 on an H200: graphed it ran 0.976-0.997x the plain launch, as
-called 1.3-1.5 us faster.  Since session 51 the product launches it dependent as called
-and plainly where a replay is captured in a CUDA graph; ``NEPTUNE_EQ_PDL_COMBINE=0`` turns
-it off.  This bench builds both launchers itself and captures them through the general
-launch path, which keeps the dependent launch inside the graph.)
+(Measured here in session 40 on an H200, with the partials releasing the combine at their
+end: graphed it ran 0.976-0.997x the plain launch, as called 1.3-1.5 us faster.  Since
+session 52 the partials release it first thing and the product launches it dependent in
+graphs too (``bench/probe/decode_trigger.py``: GQA decode at 2048 graphed 8.19 -> 7.50
+us); ``NEPTUNE_EQ_PDL_COMBINE=0`` turns it off.  This bench builds both launchers itself
+and captures them through the general launch path.)
 
 The two-launch split-k decode writes each chunk's fold states, then a combine kernel folds
 them.  With PDL (``lowering/dependent_launch.py``) the combine is launched while the

@@ -61,6 +61,7 @@ _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.di
            "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
            "and": torch.logical_and, "or": torch.logical_or,
            "bitand": torch.bitwise_and, "bitor": torch.bitwise_or, "bitxor": torch.bitwise_xor}
+FOLD_BLOCKS = 256  # blocks a fold is evaluated in, at most (``Interpreter._fold``)
 _IDENTITY = {"sum": 0.0, "rollsum": 0.0, "splitk": 0.0, "max": -math.inf, "rollmax": -math.inf,
              "min": math.inf}
 
@@ -88,6 +89,7 @@ class Interpreter:
             self.inputs[ph.name] = t.to(dtype) if t.is_floating_point() else t
         self.values: dict[str, Val] = {}
         self._prefix_cache: dict[tuple[str, int, int], Val] = {}
+        self._prefixes_from: set[tuple[str, int]] = set()  # (name, start) cached at every end
 
     # -- public ------------------------------------------------------------------------
     def run(self) -> dict[str, torch.Tensor]:
@@ -113,8 +115,45 @@ class Interpreter:
                 raise ProgramError(f"run/prev of {name!r}: expected a definition whose body is "
                                    f"a reduction, got {d.body.op}.")
             env = {a: self._arange(a) for a in d.axes}
-            self._prefix_cache[key] = self.eval(d.body, env, {d.body.val: (lo, hi)})
+            if (name, lo) not in self._prefixes_from:
+                # A fold reads its producers' running values at every block end from the
+                # same start: each computed alone costs the prefix's length, so a fold over
+                # S keys cost O(S^2 / block) -- minutes for a decode checked at S = 8192.
+                # All of them in one pass from ``lo`` is O(S).
+                self._prefixes_from.add((name, lo))
+                self._all_prefixes(name, d.body, env, lo)
+            if key not in self._prefix_cache:  # (an end off the block grid: a chunk's end)
+                self._prefix_cache[key] = self.eval(d.body, env, {d.body.val: (lo, hi)})
         return self._prefix_cache[key]
+
+    def _all_prefixes(self, name: str, body: Term, env: dict, lo: int) -> None:
+        """Cache the running value of ``name`` (its top-level reduction ``body``) from
+        ``lo`` at every end a fold reads: each position for a reduction (a cumulative
+        sum / max / min of the body, evaluated once), each block end for a fold (the
+        fold's own accumulator as it passes that end: the same blocks, the same
+        arithmetic as a fold stopped there)."""
+        ax, n = body.val, self.p.extents[body.val]
+        if n <= lo:
+            return
+        if body.op in ("rollsum", "rollmax"):
+            record: dict[int, Val] = {}
+            self._fold(body, env, {ax: (lo, n)}, lo, n, record)
+            for end, acc in record.items():
+                self._prefix_cache[(name, lo, end)] = acc
+            return
+        if body.kind != "reduce":
+            return
+        part = self.eval(body.args[0], {**env, ax: Val(torch.arange(lo, n), (ax,))},
+                         {ax: (lo, n)})
+        if ax not in part.axes:  # constant along the axis: each prefix is cheap alone
+            return
+        dim = part.axes.index(ax)
+        rest = part.axes[:dim] + part.axes[dim + 1:]
+        t = part.t if part.t.is_floating_point() else part.t.to(self.dtype)
+        cum = {"sum": lambda: torch.cumsum(t, dim), "max": lambda: torch.cummax(t, dim).values,
+               "min": lambda: torch.cummin(t, dim).values}[body.op]()
+        for k in range(n - lo):
+            self._prefix_cache[(name, lo, lo + k + 1)] = Val(cum.select(dim, k), rest)
 
     # -- terms ---------------------------------------------------------------------------
     def eval(self, t: Term, env: dict[str, Val], limits: dict[str, tuple[int, int]],
@@ -216,15 +255,19 @@ class Interpreter:
              "min": lambda x: x.amin(dim)}[t.op]
         return Val(f(body.t.to(self.dtype) if not body.t.is_floating_point() else body.t), rest)
 
-    def _fold(self, t: Term, env, limits, lo: int, hi: int) -> Val:
+    def _fold(self, t: Term, env, limits, lo: int, hi: int, record: dict | None = None) -> Val:
         """rollsum: ``t <- t*corr + sum_blk body``; rollmax: ``t <- max(t + corr, max_blk body)``;
-        run/prev see the producers' values over ``[lo, end)`` / ``[lo, previous end)``."""
+        run/prev see the producers' values over ``[lo, end)`` / ``[lo, previous end)``.
+        ``record``: end -> the accumulator after the block ending there."""
         ax = t.val
         body, corr = t.args
         acc: Val | None = None
         prev_end = lo
+        # at most FOLD_BLOCKS blocks over the axis: a check that cannot shrink its sizes
+        # (a decode's doc[q + 8191]) otherwise evaluates 2048 blocks per fold
+        size = max(self.block, -(-int(self.p.extents[ax]) // FOLD_BLOCKS))
         while prev_end < hi:
-            end = min(hi, prev_end + self.block)
+            end = min(hi, prev_end + size)
             blk = Val(torch.arange(prev_end, end), (ax,))
             step = ((lo, prev_end), (lo, end))
             part = self.eval(body, {**env, ax: blk}, limits, step)
@@ -240,6 +283,8 @@ class Interpreter:
                 c = self.eval(corr, env, limits, step)
                 axes, (a, cc, p_) = _align(acc, c, part)
                 acc = Val(a * cc + p_ if t.op == "rollsum" else torch.maximum(a + cc, p_), axes)
+            if record is not None:
+                record[end] = acc
             prev_end = end
         if acc is None:
             return Val(torch.tensor(_IDENTITY[t.op], dtype=self.dtype), ())

@@ -1,7 +1,7 @@
 """Where a split-k decode's partials let their dependent combine launch: never (the combine
-launched plainly), at their end (the implicit trigger: what the product does as called),
-first thing, or just before they store their fold states -- timed graphed and as called,
-and run many times to look for session 24's stall.
+launched plainly), at their end (the implicit release: the product as called in session
+51), first thing (the product since session 52), or just before they store their fold
+states -- timed graphed and as called, and run many times to look for session 24's stall.
 
 Session 24 had the partials signal ``griddepcontrol.launch_dependents`` first thing: every
 two-launch GQA config ran 4-7% faster as called on an H100, but three runs stalled on the
