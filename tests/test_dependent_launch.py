@@ -101,7 +101,7 @@ def test_each_launch_waits_for_the_one_before_and_only_its_reads(monkeypatch):
     first_read = next(k for k, ln in enumerate(comb) if re.search(r"\bws_\w+_ptr\b", ln))
     assert next(k for k, ln in enumerate(comb) if WAIT in ln) < first_read
     # the partials release the combine first thing (it waits before reading them)
-    assert partial[:2] == [f"    if PDL:  # dependents may launch now: they wait for this "
+    assert partial[:2] == ["    if PDL:  # dependents may launch now: they wait for this "
                            "grid to finish", f"        {RELEASE}"]
     assert sum(RELEASE in ln for ln in partial + comb) == 1
     # the one-launch form (its last chunk combines) follows only the pre-pass, and has no
