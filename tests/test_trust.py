@@ -203,12 +203,41 @@ def test_a_value_at_the_edge_of_fp16s_range_may_round_either_way():
 
 def test_a_read_in_bounds_only_near_the_given_sizes_is_checked_there():
     """``x[i, j + 21]`` over 19 columns of a 40-column x is out of bounds at the shrunk
-    sizes (17 columns of 19), so validation keeps the sizes as given -- and says so."""
+    sizes (17 columns of 19, x 19 wide), so validation keeps the size the read needs as
+    given (x's 40 columns) and shrinks the rest; where keeping one is not enough (a second
+    read that needs the 19 as given) it keeps them all -- and says so."""
     x = ne.placeholder((3, 40), "float32", "x")
     j = ne.reduce_axis(19, "j")
     y = ne.compute((3,), lambda i: ne.sum(x[i, j + 21], axis=j), "y")
     kern = ne.superoptimize(y, target="interpreter", cache=False)
-    assert kern.trace.validation.sizes == {3: 3, 19: 19, 40: 40}
-    assert "at the given sizes" in str(kern.trace.validation)
+    assert kern.trace.validation.sizes == {3: 3, 19: 17, 40: 40}
+    assert "at sizes 19->17" in str(kern.trace.validation)
     got = kern(x=torch.arange(120.0).reshape(3, 40))
     assert torch.equal(got, torch.arange(120.0).reshape(3, 40)[:, 21:].sum(1))
+    # a[i, 18 - j] with a 19 wide as well: 19 kept alone would leave 40 shrunk to 19, no
+    # longer above it, and 40 kept alone reads a[i, 2..18] of 17 -- so both are kept
+    a = ne.placeholder((3, 19), "float32", "a")
+    y2 = ne.compute((3,), lambda i: ne.sum(x[i, j + 21] * a[i, 18 - j], axis=j), "y2")
+    kern = ne.superoptimize(y2, target="interpreter", cache=False)
+    assert kern.trace.validation.sizes == {3: 3, 19: 19, 40: 40}
+    assert "at the given sizes" in str(kern.trace.validation)
+    xs, av = torch.arange(120.0).reshape(3, 40), torch.arange(57.0).reshape(3, 19)
+    assert torch.allclose(kern(x=xs, a=av), (xs[:, 21:] * av.flip(1)).sum(1))
+
+
+def test_a_decode_reading_ids_at_the_cache_s_end_is_checked_with_its_heads_shrunk():
+    """A decode whose mask reads ``doc[q + S - 1]`` reads in bounds only with the key
+    length as called; its heads and head dim still shrink (at the call's sizes, 64 heads
+    at D=128 over 8192 keys, the check took most of a 230 s cold build on an H200)."""
+    S = 300
+    doc = ne.placeholder((S,), "int32", "doc")
+    out = ne.attention(1, 40, 1, S, 48, "float32", kv_heads=20,
+                       mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j])
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    sizes = kern.trace.validation.sizes
+    assert sizes[S] == S and sizes[40] < 40 and sizes[48] < 48 and sizes[20] < 20
+    ids = torch.sort(torch.randint(0, 4, (S,), dtype=torch.int32)).values
+    q, k, v = torch.randn(1, 40, 1, 48), torch.randn(1, 20, S, 48), torch.randn(1, 20, S, 48)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=(ids[S - 1] == ids)[None, None, None, :], enable_gqa=True)
+    assert torch.allclose(kern(q, k, v, ids), want, atol=1e-4)
