@@ -150,6 +150,33 @@ def test_decode_split_skips_masked_blocks():
     assert torch.isfinite(got[0, 0]).all()
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_decode_at_the_cache_s_end_skips_other_documents_grouped_or_not(kv_heads):
+    """One query at the cache's end (``doc[q + S - 1] == doc[kv]``): the query's row axis
+    has extent 1, so its read is one element per program and the key blocks are tested
+    (sorted ids: one range) against it -- also for packed GQA rows, whose heads share
+    that query.  Keys of other documents are never read (NaN there); unsorted ids stay
+    right."""
+    S = 90
+    doc = ne.placeholder((S,), "int32", "doc")
+    out = ne.attention(1, 4, 1, S, D, "float32", kv_heads=kv_heads,
+                       mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j])
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    assert "bs_doc_d0_loop_ptr" in kern.source and f"doc_ptr + ({S - 1}) * doc_s0" in kern.source
+    assert (kern.plan.packed is not None) == (kv_heads == 2)
+    q, k, v = qkv(1, 4, 1, S, 3)
+    k, v = k[:, :kv_heads], v[:, :kv_heads].clone()
+    ids = torch.tensor([0] * 40 + [1] * 25 + [2] * 25, dtype=torch.int32)
+    run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids))
+    v[..., :64, :] = float("nan")  # the last document is keys 65..89: blocks before 64 unread
+    got = kern(q=q, k=k, v=v, doc=ids)
+    assert torch.isfinite(got).all()
+    ref = evaluate(kern.input_program, dict(q=q, k=k, v=v.nan_to_num(), doc=ids))["o"]
+    assert torch.allclose(got.double(), ref, atol=1e-4)
+    shuffled = ids[torch.randperm(S, generator=torch.Generator().manual_seed(0))]
+    run_against_reference(kern, dict(q=q, k=k, v=v.nan_to_num(), doc=shuffled))
+
+
 def test_flex_attention_document_mask_skips_blocks():
     """ne.flex_attention with a document mask_mod (named size S): same answer as torch's
     flex_attention, and a padding block's NaN values are never read."""

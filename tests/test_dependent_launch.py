@@ -224,3 +224,30 @@ def test_a_decode_s_partials_release_and_its_combine_waits_when_compiled_for_sm9
     assert got["partial"]["pdl_launch_dependents"] and not got["partial"]["pdl_wait"]
     assert got["combine"]["pdl_wait"] and not got["combine"]["pdl_launch_dependents"]
     assert got["combine"]["launch_pdl"] and not got["partial"]["launch_pdl"]
+
+
+def test_a_document_mask_gqa_decode_compiles_for_sm90_with_its_key_test(tmp_path):
+    """A GQA decode at the cache's end with a document mask (packed rows, the row-side
+    read one element, the key blocks tested against the summaries of the pre-pass):
+    its partials compile for sm_90 with ``PDL`` on, waiting for the pre-pass before the
+    first summary read and releasing the combine first thing."""
+    from sm90_compile import compile_for_sm90
+    S = 300
+    doc = ne.placeholder((S,), "int32", "doc")
+    kern = ne.superoptimize(ne.attention(1, 8, 1, S, 64, "float16", kv_heads=2,
+                                         mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j]),
+                            target="interpreter", cache=False)
+    row = _split_row(kern)
+    ks = row.kernel
+    assert row.plan.packed and [sp.name for sp in ks.summaries] == ["bs_doc_d0_loop"]
+    path = tmp_path / "doc_decode_module.py"
+    path.write_text(ks.source)
+    consts = {**ks.tunables, "B_i": 16, "B_L": 32, "TMA": False, "WS": False, "LOOP_STAGES": 2,
+              "VDOT": False, "ONE_LOOP": False, "PDL": True, **{f: False for f in ks.even_flags}}
+    dtypes = {p: "*i32" if p in ("doc_ptr", "bs_doc_d0_loop_ptr") else "*fp16" for p in ks.params}
+    dtypes.update({f"{w}_ptr": "*fp32" for w in ks.scratch})
+    got = compile_for_sm90(path, f"{ks.name}_partial", {
+        "dtypes": dtypes, "constexprs": consts, "num_warps": 4, "num_stages": 2,
+        "options": {"launch_pdl": True}}, timeout=300)
+    assert got["ok"], got
+    assert got["pdl_wait"] and got["pdl_launch_dependents"] and got["launch_pdl"]

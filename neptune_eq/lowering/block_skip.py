@@ -15,7 +15,7 @@ The same test serves the split-k partials, so FlashDecoding forms skip the same 
 """
 from __future__ import annotations
 
-from ..ir import Term, free_axes, rename_axis
+from ..ir import Term, free_axes, rename_axis, substitute
 from .block_predicate import PyOps, SummarySpec, _and, block_truth, summary_dim
 from .codegen import LOOP, Emitter
 from .lower import Pass, TilePlan
@@ -23,15 +23,22 @@ from .lower import Pass, TilePlan
 
 def data_atoms(plan: TilePlan, ps: Pass) -> list[Term]:
     """Gate atoms of a pass worth a per-block test (fold axis named ``@j``): not already
-    loop bounds, reading no score or running state, and moving with the key axis."""
-    if plan.packed:  # packed GQA rows mix heads in one block: no row-block summary
+    loop bounds, reading no score or running state, and moving with the key axis.
+
+    A row axis of extent 1 (a decode's one query) is the constant 0 in them: a row-side
+    read such as ``doc[q + 8191]`` is then one element per program, read as it is,
+    rather than bounded by the whole tensor's range (which tests nothing).  Packed GQA
+    rows mix heads in one block and have no row-block summary, except there: every
+    packed row of a one-query decode has q = 0."""
+    one_row = plan.program.extents.get(plan.block_axis) == 1
+    if plan.packed and not one_row:
         return []
     out = []
     for a in sorted(ps.gate_atoms - ps.bound_atoms, key=str):
         if any(n.op in ("ref", "run", "prev") or n.kind in ("reduce", "fold") for n in a.walk()):
             continue
         if "@j" in free_axes(a) and any(n.op == "load" for n in a.walk()):
-            out.append(a)
+            out.append(substitute(a, {plan.block_axis: Term("int", (), 0)}) if one_row else a)
     return out
 
 
