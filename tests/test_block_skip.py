@@ -6,6 +6,7 @@ skipped is shown by NaN values in V that any visited block would spread (0 * NaN
 even where the elementwise mask zeroes the weight)."""
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import neptune_eq as ne
 from neptune_eq.interp import evaluate
@@ -175,6 +176,54 @@ def test_a_decode_at_the_cache_s_end_skips_other_documents_grouped_or_not(kv_hea
     assert torch.allclose(got.double(), ref, atol=1e-4)
     shuffled = ids[torch.randperm(S, generator=torch.Generator().manual_seed(0))]
     run_against_reference(kern, dict(q=q, k=k, v=v.nan_to_num(), doc=shuffled))
+    # the split-k candidate (partials + combine, and one launch) tests every chunk the same way
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
+    row = next(r for r in kern.candidates if r.plan is not None and r.plan.split)
+    assert "bs_doc_d0_loop_ptr" in row.kernel.source
+    for fused in (False, True):
+        cfg = candidate_configs(row.kernel, "interpreter")[0]
+        cfg.splits, cfg.fused = 3, fused
+        o = torch.empty(1, 4, 1, D)
+        Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
+        assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gqa_decode_kernel():
+    S = 90
+    doc = ne.placeholder((S,), "int32", "doc")
+    out = ne.attention(1, 4, 1, S, D, "float32", kv_heads=2,
+                       mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j])
+    return ne.superoptimize(out, target="interpreter", cache=False)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8), shuffle=st.booleans(),
+       seed=st.integers(0, 99))
+def test_a_grouped_decode_s_key_test_never_skips_a_visible_key(gqa_decode_kernel, lengths,
+                                                               shuffle, seed):
+    """Random documents (sorted: one key range; shuffled: the per-block test): the packed
+    GQA decode's key blocks tested against the query's own id give the reference's
+    answer, with the keys of other documents poisoned (NaN) where the ids are sorted."""
+    S = 90
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:S]
+    ids = torch.cat([ids, ids.new_full((S - len(ids),), ids[-1].item())]).to(torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    if shuffle:
+        ids = ids[torch.randperm(S, generator=g)]
+    q, k, v = qkv(1, 4, 1, S, seed)
+    k, v = k[:, :2], v[:, :2]
+    ref = evaluate(gqa_decode_kernel.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
+    if not shuffle:  # no key block wholly outside the query's document is read
+        blk = gqa_decode_kernel.config.blocks["B_L"]
+        pad = (-S) % blk
+        seen = torch.cat([ids == ids[-1], torch.zeros(pad, dtype=torch.bool)]).view(-1, blk)
+        unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
+        v = torch.where(unread[None, None, :, None], float("nan"), v)
+    got = gqa_decode_kernel(q=q, k=k, v=v, doc=ids)
+    assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
 
 
 def test_flex_attention_document_mask_skips_blocks():
