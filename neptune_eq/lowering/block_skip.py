@@ -15,7 +15,7 @@ The same test serves the split-k partials, so FlashDecoding forms skip the same 
 """
 from __future__ import annotations
 
-from ..ir import Term, free_axes, rename_axis, substitute
+from ..ir import Term, const, free_axes, rename_axis, substitute
 from .block_predicate import PyOps, SummarySpec, _and, block_truth, summary_dim
 from .codegen import LOOP, Emitter
 from .lower import Pass, TilePlan
@@ -38,7 +38,7 @@ def data_atoms(plan: TilePlan, ps: Pass) -> list[Term]:
         if any(n.op in ("ref", "run", "prev") or n.kind in ("reduce", "fold") for n in a.walk()):
             continue
         if "@j" in free_axes(a) and any(n.op == "load" for n in a.walk()):
-            out.append(substitute(a, {plan.block_axis: Term("int", (), 0)}) if one_row else a)
+            out.append(substitute(a, {plan.block_axis: const(0)}) if one_row else a)
     return out
 
 
