@@ -88,9 +88,9 @@ def case(name: str, S: int):
     raise SystemExit(f"unknown case {name!r}; expected doc1/doc4/doc13/doc64/jagged/prefix_lm")
 
 
-def launcher_of(q, k, v, mask, score=None):
+def launcher_of(q, k, v, mask, score=None, enable_gqa=False):
     """The launcher ne.flex_attention runs at these sizes, and its bound inputs."""
-    spec = ne_flex.check(q, k, v, None, False, False)
+    spec = ne_flex.check(q, k, v, None, enable_gqa, False)
     sizes = {"B": q.shape[0], "L": q.shape[2], "S": k.shape[2]}
     st, captured = ne_flex.trace(spec, score, mask, sizes)
     kern = st.kernel_at(sizes)
