@@ -4,6 +4,8 @@ odd sizes, padding rows with nothing visible), prefix-LM with a per-sample prefi
 decode (split into one row block), and ne.flex_attention.  That blocks really are
 skipped is shown by NaN values in V that any visited block would spread (0 * NaN is NaN
 even where the elementwise mask zeroes the weight)."""
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -136,11 +138,13 @@ def test_prefix_lm_with_a_per_sample_prefix():
 
 def test_decode_split_skips_masked_blocks():
     """Decode with a per-head keep list: the split-k / one-row-block forms test each key
-    block too."""
+    block too -- on the block's own entries, read in the kernel (a decode has no summary
+    pre-pass, ``block_skip.inline_summaries``)."""
     keep = ne.placeholder((2, 70), "int32", "keep")
     out = ne.attention(1, 2, 1, 70, D, "float32", mask_mod=lambda b, h, i, j: keep[h, j] > 0)
     kern = ne.superoptimize(out, target="interpreter")
-    assert "bs_keep_d1_loop_ptr" in kern.source
+    assert "bs_" not in kern.source and kern.kernel_source.prepass is None
+    assert "tl.minimum(l0 + tl.arange(0, B_L), 70 - 1)" in kern.source
     q, k, v = qkv(1, 2, 1, 70, 5)
     mask = torch.zeros(2, 70, dtype=torch.int32)
     mask[0, 40:] = 1
@@ -156,14 +160,16 @@ def test_a_decode_at_the_cache_s_end_skips_other_documents_grouped_or_not(kv_hea
     """One query at the cache's end (``doc[q + S - 1] == doc[kv]``): the query's row axis
     has extent 1, so its read is one element per program and the key blocks are tested
     (sorted ids: one range) against it -- also for packed GQA rows, whose heads share
-    that query.  Keys of other documents are never read (NaN there); unsorted ids stay
-    right."""
+    that query.  The kernel counts the range on the ids themselves, no summary pre-pass.
+    Keys of other documents are never read (NaN there); unsorted ids stay right."""
     S = 90
     doc = ne.placeholder((S,), "int32", "doc")
     out = ne.attention(1, 4, 1, S, D, "float32", kv_heads=kv_heads,
                        mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j])
     kern = ne.superoptimize(out, target="interpreter", cache=False)
-    assert "bs_doc_d0_loop_ptr" in kern.source and f"doc_ptr + ({S - 1}) * doc_s0" in kern.source
+    assert "bs_" not in kern.source and kern.kernel_source.prepass is None
+    assert "this program's keys, read here" in kern.source
+    assert f"doc_ptr + ({S - 1}) * doc_s0" in kern.source
     assert (kern.plan.packed is not None) == (kv_heads == 2)
     q, k, v = qkv(1, 4, 1, S, 3)
     k, v = k[:, :kv_heads], v[:, :kv_heads].clone()
@@ -180,7 +186,8 @@ def test_a_decode_at_the_cache_s_end_skips_other_documents_grouped_or_not(kv_hea
     from neptune_eq.runtime.launcher import Launcher
     from neptune_eq.runtime.tile_configs import candidate_configs
     row = next(r for r in kern.candidates if r.plan is not None and r.plan.split)
-    assert "bs_doc_d0_loop_ptr" in row.kernel.source
+    assert "bs_" not in row.kernel.source
+    assert re.search(r"ks_lo\d+ = pid_split \* CHUNK", row.kernel.source)
     for fused in (False, True):
         cfg = candidate_configs(row.kernel, "interpreter")[0]
         cfg.splits, cfg.fused = 3, fused
@@ -224,6 +231,36 @@ def test_a_grouped_decode_s_key_test_never_skips_a_visible_key(gqa_decode_kernel
         v = torch.where(unread[None, None, :, None], float("nan"), v)
     got = gqa_decode_kernel(q=q, k=k, v=v, doc=ids)
     assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8), splits=st.sampled_from([2, 3, 6]),
+       seed=st.integers(0, 99))
+def test_split_k_partials_count_their_own_keys_and_never_skip_a_visible_one(
+        gqa_decode_kernel, lengths, splits, seed):
+    """The split-k candidate's partials each count the query's document on their own
+    chunk of ids (``block_skip._count_keys``: floor / ceil of in-chunk counts, a ragged
+    last block at S = 90): the reference's answer, with every key block outside the
+    query's document poisoned (NaN), for chunk edges inside and between documents."""
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
+    S = 90
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:S]
+    ids = torch.cat([ids, ids.new_full((S - len(ids),), ids[-1].item())]).to(torch.int32)
+    q, k, v = qkv(1, 4, 1, S, seed)
+    k, v = k[:, :2], v[:, :2]
+    ref = evaluate(gqa_decode_kernel.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
+    row = next(r for r in gqa_decode_kernel.candidates if r.plan is not None and r.plan.split)
+    cfg = candidate_configs(row.kernel, "interpreter")[0]
+    cfg.splits = splits
+    blk = cfg.blocks["B_L"]
+    seen = torch.cat([ids == ids[-1], torch.zeros((-S) % blk, dtype=torch.bool)]).view(-1, blk)
+    unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
+    v = torch.where(unread[None, None, :, None], float("nan"), v)
+    o = torch.empty(1, 4, 1, D)
+    Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
+    assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
 
 
 def test_flex_attention_document_mask_skips_blocks():

@@ -82,11 +82,11 @@ def _split_launchers(row, monkeypatch):
 
 
 def test_each_launch_waits_for_the_one_before_and_only_its_reads(monkeypatch):
-    """A split-k data mask (decode: pre-pass, partials, combine): the partials wait for the
-    pre-pass's summaries, the combine for the partials' fold states, each launched
-    dependent.  The interpreter never launches dependent (``PDL`` False: neither
-    instruction emitted)."""
-    row = _split_row(_doc_attention(L=1, S=300))
+    """A split-k data mask over two queries (pre-pass, partials, combine; a one-query
+    decode has no pre-pass): the partials wait for the pre-pass's summaries, the combine
+    for the partials' fold states, each launched dependent.  The interpreter never
+    launches dependent (``PDL`` False: neither instruction emitted)."""
+    row = _split_row(_doc_attention(L=2, S=300))
     ks = row.kernel
     assert ks.prepass
     plain, dep = _split_launchers(row, monkeypatch)
@@ -228,9 +228,9 @@ def test_a_decode_s_partials_release_and_its_combine_waits_when_compiled_for_sm9
 
 def test_a_document_mask_gqa_decode_compiles_for_sm90_with_its_key_test(tmp_path):
     """A GQA decode at the cache's end with a document mask (packed rows, the row-side
-    read one element, the key blocks tested against the summaries of the pre-pass):
-    its partials compile for sm_90 with ``PDL`` on, waiting for the pre-pass before the
-    first summary read and releasing the combine first thing."""
+    read one element, the key range counted on the chunk's own ids: no pre-pass): its
+    partials compile for sm_90 with ``PDL`` on, with nothing to wait for, releasing the
+    combine first thing."""
     from sm90_compile import compile_for_sm90
     S = 300
     doc = ne.placeholder((S,), "int32", "doc")
@@ -239,15 +239,15 @@ def test_a_document_mask_gqa_decode_compiles_for_sm90_with_its_key_test(tmp_path
                             target="interpreter", cache=False)
     row = _split_row(kern)
     ks = row.kernel
-    assert row.plan.packed and [sp.name for sp in ks.summaries] == ["bs_doc_d0_loop"]
+    assert row.plan.packed and not ks.summaries and ks.prepass is None
     path = tmp_path / "doc_decode_module.py"
     path.write_text(ks.source)
     consts = {**ks.tunables, "B_i": 16, "B_L": 32, "TMA": False, "WS": False, "LOOP_STAGES": 2,
               "VDOT": False, "ONE_LOOP": False, "PDL": True, **{f: False for f in ks.even_flags}}
-    dtypes = {p: "*i32" if p in ("doc_ptr", "bs_doc_d0_loop_ptr") else "*fp16" for p in ks.params}
+    dtypes = {p: "*i32" if p == "doc_ptr" else "*fp16" for p in ks.params}
     dtypes.update({f"{w}_ptr": "*fp32" for w in ks.scratch})
     got = compile_for_sm90(path, f"{ks.name}_partial", {
         "dtypes": dtypes, "constexprs": consts, "num_warps": 4, "num_stages": 2,
         "options": {"launch_pdl": True}}, timeout=300)
     assert got["ok"], got
-    assert got["pdl_wait"] and got["pdl_launch_dependents"] and got["launch_pdl"]
+    assert not got["pdl_wait"] and got["pdl_launch_dependents"] and got["launch_pdl"]

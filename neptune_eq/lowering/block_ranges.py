@@ -118,14 +118,15 @@ def data_range_form(plan, ps: Pass) -> bool:
     return all(_rangeable(plan, a) for a in data_atoms(plan, ps))
 
 
-def data_ranges(em: Emitter, ps: Pass, k: int) -> DataRanges | None:
+def data_ranges(em: Emitter, ps: Pass, k: int, split: bool = False) -> DataRanges | None:
     """The key ranges of pass ``k``'s data atoms (emitted in the pass's scope), or None
-    when some data atom has no range form (the per-block test is used then)."""
+    when some data atom has no range form (the per-block test is used then); ``split``:
+    a split-k partial's (its ranges are clipped to its chunk)."""
     plan = em.plan
     atoms = data_atoms(plan, ps)
     if not atoms or not all(_rangeable(plan, a) for a in atoms):
         return None
-    ctx = _Ctx(em, ps, k)
+    ctx = _Ctx(em, ps, k, split)
     may, must = ctx.of(atoms[0])
     for a in atoms[1:]:
         may2, must2 = ctx.of(a)
@@ -141,8 +142,8 @@ def data_ranges(em: Emitter, ps: Pass, k: int) -> DataRanges | None:
 class _Ctx:
     """Emits the ranges of atoms: code in key positions (``B_L``-aligned where noted)."""
 
-    def __init__(self, em: Emitter, ps: Pass, k: int):
-        self.em, self.ps, self.k = em, ps, k
+    def __init__(self, em: Emitter, ps: Pass, k: int, split: bool = False):
+        self.em, self.ps, self.k, self.split = em, ps, k, split
         self.ext = str(ps.extent)
         self.flags: list[str] = []
 
@@ -207,8 +208,7 @@ class _Ctx:
         pass returns, which the ranges then need (``mono``)."""
         em, plan = self.em, self.em.plan
         spec = _spec(plan, key.val, (0, "loop"))
-        nb = f"(({self.ext} + B_{LOOP} - 1) // B_{LOOP})"
-        mx, mn = f"{spec.name}_s1", "0"
+        mx, mn = "max", "min"
         ext = self.ext
         # (may, must) as [lo, hi) with search queries (field, op, target) in their places;
         # the queries of the atom run in one counting pass over the summary
@@ -223,7 +223,7 @@ class _Ctx:
         else:
             form = (((mx, ">=", elo), (mn, ">", ehi)), ((mn, ">=", ehi), (mx, ">", elo)))
         queries = [x for rng in form for x in rng if isinstance(x, tuple)]
-        counts, ordered = _count_failing(em, spec, nb, queries)
+        counts, ordered = _count_failing(em, spec, self.ext, queries, self.split)
         self.flags.append(ordered)  # the counts hold where the blocks' [min, max] are ordered
         found = iter(counts)
         return tuple(tuple(f"{next(found)} * B_{LOOP}" if isinstance(x, tuple) else x

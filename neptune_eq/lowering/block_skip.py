@@ -46,8 +46,30 @@ def _roles(plan: TilePlan, loop_var: str) -> dict[str, str]:
     return {plan.block_axis: "row", loop_var: "loop"}
 
 
+def inline_summaries(plan: TilePlan) -> bool:
+    """Whether the kernel bounds its key blocks from the tensor itself, with no summary
+    pre-pass: a decode's data mask (one query row, so the row side is one element per
+    program) whose every key-side read is indexed by the key (``doc[j]``; no nested read
+    needing a global summary).
+
+    A decode program owns few keys -- a split-k chunk of a few hundred -- so reading them
+    costs it one vector load, where the pre-pass was a launch of its own: 1.4-2.1 us of a
+    graphed 8.5-16 us call (H200, 64/8 heads, S = 8192; session 53).  A prefill's row
+    blocks would each re-read every key, O(S^2 / B_i) against the summaries' O(S)."""
+    if plan.program.extents.get(plan.block_axis) != 1:
+        return False
+    roles, grid = _roles(plan, "@j"), set(plan.grid_axes)
+    loads = [n for ps in plan.passes for a in data_atoms(plan, ps) for n in a.walk()
+             if n.op == "load"]
+    return bool(loads) and all((hit := summary_dim(n, roles, grid)) is not None
+                               and hit[1] != "row" for n in loads)
+
+
 def summary_specs(plan: TilePlan) -> list[SummarySpec]:
-    """The summaries the kernel's block tests read, in parameter order."""
+    """The summaries the kernel's block tests read, in parameter order (none where the
+    kernel reads the data itself, ``inline_summaries``)."""
+    if inline_summaries(plan):
+        return []
     specs: dict[str, SummarySpec] = {}
     for ps in plan.passes:
         for atom in data_atoms(plan, ps):
@@ -118,6 +140,7 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
         ranges[a] = (f"ax_{a}", f"ax_{a}")
     roles = _roles(plan, loop_var)
     ops = TritonOps(em)
+    inline = inline_summaries(plan)
 
     def load(t: Term, idx: list):
         hit = summary_dim(t, roles, set(plan.grid_axes))
@@ -135,6 +158,12 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
               else (b[0] if b else "0") for k, b in enumerate(idx)]
         if any(b is None for k, b in enumerate(idx) if k != dim):
             return None
+        if inline:  # the block's keys themselves, clamped into the extent (the mask reads
+            # each of them; a clamped one repeats the last, leaving [min, max] as it is)
+            at[dim] = f"tl.minimum(l0 + tl.arange(0, B_{LOOP}), {extent} - 1)"
+            v = ops._name(f"tl.load({t.val}_ptr + "
+                          + " + ".join(f"({x}) * {t.val}_s{k}" for k, x in enumerate(at)) + ")")
+            return ops._name(f"tl.min({v}, axis=0)"), ops._name(f"tl.max({v}, axis=0)")
         off = " + ".join(f"({x}) * {spec.name}_s{k}" for k, x in enumerate(at))
         if role == "row":  # the row block's summary is loop-invariant: load it once
             return _hoisted(em, f"{spec.name}_ptr + {off}", f"{spec.name}_s{len(at)}")
@@ -218,12 +247,14 @@ def _key_side(atom: Term, roles: dict, grid: set) -> tuple[Term, str, Term] | No
     return None
 
 
-def data_loop_bounds(em: Emitter, ps: Pass, k: int) -> tuple[str | None, str | None]:
+def data_loop_bounds(em: Emitter, ps: Pass, k: int, split: bool = False
+                     ) -> tuple[str | None, str | None]:
     """Key-loop bounds from data atoms ``K cmp E`` (emitted in the pass's scope): E is
     bounded over the row block by ``block_predicate``; K = j gives the bound directly,
     K = X[j] gives it by a count over X's key-block summary where the blocks' [min, max]
     are in order (checked per call in the same pass) -- sorted document ids make a row block's
-    visible keys one contiguous range.  Returns (lo, hi) code, block-aligned lo."""
+    visible keys one contiguous range.  ``split``: a split-k partial (``_count_failing``).
+    Returns (lo, hi) code, block-aligned lo."""
     plan = em.plan
     atoms = data_atoms(plan, ps)
     if not atoms:
@@ -248,13 +279,12 @@ def data_loop_bounds(em: Emitter, ps: Pass, k: int) -> tuple[str | None, str | N
                 his.append(f"({need_hi}) + 1")
             continue
         spec = _spec(plan, key.val, (0, "loop"))
-        nb = f"(({ps.extent} + B_{LOOP} - 1) // B_{LOOP})"
         queries = []
         if need_lo is not None:  # first key block whose max reaches lo_e
-            queries.append((f"{spec.name}_s1", ">=", need_lo))
+            queries.append(("max", ">=", need_lo))
         if need_hi is not None:  # one past the last key block whose min is <= hi_e
-            queries.append(("0", ">", need_hi))
-        blks, ordered = _count_failing(em, spec, nb, queries)
+            queries.append(("min", ">", need_hi))
+        blks, ordered = _count_failing(em, spec, ps.extent, queries, split)
         mono = em.new("mono")
         em.emit(f"{mono} = {ordered}")
         if need_lo is not None:
@@ -310,12 +340,15 @@ def _row_bounds(em: Emitter, t: Term, const_ok: bool = False):
 
 
 SEARCH_CHUNK = 512  # summary entries counted per vector load (S = 65536 at B_L = 128: one)
+SCAN_KEYS = 1024    # keys counted per vector load where the kernel reads the data itself
 
 
-def _count_failing(em: Emitter, spec: SummarySpec, nb: str, queries: list) -> tuple[list[str], str]:
-    """For each ``(field_off, cmp, target)``: the first block whose entry satisfies
-    ``entry cmp target``, all from ONE pass over the summary -- and the condition that
-    makes those answers right: the blocks' minima and maxima are both nondecreasing.
+def _count_failing(em: Emitter, spec: SummarySpec, extent, queries: list,
+                   split: bool = False) -> tuple[list[str], str]:
+    """For each ``(field, cmp, target)`` (field ``min`` / ``max``): the first key block
+    whose [min, max] entry satisfies ``entry cmp target``, all from ONE pass over the
+    summary -- and the condition that makes those answers right: the blocks' minima and
+    maxima are both nondecreasing.
 
     Counted, not bisected: on a nondecreasing column the failing entries are a prefix, so
     their count is the answer.  One vector load per SEARCH_CHUNK blocks replaces a chain of
@@ -328,7 +361,11 @@ def _count_failing(em: Emitter, spec: SummarySpec, nb: str, queries: list) -> tu
     pre-pass's critical path (2.4 / 6.7 us of a document mask's at S = 8192 / 32768 on
     an H200, against 1.1-1.2 us for the per-block summaries; session 36).  It is also the
     weaker condition the counts need -- sorted ids satisfy it, and so do ids shuffled only
-    inside their blocks."""
+    inside their blocks.  Where the kernel reads the data itself (``inline_summaries``)
+    the count runs over keys instead (``_count_keys``)."""
+    if inline_summaries(em.plan):
+        return _count_keys(em, spec.tensor, extent, queries, split)
+    nb = f"(({extent} + B_{LOOP} - 1) // B_{LOOP})"
     cnts = [em.new("bs_n") for _ in queries]
     breaks = em.new("bs_nd")
     c0, offs = em.new("bs_c"), em.new("bs_o")
@@ -337,8 +374,8 @@ def _count_failing(em: Emitter, spec: SummarySpec, nb: str, queries: list) -> tu
     em.emit(f"for {c0} in range(0, {nb}, {SEARCH_CHUNK}):  # monotone data: the visible keys are one range")
     em.emit(f"    {offs} = {c0} + tl.arange(0, {SEARCH_CHUNK})")
     vals: dict[str, str] = {}
-    for field_off in ("0", f"{spec.name}_s1"):  # [min, max] of each block, and of the one before
-        vals[field_off] = val = em.new("bs_v")
+    for field, field_off in (("min", "0"), ("max", f"{spec.name}_s1")):  # and the block before
+        vals[field] = val = em.new("bs_v")
         em.emit(f"    {val} = tl.load({spec.name}_ptr + {offs} * {spec.name}_s0 + {field_off}, "
                 f"mask={offs} < {nb}, other=0)")
         prev = em.new("bs_p")
@@ -346,10 +383,54 @@ def _count_failing(em: Emitter, spec: SummarySpec, nb: str, queries: list) -> tu
                 f"mask=({offs} >= 1) & ({offs} < {nb}), other=0)")
         em.emit(f"    {breaks} += tl.sum((({offs} >= 1) & ({offs} < {nb}) & ~({val} >= {prev}))"
                 f".to(tl.int32), axis=0)")  # (a NaN compares false: a break)
-    for cnt, (field_off, cmp, target) in zip(cnts, queries):
-        em.emit(f"    {cnt} += tl.sum((({offs} < {nb}) & ~({vals[field_off]} {cmp} {target}))"
+    for cnt, (field, cmp, target) in zip(cnts, queries):
+        em.emit(f"    {cnt} += tl.sum((({offs} < {nb}) & ~({vals[field]} {cmp} {target}))"
                 f".to(tl.int32), axis=0)")
     return cnts, f"({breaks} == 0)"
+
+
+def _count_keys(em: Emitter, tensor: str, extent, queries: list, split: bool
+                ) -> tuple[list[str], str]:
+    """``_count_failing``'s answers from the keys themselves, over this program's keys only
+    (a split-k partial's chunk; clipped to it afterwards, so nothing outside it matters).
+
+    Where the keys are nondecreasing (checked here, key by key: stronger than the blocks'
+    order, and sorted ids pass it) the keys failing a query are a prefix of the range, c
+    long from its start s (a multiple of B_L): a block fails a ``max`` query when all its
+    keys do -- floor((s + c) / B_L) blocks -- and a ``min`` query when its first key does
+    -- ceil((s + c) / B_L).  Past the extent nothing is read: a ragged last block then
+    never counts as failing a ``max`` query, which starts a may range there (one more
+    masked block) or ends a must range before it (the mask kept): never a visible key
+    skipped."""
+    start = "pid_split * CHUNK" if split else "row_first * 0"
+    end = f"tl.minimum(pid_split * CHUNK + CHUNK, {extent})" if split else str(extent)
+    lo, hi = em.new("ks_lo"), em.new("ks_hi")
+    em.emit(f"{lo} = {start}")
+    em.emit(f"{hi} = {end}")
+    counted: dict[tuple, str] = {}  # may and must ask the same test, rounded two ways
+    cnts = [counted.setdefault((cmp, target), em.new("ks_n")) for _, cmp, target in queries]
+    breaks = em.new("ks_nd")
+    c0, offs, inb = em.new("ks_c"), em.new("ks_o"), em.new("ks_in")
+    for cnt in list(counted.values()) + [breaks]:
+        em.emit(f"{cnt} = row_first * 0")
+    em.emit(f"for {c0} in range({lo}, {hi}, {SCAN_KEYS}):  # this program's keys, read here")
+    em.emit(f"    {offs} = {c0} + tl.arange(0, {SCAN_KEYS})")
+    em.emit(f"    {inb} = {offs} < {hi}")
+    val, prev = em.new("ks_v"), em.new("ks_p")
+    em.emit(f"    {val} = tl.load({tensor}_ptr + {offs} * {tensor}_s0, mask={inb}, other=0)")
+    em.emit(f"    {prev} = tl.load({tensor}_ptr + ({offs} - 1) * {tensor}_s0, "
+            f"mask={inb} & ({offs} > {lo}), other=0)")
+    em.emit(f"    {breaks} += tl.sum(({inb} & ({offs} > {lo}) & ~({val} >= {prev}))"
+            f".to(tl.int32), axis=0)")  # (a NaN compares false: a break)
+    for (cmp, target), cnt in counted.items():
+        em.emit(f"    {cnt} += tl.sum(({inb} & ~({val} {cmp} {target})).to(tl.int32), axis=0)")
+    blocks = []
+    for cnt, (field, _, _) in zip(cnts, queries):
+        b = em.new("ks_b")
+        up = f" + B_{LOOP} - 1" if field == "min" else ""
+        em.emit(f"{b} = ({lo} + {cnt}{up}) // B_{LOOP}")
+        blocks.append(b)
+    return blocks, f"({breaks} == 0)"
 
 
 def _fold_code(fn: str, xs: list[str]) -> str:

@@ -181,11 +181,11 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     if ps.hi_offset is not None:  # ... and one past the last visible key
         em.emit(f"j_hi{k} = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
         hi = f"j_hi{k}"
-    rng = data_ranges(em, ps, k)  # data atoms as key ranges: no per-block test
+    rng = data_ranges(em, ps, k, split)  # data atoms as key ranges: no per-block test
     if rng is not None:
         range_loops(em, k, lo, hi, split, rng, _loop, lambda: _tested_loops(em, k, lo, hi, split))
         return
-    dlo, dhi = data_loop_bounds(em, ps, k)  # monotone data (sorted ids): one key range
+    dlo, dhi = data_loop_bounds(em, ps, k, split)  # monotone data (sorted ids): one key range
     if dlo is not None:
         em.emit(f"j_lo{k}d = tl.maximum({lo}, {dlo})")
         lo = f"j_lo{k}d"
