@@ -8,8 +8,10 @@ Columns (us per call):
 
 * ``graphed``: 20 calls replayed from one CUDA graph, the median of 5 passes with the
   three alternated in each pass (K/V in L2 at S <= 8192: each pass re-reads them);
-* ``called``: ``do_bench`` median of plain calls, host included; Flex per call builds its
-  BlockMask in the call (for one query that is O(S), not issue 17's O(S^2));
+* ``called``: ``do_bench`` median of plain calls, host included, the median of 3
+  alternated passes; Flex per call builds its BlockMask in the call (for one query that
+  is O(S), not issue 17's O(S^2));
+* ``ours_nomask``: our decode without the mask (every key read): what the mask costs;
 * ``prepass_added``: what our summary pre-pass adds to a graphed call, against the
   attention launches alone with their summaries filled beforehand.
 
@@ -62,9 +64,12 @@ def run_one(S: int, n_docs: int, dtype: torch.dtype, flex, passes: int = 5) -> d
                                               enable_gqa=True)
     runs = {"ours": lambda: ne.flex_attention(q, k, v, mask_mod=mask, enable_gqa=True),
             "flex_prebuilt": lambda: flex(q, k, v, block_mask=bm, enable_gqa=True),
-            "sdpa": sdpa}
+            "sdpa": sdpa,
+            # what the mask costs us: the same decode with no mask (every key read)
+            "ours_nomask": lambda: ne.flex_attention(q, k, v, enable_gqa=True)}
     ref = sdpa()
-    errs = {key: (fn().float() - ref.float()).abs().max().item() for key, fn in runs.items()}
+    errs = {key: (fn().float() - ref.float()).abs().max().item() for key, fn in runs.items()
+            if key != "ours_nomask"}
     visible = int((doc == doc[S - 1]).sum())
     row = {"S": S, "docs": n_docs, "dtype": str(dtype).replace("torch.", ""), "visible_keys": visible,
            "first_call_s": round(first, 2), "max_abs_diff_vs_sdpa": errs}
@@ -74,8 +79,12 @@ def run_one(S: int, n_docs: int, dtype: torch.dtype, flex, passes: int = 5) -> d
     graphed = dm.alternated_graph_ms(runs, passes)
     for key, ts in graphed.items():
         row[f"us_{key}_graphed"] = 1e3 * statistics.median(ts)
-    for key, fn in runs.items():
-        row[f"us_{key}_called"] = 1e3 * dm.do_bench(fn, return_mode="median")
+    called = {key: [] for key in runs}  # alternated passes: a lone pass moved with the
+    for _ in range(3):                  # host's warm-up (77.8 us vs 21 us a row later)
+        for key, fn in runs.items():
+            called[key].append(1e3 * dm.do_bench(fn, return_mode="median"))
+    for key, ts in called.items():
+        row[f"us_{key}_called"] = statistics.median(ts)
     row["us_flex_percall_called"] = 1e3 * dm.do_bench(
         lambda: flex(q, k, v, block_mask=create_block_mask(mask, None, None, 1, S, device="cuda"),
                      enable_gqa=True), warmup=5, rep=50, return_mode="median")
@@ -83,9 +92,10 @@ def run_one(S: int, n_docs: int, dtype: torch.dtype, flex, passes: int = 5) -> d
         for how in ("graphed", "called"):
             row[f"x_{peer}_{how}"] = row[f"us_{peer}_{how}"] / row[f"us_ours_{how}"]
     row["x_flex_percall_called"] = row["us_flex_percall_called"] / row["us_ours_called"]
-    _, la, bound = dm.launcher_of(q, k, v, mask, enable_gqa=True)
+    kern, la, bound = dm.launcher_of(q, k, v, mask, enable_gqa=True)
     row["config"] = str(la.config)
     row["split_k"] = bool(getattr(getattr(la, "ks", None), "split_extent", None))
+    row["chooser_timed"] = dm.chooser_timings(kern, bound)
     added = dm.prepass_added(la, bound)
     if added:
         row["us_prepass_added"] = 1e3 * added["ms_prepass_added"]
@@ -104,20 +114,22 @@ def write(rows: list[dict], out: str) -> None:
              f"Hkv={HKV}, D={D}, one query at the cache's end)", "",
              "x peer = peer's time / ours (above 1: ours faster).  graphed: 20 calls per CUDA "
              "graph, median of 5 alternated passes; called: do_bench median, host included.", "",
-             "| S | docs | dtype | visible keys | ours graphed us | x Flex prebuilt graphed "
+             "| S | docs | dtype | visible keys | ours graphed us | ours no mask graphed us "
+             "| x Flex prebuilt graphed "
              "| x SDPA graphed | ours called us | x Flex prebuilt called | x Flex per call called "
              "| x SDPA called | pre-pass added us (share) | tiles |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['S']} | {r['docs']} | {r['dtype']} | {r['visible_keys']} | "
-                         f"{r['error']}: {r['max_abs_diff_vs_sdpa']} |||||||||")
+                         f"{r['error']}: {r['max_abs_diff_vs_sdpa']} ||||||||||")
             continue
         share = (f"{r['us_prepass_added']:.2f} ({100 * r['prepass_added_share']:.1f}%)"
                  if r.get("us_prepass_added") is not None else "n/a")
         lines.append(
             f"| {r['S']} | {r['docs']} | {r['dtype']} | {r['visible_keys']} | "
-            f"{f(r, 'us_ours_graphed', '.2f')} | {f(r, 'x_flex_prebuilt_graphed', '.2f')} | "
+            f"{f(r, 'us_ours_graphed', '.2f')} | {f(r, 'us_ours_nomask_graphed', '.2f')} | "
+            f"{f(r, 'x_flex_prebuilt_graphed', '.2f')} | "
             f"{f(r, 'x_sdpa_graphed', '.2f')} | {f(r, 'us_ours_called', '.2f')} | "
             f"{f(r, 'x_flex_prebuilt_called', '.2f')} | {f(r, 'x_flex_percall_called', '.2f')} | "
             f"{f(r, 'x_sdpa_called', '.2f')} | {share} | {r.get('config', 'n/a')} |")

@@ -263,6 +263,57 @@ def test_split_k_partials_count_their_own_keys_and_never_skip_a_visible_one(
     assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def long_gqa_decode_split():
+    """The split-k candidate of a grouped decode over 1500 keys: its strided sample of the
+    ids (``_count_sampled``) takes every second key."""
+    S = 1500
+    doc = ne.placeholder((S,), "int32", "doc")
+    out = ne.attention(1, 4, 1, S, D, "float32", kv_heads=2,
+                       mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j])
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    return kern, next(r for r in kern.candidates if r.plan is not None and r.plan.split)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 600), min_size=1, max_size=12),
+       order=st.sampled_from(["sorted", "documents shuffled", "keys shuffled"]),
+       splits=st.sampled_from([2, 5]), seed=st.integers(0, 99))
+def test_partials_share_the_sampled_range_and_catch_what_it_misses(
+        long_gqa_decode_split, lengths, order, splits, seed):
+    """``split_share``: the partials share the visible range found from a sample of the
+    ids, and each checks its own chunk for visible keys outside it.  Sorted ids: nothing
+    outside the query's document is read (NaN there); documents in a shuffled order
+    (each chunk sorted or not, the sample meaningless) and shuffled keys: still the
+    reference's answer."""
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
+    kern, row = long_gqa_decode_split
+    S = 1500
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:S]
+    ids = torch.cat([ids, ids.new_full((S - len(ids),), ids[-1].item())])
+    if order == "documents shuffled":
+        ids = torch.randperm(int(ids.max()) + 1, generator=g)[ids]
+    elif order == "keys shuffled":
+        ids = ids[torch.randperm(S, generator=g)]
+    ids = ids.to(torch.int32)
+    q, k, v = qkv(1, 4, 1, S, seed)
+    k, v = k[:, :2], v[:, :2]
+    ref = evaluate(kern.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
+    cfg = candidate_configs(row.kernel, "interpreter")[0]
+    cfg.splits = splits
+    if order == "sorted":
+        blk = cfg.blocks["B_L"]
+        seen = torch.cat([ids == ids[-1], torch.zeros((-S) % blk, dtype=torch.bool)]).view(-1, blk)
+        unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
+        v = torch.where(unread[None, None, :, None], float("nan"), v)
+    o = torch.empty(1, 4, 1, D)
+    Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
+    assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
+
+
 def test_flex_attention_document_mask_skips_blocks():
     """ne.flex_attention with a document mask_mod (named size S): same answer as torch's
     flex_attention, and a padding block's NaN values are never read."""

@@ -118,15 +118,17 @@ def data_range_form(plan, ps: Pass) -> bool:
     return all(_rangeable(plan, a) for a in data_atoms(plan, ps))
 
 
-def data_ranges(em: Emitter, ps: Pass, k: int, split: bool = False) -> DataRanges | None:
+def data_ranges(em: Emitter, ps: Pass, k: int, split: bool = False,
+                sampled: bool = False) -> DataRanges | None:
     """The key ranges of pass ``k``'s data atoms (emitted in the pass's scope), or None
     when some data atom has no range form (the per-block test is used then); ``split``:
-    a split-k partial's (its ranges are clipped to its chunk)."""
+    a split-k partial's (its ranges are clipped to its chunk); ``sampled``: a decode's
+    whole-cache ranges from a sample of its ids, unchecked (``split_share``)."""
     plan = em.plan
     atoms = data_atoms(plan, ps)
     if not atoms or not all(_rangeable(plan, a) for a in atoms):
         return None
-    ctx = _Ctx(em, ps, k, split)
+    ctx = _Ctx(em, ps, k, "sampled" if sampled else "chunk" if split else "all")
     may, must = ctx.of(atoms[0])
     for a in atoms[1:]:
         may2, must2 = ctx.of(a)
@@ -142,8 +144,8 @@ def data_ranges(em: Emitter, ps: Pass, k: int, split: bool = False) -> DataRange
 class _Ctx:
     """Emits the ranges of atoms: code in key positions (``B_L``-aligned where noted)."""
 
-    def __init__(self, em: Emitter, ps: Pass, k: int, split: bool = False):
-        self.em, self.ps, self.k, self.split = em, ps, k, split
+    def __init__(self, em: Emitter, ps: Pass, k: int, scope: str = "all"):
+        self.em, self.ps, self.k, self.scope = em, ps, k, scope
         self.ext = str(ps.extent)
         self.flags: list[str] = []
 
@@ -223,7 +225,7 @@ class _Ctx:
         else:
             form = (((mx, ">=", elo), (mn, ">", ehi)), ((mn, ">=", ehi), (mx, ">", elo)))
         queries = [x for rng in form for x in rng if isinstance(x, tuple)]
-        counts, ordered = _count_failing(em, spec, self.ext, queries, self.split)
+        counts, ordered = _count_failing(em, spec, self.ext, queries, self.scope)
         self.flags.append(ordered)  # the counts hold where the blocks' [min, max] are ordered
         found = iter(counts)
         return tuple(tuple(f"{next(found)} * B_{LOOP}" if isinstance(x, tuple) else x

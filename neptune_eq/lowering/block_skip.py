@@ -284,7 +284,7 @@ def data_loop_bounds(em: Emitter, ps: Pass, k: int, split: bool = False
             queries.append(("max", ">=", need_lo))
         if need_hi is not None:  # one past the last key block whose min is <= hi_e
             queries.append(("min", ">", need_hi))
-        blks, ordered = _count_failing(em, spec, ps.extent, queries, split)
+        blks, ordered = _count_failing(em, spec, ps.extent, queries, "chunk" if split else "all")
         mono = em.new("mono")
         em.emit(f"{mono} = {ordered}")
         if need_lo is not None:
@@ -341,10 +341,11 @@ def _row_bounds(em: Emitter, t: Term, const_ok: bool = False):
 
 SEARCH_CHUNK = 512  # summary entries counted per vector load (S = 65536 at B_L = 128: one)
 SCAN_KEYS = 1024    # keys counted per vector load where the kernel reads the data itself
+SAMPLES = 1024      # keys of a strided sample (``_count_sampled``)
 
 
 def _count_failing(em: Emitter, spec: SummarySpec, extent, queries: list,
-                   split: bool = False) -> tuple[list[str], str]:
+                   scope: str = "all") -> tuple[list[str], str]:
     """For each ``(field, cmp, target)`` (field ``min`` / ``max``): the first key block
     whose [min, max] entry satisfies ``entry cmp target``, all from ONE pass over the
     summary -- and the condition that makes those answers right: the blocks' minima and
@@ -362,9 +363,13 @@ def _count_failing(em: Emitter, spec: SummarySpec, extent, queries: list,
     an H200, against 1.1-1.2 us for the per-block summaries; session 36).  It is also the
     weaker condition the counts need -- sorted ids satisfy it, and so do ids shuffled only
     inside their blocks.  Where the kernel reads the data itself (``inline_summaries``)
-    the count runs over keys instead (``_count_keys``)."""
+    the count runs over keys instead: all of them (``scope`` "all"), a split-k partial's
+    chunk ("chunk", ``_count_keys``), or a sample of the whole tensor ("sampled",
+    ``_count_sampled``: unchecked, for sharing out work only)."""
     if inline_summaries(em.plan):
-        return _count_keys(em, spec.tensor, extent, queries, split)
+        if scope == "sampled":
+            return _count_sampled(em, spec.tensor, extent, queries)
+        return _count_keys(em, spec.tensor, extent, queries, scope == "chunk")
     nb = f"(({extent} + B_{LOOP} - 1) // B_{LOOP})"
     cnts = [em.new("bs_n") for _ in queries]
     breaks = em.new("bs_nd")
@@ -431,6 +436,38 @@ def _count_keys(em: Emitter, tensor: str, extent, queries: list, split: bool
         em.emit(f"{b} = ({lo} + {cnt}{up}) // B_{LOOP}")
         blocks.append(b)
     return blocks, f"({breaks} == 0)"
+
+
+def _count_sampled(em: Emitter, tensor: str, extent, queries: list) -> tuple[list[str], str]:
+    """``_count_failing``'s answers over the whole tensor from one strided sample of it,
+    SAMPLES keys G = ceil(E / SAMPLES) apart: one vector load, where counting every key
+    of a long cache would be a loop of them before the key loop could start.
+
+    On nondecreasing data the failing keys are a prefix P long and c samples fail, so P
+    lies in ((c - 1) G, c G]: a ``max`` query's block (floor) is taken at the low end and
+    a ``min`` query's (ceil) at the high end -- the may range wider, the must range
+    narrower, by under G keys (under one block while G <= B_L: S <= 65536 at B_L = 64).
+    Nothing is checked here, so the ranges may be wrong on other data: they only share
+    out work, and each partial checks its own chunk for what they left out
+    (``split_share``).  The flag returned is therefore constant."""
+    g, pos, inb, val = em.new("sg"), em.new("sg_o"), em.new("sg_in"), em.new("sg_v")
+    em.emit(f"{g} = ({extent} + {SAMPLES} - 1) // {SAMPLES}  # a sample of the whole tensor")
+    em.emit(f"{pos} = tl.arange(0, {SAMPLES}) * {g}")
+    em.emit(f"{inb} = {pos} < {extent}")
+    em.emit(f"{val} = tl.load({tensor}_ptr + {pos} * {tensor}_s0, mask={inb}, other=0)")
+    counted: dict[tuple, str] = {}
+    blocks = []
+    for field, cmp, target in queries:
+        if (cmp, target) not in counted:
+            counted[cmp, target] = cnt = em.new("sg_n")
+            em.emit(f"{cnt} = tl.sum(({inb} & ~({val} {cmp} {target})).to(tl.int32), axis=0)")
+        cnt, b = counted[cmp, target], em.new("sg_b")
+        if field == "max":  # the prefix is at least (c - 1) G long
+            em.emit(f"{b} = (tl.maximum({cnt} - 1, 0) * {g}) // B_{LOOP}")
+        else:               # ... and at most c G (and the extent)
+            em.emit(f"{b} = (tl.minimum({cnt} * {g}, {extent}) + B_{LOOP} - 1) // B_{LOOP}")
+        blocks.append(b)
+    return blocks, "True"
 
 
 def _fold_code(fn: str, xs: list[str]) -> str:

@@ -29,6 +29,7 @@ from .data_indices import checked_ids
 from .dependent_launch import PDL_FLAG, release_first, wait_before_reads
 from .summary_kernel import prepass_source
 from .split_plan import combine_min_rows
+from .split_share import shared_split_loops, shares_visible_keys
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 
@@ -118,12 +119,9 @@ def _prologue(em: Emitter, split_axis: bool, width_axis: str | None = None,
         em.env[a] = f"ax_{a}"
     ba = plan.block_axis
     em.env[ba] = ba
-    # A combine's row tile (COMBINE_ROWS) may be smaller than the loop's row block: its
-    # programs start at multiples of their own tile (``combine_min_rows``)
-    blk = em.block(ba)
+    blk = em.block(ba)  # a combine's own row tile may be smaller (``combine_min_rows``)
     em.emit(f"offs_{ba} = pid_block * {blk} + tl.arange(0, {blk})")
-    # EVEN_x (constexpr) is true when the extent is a multiple of the block: the mask
-    # folds to a constant and Triton drops it from loads and selects.
+    # (EVEN_x, constexpr: the extent is a multiple of the block; the mask folds away)
     em.emit(f"mask_{ba} = (offs_{ba} < {plan.row_extent}) | EVEN_{ba}")
     if not plan.packed:
         em.ranges[ba] = (f"pid_block * {blk}", f"{plan.row_extent}")
@@ -181,6 +179,9 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     if ps.hi_offset is not None:  # ... and one past the last visible key
         em.emit(f"j_hi{k} = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
         hi = f"j_hi{k}"
+    if split and shares_visible_keys(em, k):  # a decode's partials share its visible keys
+        shared_split_loops(em, k, lo, hi, _loop, lambda a, b: _tested_loops(em, k, a, b, True))
+        return
     rng = data_ranges(em, ps, k, split)  # data atoms as key ranges: no per-block test
     if rng is not None:
         range_loops(em, k, lo, hi, split, rng, _loop, lambda: _tested_loops(em, k, lo, hi, split))
