@@ -341,7 +341,7 @@ def _row_bounds(em: Emitter, t: Term, const_ok: bool = False):
 
 SEARCH_CHUNK = 512  # summary entries counted per vector load (S = 65536 at B_L = 128: one)
 SCAN_KEYS = 1024    # keys counted per vector load where the kernel reads the data itself
-SAMPLES = 1024      # keys of a strided sample (``_count_sampled``)
+SAMPLES = 1024      # key blocks whose ends are read per vector load (``_count_sampled``)
 
 
 def _count_failing(em: Emitter, spec: SummarySpec, extent, queries: list,
@@ -364,7 +364,7 @@ def _count_failing(em: Emitter, spec: SummarySpec, extent, queries: list,
     weaker condition the counts need -- sorted ids satisfy it, and so do ids shuffled only
     inside their blocks.  Where the kernel reads the data itself (``inline_summaries``)
     the count runs over keys instead: all of them (``scope`` "all"), a split-k partial's
-    chunk ("chunk", ``_count_keys``), or a sample of the whole tensor ("sampled",
+    chunk ("chunk", ``_count_keys``), or the whole tensor's key-block ends ("sampled",
     ``_count_sampled``: unchecked, for sharing out work only)."""
     if inline_summaries(em.plan):
         if scope == "sampled":
@@ -439,35 +439,35 @@ def _count_keys(em: Emitter, tensor: str, extent, queries: list, split: bool
 
 
 def _count_sampled(em: Emitter, tensor: str, extent, queries: list) -> tuple[list[str], str]:
-    """``_count_failing``'s answers over the whole tensor from one strided sample of it,
-    SAMPLES keys G = ceil(E / SAMPLES) apart: one vector load, where counting every key
-    of a long cache would be a loop of them before the key loop could start.
+    """``_count_failing``'s answers over the whole tensor from its key blocks' first and
+    last keys: SAMPLES blocks a vector load (S = 32768 at B_L = 32: one), where counting
+    every key of a long cache would be a loop of loads before the key loop could start.
 
-    On nondecreasing data the failing keys are a prefix P long and c samples fail, so P
-    lies in ((c - 1) G, c G]: a ``max`` query's block (floor) is taken at the low end and
-    a ``min`` query's (ceil) at the high end -- the may range wider, the must range
-    narrower, by under G keys (under one block while G <= B_L: S <= 65536 at B_L = 64).
-    Nothing is checked here, so the ranges may be wrong on other data: they only share
-    out work, and each partial checks its own chunk for what they left out
-    (``split_share``).  The flag returned is therefore constant."""
-    g, pos, inb, val = em.new("sg"), em.new("sg_o"), em.new("sg_in"), em.new("sg_v")
-    em.emit(f"{g} = ({extent} + {SAMPLES} - 1) // {SAMPLES}  # a sample of the whole tensor")
-    em.emit(f"{pos} = tl.arange(0, {SAMPLES}) * {g}")
-    em.emit(f"{inb} = {pos} < {extent}")
-    em.emit(f"{val} = tl.load({tensor}_ptr + {pos} * {tensor}_s0, mask={inb}, other=0)")
+    On nondecreasing keys a block's first key is its minimum and its last its maximum,
+    so the counts are the summaries' own, exact to the block.  Nothing is checked here:
+    on other data the ranges may be wrong, so they only share out work, and each partial
+    checks its own chunk for what they left out (``split_share``).  The flag returned is
+    therefore constant."""
+    nb, c0, blk, inb = em.new("sb_nb"), em.new("sb_c"), em.new("sb_t"), em.new("sb_in")
+    em.emit(f"{nb} = ({extent} + B_{LOOP} - 1) // B_{LOOP}")
     counted: dict[tuple, str] = {}
-    blocks = []
     for field, cmp, target in queries:
-        if (cmp, target) not in counted:
-            counted[cmp, target] = cnt = em.new("sg_n")
-            em.emit(f"{cnt} = tl.sum(({inb} & ~({val} {cmp} {target})).to(tl.int32), axis=0)")
-        cnt, b = counted[cmp, target], em.new("sg_b")
-        if field == "max":  # the prefix is at least (c - 1) G long
-            em.emit(f"{b} = (tl.maximum({cnt} - 1, 0) * {g}) // B_{LOOP}")
-        else:               # ... and at most c G (and the extent)
-            em.emit(f"{b} = (tl.minimum({cnt} * {g}, {extent}) + B_{LOOP} - 1) // B_{LOOP}")
-        blocks.append(b)
-    return blocks, "True"
+        counted.setdefault((field, cmp, target), em.new("sb_n"))
+    for cnt in counted.values():
+        em.emit(f"{cnt} = row_first * 0")
+    em.emit(f"for {c0} in range(0, {nb}, {SAMPLES}):  # the key blocks' first and last keys")
+    em.emit(f"    {blk} = {c0} + tl.arange(0, {SAMPLES})")
+    em.emit(f"    {inb} = {blk} < {nb}")
+    vals = {}
+    for field, at in (("min", f"{blk} * B_{LOOP}"),
+                      ("max", f"tl.minimum({blk} * B_{LOOP} + B_{LOOP} - 1, {extent} - 1)")):
+        if any(f == field for f, _, _ in counted):
+            vals[field] = em.new("sb_v")
+            em.emit(f"    {vals[field]} = tl.load({tensor}_ptr + ({at}) * {tensor}_s0, "
+                    f"mask={inb}, other=0)")
+    for (field, cmp, target), cnt in counted.items():
+        em.emit(f"    {cnt} += tl.sum(({inb} & ~({vals[field]} {cmp} {target})).to(tl.int32), axis=0)")
+    return [counted[q] for q in map(tuple, queries)], "True"
 
 
 def _fold_code(fn: str, xs: list[str]) -> str:
