@@ -180,7 +180,7 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
         em.emit(f"j_hi{k} = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
         hi = f"j_hi{k}"
     if split and shares_visible_keys(em, k):  # a decode's partials share its visible keys
-        shared_split_loops(em, k, lo, hi, _loop, lambda a, b: _tested_loops(em, k, a, b, True))
+        shared_split_loops(em, k, lo, hi, _loop)
         return
     rng = data_ranges(em, ps, k, split)  # data atoms as key ranges: no per-block test
     if rng is not None:
