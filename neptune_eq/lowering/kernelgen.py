@@ -29,7 +29,7 @@ from .data_indices import checked_ids
 from .dependent_launch import PDL_FLAG, release_first, wait_before_reads
 from .summary_kernel import prepass_source
 from .split_plan import combine_min_rows
-from .split_share import shared_split_loops, shares_visible_keys
+from .split_share import shared_split_loops
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
 from ..sizes import value
 
@@ -179,8 +179,7 @@ def _pass_loop(em: Emitter, k: int, split: bool) -> None:
     if ps.hi_offset is not None:  # ... and one past the last visible key
         em.emit(f"j_hi{k} = tl.minimum(row_last + ({ps.hi_offset}), {ps.extent})")
         hi = f"j_hi{k}"
-    if split and shares_visible_keys(em, k):  # a decode's partials share its visible keys
-        shared_split_loops(em, k, lo, hi, _loop)
+    if split and shared_split_loops(em, k, lo, hi, _loop):  # a decode's: visible keys shared
         return
     rng = data_ranges(em, ps, k, split)  # data atoms as key ranges: no per-block test
     if rng is not None:

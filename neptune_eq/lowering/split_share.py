@@ -42,16 +42,19 @@ def shares_visible_keys(em: Emitter, k: int) -> bool:
     return inline_summaries(plan) and bool(data_atoms(plan, ps)) and data_range_form(plan, ps)
 
 
-def shared_split_loops(em: Emitter, k: int, lo: str, hi: str, loop) -> None:
+def shared_split_loops(em: Emitter, k: int, lo: str, hi: str, loop) -> bool:
     """Pass ``k``'s loops over [lo, hi) (its affine bounds; ``lo`` block-aligned) in a
-    split-k partial, shared as the module says.  ``loop(em, k, lo, hi, known, test)``
-    emits one loop.
+    split-k partial, shared as the module says, where it ``shares_visible_keys`` (else
+    nothing is emitted and False returned).  ``loop(em, k, lo, hi, known, test)`` emits
+    one loop.
 
     Where a chunk's ids are not sorted, its part of [lo, hi) outside the shares runs
     masked, block by block, with no per-block test: each such test is a branch around
     the loads, and with both forms (chunks, shares) in one kernel their tested loops
     doubled its loop bodies (19 against 8) and the cold build (25 against 15 s, H200).
     Sorted ids -- and documents in id order -- never come here."""
+    if not shares_visible_keys(em, k):
+        return False
     ps = em.plan.passes[k]
     B = f"B_{LOOP}"
     whole = data_ranges(em, ps, k, sampled=True)
@@ -77,6 +80,7 @@ def shared_split_loops(em: Emitter, k: int, lo: str, hi: str, loop) -> None:
     em.push(outer + "    ")
     _shared(em, k, lo, hi, own, loop)
     em.scopes[-2][0].extend(em.pop())
+    return True
 
 
 def _shared(em: Emitter, k: int, lo: str, hi: str, own, loop) -> None:
