@@ -243,21 +243,34 @@ def test_split_k_partials_count_their_own_keys_and_never_skip_a_visible_one(
     chunk of ids (``block_skip._count_keys``: floor / ceil of in-chunk counts, a ragged
     last block at S = 90): the reference's answer, with every key block outside the
     query's document poisoned (NaN), for chunk edges inside and between documents."""
+    row = next(r for r in gqa_decode_kernel.candidates if r.plan is not None and r.plan.split)
+    _check_split_decode(gqa_decode_kernel, row, _sorted_ids(lengths, 90), splits, seed, True)
+
+
+def _sorted_ids(lengths: list[int], S: int) -> torch.Tensor:
+    """Documents of these lengths in order, the last one stretched (or cut) to S keys."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:S]
+    return torch.cat([ids, ids.new_full((S - len(ids),), ids[-1].item())])
+
+
+def _check_split_decode(kern, row, ids, splits: int, seed: int, poison: bool) -> None:
+    """The split-k candidate ``row`` of a grouped decode at the cache's end, run with
+    ``splits`` partials on document ids ``ids``, against the reference; ``poison``: every
+    key block holding none of the query's document is NaN in V (never read)."""
     from neptune_eq.runtime.launcher import Launcher
     from neptune_eq.runtime.tile_configs import candidate_configs
-    S = 90
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:S]
-    ids = torch.cat([ids, ids.new_full((S - len(ids),), ids[-1].item())]).to(torch.int32)
+    S = len(ids)
+    ids = ids.to(torch.int32)
     q, k, v = qkv(1, 4, 1, S, seed)
     k, v = k[:, :2], v[:, :2]
-    ref = evaluate(gqa_decode_kernel.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
-    row = next(r for r in gqa_decode_kernel.candidates if r.plan is not None and r.plan.split)
+    ref = evaluate(kern.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
     cfg = candidate_configs(row.kernel, "interpreter")[0]
     cfg.splits = splits
-    blk = cfg.blocks["B_L"]
-    seen = torch.cat([ids == ids[-1], torch.zeros((-S) % blk, dtype=torch.bool)]).view(-1, blk)
-    unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
-    v = torch.where(unread[None, None, :, None], float("nan"), v)
+    if poison:
+        blk = cfg.blocks["B_L"]
+        seen = torch.cat([ids == ids[-1], torch.zeros((-S) % blk, dtype=torch.bool)]).view(-1, blk)
+        unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
+        v = torch.where(unread[None, None, :, None], float("nan"), v)
     o = torch.empty(1, 4, 1, D)
     Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
     assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
@@ -265,8 +278,8 @@ def test_split_k_partials_count_their_own_keys_and_never_skip_a_visible_one(
 
 @pytest.fixture(scope="module")
 def long_gqa_decode_split():
-    """The split-k candidate of a grouped decode over 1500 keys: its strided sample of the
-    ids (``_count_sampled``) takes every second key."""
+    """The split-k candidate of a grouped decode over 1500 keys (blocks of the ids read
+    whole-cache by ``_count_sampled``, chunks by ``_count_keys``)."""
     S = 1500
     doc = ne.placeholder((S,), "int32", "doc")
     out = ne.attention(1, 4, 1, S, D, "float32", kv_heads=2,
@@ -282,36 +295,19 @@ def long_gqa_decode_split():
        splits=st.sampled_from([2, 5]), seed=st.integers(0, 99))
 def test_partials_share_the_sampled_range_and_catch_what_it_misses(
         long_gqa_decode_split, lengths, order, splits, seed):
-    """``split_share``: the partials share the visible range found from a sample of the
-    ids, and each checks its own chunk for visible keys outside it.  Sorted ids: nothing
+    """``split_share``: the partials share the visible range found from the key blocks'
+    first and last ids, and each checks its own chunk for visible keys outside it.  Sorted ids: nothing
     outside the query's document is read (NaN there); documents in a shuffled order
     (each chunk sorted or not, the sample meaningless) and shuffled keys: still the
     reference's answer."""
-    from neptune_eq.runtime.launcher import Launcher
-    from neptune_eq.runtime.tile_configs import candidate_configs
     kern, row = long_gqa_decode_split
-    S = 1500
     g = torch.Generator().manual_seed(seed)
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:S]
-    ids = torch.cat([ids, ids.new_full((S - len(ids),), ids[-1].item())])
+    ids = _sorted_ids(lengths, 1500)
     if order == "documents shuffled":
         ids = torch.randperm(int(ids.max()) + 1, generator=g)[ids]
     elif order == "keys shuffled":
-        ids = ids[torch.randperm(S, generator=g)]
-    ids = ids.to(torch.int32)
-    q, k, v = qkv(1, 4, 1, S, seed)
-    k, v = k[:, :2], v[:, :2]
-    ref = evaluate(kern.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
-    cfg = candidate_configs(row.kernel, "interpreter")[0]
-    cfg.splits = splits
-    if order == "sorted":
-        blk = cfg.blocks["B_L"]
-        seen = torch.cat([ids == ids[-1], torch.zeros((-S) % blk, dtype=torch.bool)]).view(-1, blk)
-        unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
-        v = torch.where(unread[None, None, :, None], float("nan"), v)
-    o = torch.empty(1, 4, 1, D)
-    Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
-    assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
+        ids = ids[torch.randperm(len(ids), generator=g)]
+    _check_split_decode(kern, row, ids, splits, seed, order == "sorted")
 
 
 def test_flex_attention_document_mask_skips_blocks():
