@@ -16,6 +16,7 @@ Columns (us per call):
   attention launches alone with their summaries filled beforehand.
 
     python bench/doc_decode_gpu.py [--S 4096 8192 32768] [--docs 1 13 64] [--dtype float16]
+    python bench/doc_decode_gpu.py --batch 8    # 8 sequences, each with its own documents
     python bench/doc_decode_gpu.py --smoke     # CPU: tiny sizes, interpreter, no timing
 Writes bench/results/<out>.json and .md (rows as they finish).
 """
@@ -42,26 +43,45 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def decode_mask(doc: torch.Tensor, S: int):
-    def mask(b, h, q, kv):
-        return doc[q + S - 1] == doc[kv]
+    """The query sees its own document's keys: ids (S,) shared by the batch, or (B, S)
+    with each sequence's own documents."""
+    if doc.dim() == 1:
+        def mask(b, h, q, kv):
+            return doc[q + S - 1] == doc[kv]
+    else:
+        def mask(b, h, q, kv):
+            return doc[b, q + S - 1] == doc[b, kv]
     return mask
 
 
-def run_one(S: int, n_docs: int, dtype: torch.dtype, flex, passes: int = 5) -> dict:
+def sdpa_mask(doc: torch.Tensor, S: int) -> torch.Tensor:
+    """The same mask as SDPA's boolean (B or 1, 1, 1, S)."""
+    d = doc if doc.dim() == 2 else doc[None]
+    return (d[:, S - 1:S] == d)[:, None, None, :]
+
+
+def batch_ids(S: int, n_docs: int, batch: int, device: str = "cuda") -> torch.Tensor:
+    """Sorted random documents: (S,) for one sequence, (batch, S) each its own."""
+    if batch == 1:
+        return dm.doc_ids(S, n_docs)[0].to(device)
+    return torch.stack([dm.doc_ids(S, n_docs, seed=b)[0] for b in range(batch)]).to(device)
+
+
+def run_one(S: int, n_docs: int, dtype: torch.dtype, flex, passes: int = 5, batch: int = 1) -> dict:
     dm.fresh_start()
-    doc = dm.doc_ids(S, n_docs)[0]
+    doc = batch_ids(S, n_docs, batch)
     mask = decode_mask(doc, S)
-    q = torch.randn(1, HQ, 1, D, device="cuda", dtype=dtype)
-    k, v = (torch.randn(1, HKV, S, D, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, HKV, S, D, device="cuda", dtype=dtype) for _ in range(2))
     t0 = time.perf_counter()
     ne.flex_attention(q, k, v, mask_mod=mask, enable_gqa=True)  # the cold build
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    bm = create_block_mask(mask, None, None, 1, S, device="cuda")
+    nb = None if batch == 1 else batch
+    bm = create_block_mask(mask, nb, None, 1, S, device="cuda")
 
     def sdpa():  # the boolean mask is part of the call: it changes with the documents
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=(doc[S - 1] == doc)[None, None, None, :],
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(doc, S), enable_gqa=True)
     runs = {"ours": lambda: ne.flex_attention(q, k, v, mask_mod=mask, enable_gqa=True),
             "flex_prebuilt": lambda: flex(q, k, v, block_mask=bm, enable_gqa=True),
             "sdpa": sdpa,
@@ -70,8 +90,9 @@ def run_one(S: int, n_docs: int, dtype: torch.dtype, flex, passes: int = 5) -> d
     ref = sdpa()
     errs = {key: (fn().float() - ref.float()).abs().max().item() for key, fn in runs.items()
             if key != "ours_nomask"}
-    visible = int((doc == doc[S - 1]).sum())
-    row = {"S": S, "docs": n_docs, "dtype": str(dtype).replace("torch.", ""), "visible_keys": visible,
+    visible = int(sdpa_mask(doc, S).sum())
+    row = {"S": S, "B": batch, "docs": n_docs, "dtype": str(dtype).replace("torch.", ""),
+           "visible_keys": visible,
            "first_call_s": round(first, 2), "max_abs_diff_vs_sdpa": errs}
     if max(errs.values()) > 2e-2:  # a wrong kernel is reported, never timed
         row["error"] = "differs from SDPA"
@@ -86,7 +107,7 @@ def run_one(S: int, n_docs: int, dtype: torch.dtype, flex, passes: int = 5) -> d
     for key, ts in called.items():
         row[f"us_{key}_called"] = statistics.median(ts)
     row["us_flex_percall_called"] = 1e3 * dm.do_bench(
-        lambda: flex(q, k, v, block_mask=create_block_mask(mask, None, None, 1, S, device="cuda"),
+        lambda: flex(q, k, v, block_mask=create_block_mask(mask, nb, None, 1, S, device="cuda"),
                      enable_gqa=True), warmup=5, rep=50, return_mode="median")
     for peer in ("flex_prebuilt", "sdpa"):
         for how in ("graphed", "called"):
@@ -114,20 +135,20 @@ def write(rows: list[dict], out: str) -> None:
              f"Hkv={HKV}, D={D}, one query at the cache's end)", "",
              "x peer = peer's time / ours (above 1: ours faster).  graphed: 20 calls per CUDA "
              "graph, median of 5 alternated passes; called: do_bench median, host included.", "",
-             "| S | docs | dtype | visible keys | ours graphed us | ours no mask graphed us "
+             "| S | B | docs | dtype | visible keys | ours graphed us | ours no mask graphed us "
              "| x Flex prebuilt graphed "
              "| x SDPA graphed | ours called us | x Flex prebuilt called | x Flex per call called "
              "| x SDPA called | pre-pass added us (share) | tiles |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['S']} | {r['docs']} | {r['dtype']} | {r['visible_keys']} | "
-                         f"{r['error']}: {r['max_abs_diff_vs_sdpa']} ||||||||||")
+            lines.append(f"| {r['S']} | {r.get('B', 1)} | {r['docs']} | {r['dtype']} | "
+                         f"{r['visible_keys']} | {r['error']}: {r['max_abs_diff_vs_sdpa']} ||||||||||")
             continue
         share = (f"{r['us_prepass_added']:.2f} ({100 * r['prepass_added_share']:.1f}%)"
                  if r.get("us_prepass_added") is not None else "n/a")
         lines.append(
-            f"| {r['S']} | {r['docs']} | {r['dtype']} | {r['visible_keys']} | "
+            f"| {r['S']} | {r.get('B', 1)} | {r['docs']} | {r['dtype']} | {r['visible_keys']} | "
             f"{f(r, 'us_ours_graphed', '.2f')} | {f(r, 'us_ours_nomask_graphed', '.2f')} | "
             f"{f(r, 'x_flex_prebuilt_graphed', '.2f')} | "
             f"{f(r, 'x_sdpa_graphed', '.2f')} | {f(r, 'us_ours_called', '.2f')} | "
@@ -137,25 +158,27 @@ def write(rows: list[dict], out: str) -> None:
 
 
 def smoke() -> None:
-    """CPU: the bench's own path at S=48 (documents of 1, 3 and 7) through the interpreter,
-    against eager SDPA with the boolean mask."""
+    """CPU: the bench's own path at S=48 (documents of 1, 3 and 7; one sequence, and two
+    with their own documents) through the interpreter, against eager SDPA with the
+    boolean mask."""
     global HQ, HKV, D
     HQ, HKV, D = 4, 2, 16
-    for n in (1, 3, 7):
-        S = 48
+    S = 48
+    for n, batch in ((1, 1), (3, 1), (7, 1), (3, 2)):
+        dev, dm.DEV = dm.DEV, "cpu"  # (doc_mask_gpu's ids land on its device)
+        try:
+            doc = batch_ids(S, n, batch, "cpu")
+        finally:
+            dm.DEV = dev
         g = torch.Generator().manual_seed(n)
-        cuts = torch.sort(torch.randperm(S - 1, generator=g)[: n - 1] + 1).values
-        doc = torch.repeat_interleave(torch.arange(n), torch.cat(
-            [torch.zeros(1, dtype=torch.long), cuts, torch.tensor([S])]).diff()).to(torch.int32)
-        q = torch.randn(1, HQ, 1, D, generator=g)
-        k, v = (torch.randn(1, HKV, S, D, generator=g) for _ in range(2))
+        q = torch.randn(batch, HQ, 1, D, generator=g)
+        k, v = (torch.randn(batch, HKV, S, D, generator=g) for _ in range(2))
         out = ne.flex_attention(q, k, v, mask_mod=decode_mask(doc, S), enable_gqa=True)
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=(doc[S - 1] == doc)[None, None, None, :],
-                                             enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(doc, S), enable_gqa=True)
         err = (out - ref).abs().max().item()
-        print(json.dumps({"docs": n, "S": S, "max_abs_diff_vs_sdpa": err}), flush=True)
+        print(json.dumps({"docs": n, "B": batch, "S": S, "max_abs_diff_vs_sdpa": err}), flush=True)
         if not err < 1e-4:
-            raise SystemExit(f"{n} documents: differs from SDPA by {err}")
+            raise SystemExit(f"{n} documents, batch {batch}: differs from SDPA by {err}")
 
 
 def main():
@@ -164,6 +187,9 @@ def main():
     ap.add_argument("--docs", type=int, nargs="*", default=[1, 13, 64])
     ap.add_argument("--dtype", nargs="*", default=["float16"])
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences, each with its own documents (ids (B, S), the mask "
+                         "doc[b, q + S - 1] == doc[b, kv]); 1: ids (S,)")
     ap.add_argument("--out", default="doc_decode")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
@@ -181,7 +207,7 @@ def main():
             torch._dynamo.config.recompile_limit = 64
             flex = torch.compile(flex_attention, dynamic=False)
             for n in a.docs:
-                rows.append(run_one(S, n, getattr(torch, dt), flex, a.passes))
+                rows.append(run_one(S, n, getattr(torch, dt), flex, a.passes, a.batch))
                 print(json.dumps(rows[-1]), flush=True)
                 write(rows, a.out)
 

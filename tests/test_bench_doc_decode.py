@@ -22,7 +22,7 @@ def test_the_bench_s_decode_matches_sdpa_on_cpu(monkeypatch):
 def test_the_table_reports_ratios_and_a_wrong_row_as_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(dd, "RESULTS", tmp_path)
     monkeypatch.setattr(dd.torch.cuda, "get_device_name", lambda: "GPU")
-    good = {"S": 8192, "docs": 13, "dtype": "float16", "visible_keys": 1189,
+    good = {"S": 8192, "B": 1, "docs": 13, "dtype": "float16", "visible_keys": 1189,
             "us_ours_graphed": 9.6, "us_ours_nomask_graphed": 12.7, "x_flex_prebuilt_graphed": 1.84,
             "x_sdpa_graphed": 2.14, "us_ours_called": 14.6, "x_flex_prebuilt_called": 3.63,
             "x_flex_percall_called": 367.0, "x_sdpa_called": 2.42, "config": "B_L=64 splits=16"}
@@ -30,6 +30,6 @@ def test_the_table_reports_ratios_and_a_wrong_row_as_an_error(tmp_path, monkeypa
            "max_abs_diff_vs_sdpa": {"ours": 0.5}, "error": "differs from SDPA"}
     dd.write([good, bad], "t")
     md = (tmp_path / "t.md").read_text().splitlines()
-    assert md[-2].startswith("| 8192 | 13 | float16 | 1189 | 9.60 | 12.70 | 1.84 | 2.14 | 14.60 |")
+    assert md[-2].startswith("| 8192 | 1 | 13 | float16 | 1189 | 9.60 | 12.70 | 1.84 | 2.14 | 14.60 |")
     assert "differs from SDPA" in md[-1] and "9.60" not in md[-1]
     assert json.loads((tmp_path / "t.json").read_text())["rows"][1]["error"] == "differs from SDPA"
