@@ -310,6 +310,59 @@ def test_partials_share_the_sampled_range_and_catch_what_it_misses(
     _check_split_decode(kern, row, ids, splits, seed, order == "sorted")
 
 
+@pytest.fixture(scope="module")
+def batched_doc_decode():
+    """A decode of two sequences, each with its own documents (``doc[b, j]``): chosen
+    kernel and split-k candidate."""
+    S = 200
+    doc = ne.placeholder((2, S), "int32", "doc")
+    out = ne.attention(2, 4, 1, S, D, "float32", kv_heads=2,
+                       mask_mod=lambda b, h, i, j: doc[b, i + S - 1] == doc[b, j])
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    return kern, next(r for r in kern.candidates if r.plan is not None and r.plan.split)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.lists(st.integers(1, 120), min_size=1, max_size=6), min_size=2, max_size=2),
+       shuffled=st.booleans(), splits=st.sampled_from([2, 3]), seed=st.integers(0, 99))
+def test_a_batch_s_own_documents_are_a_key_range_per_sequence(batched_doc_decode, lengths,
+                                                              shuffled, splits, seed):
+    """``doc[b, i + S - 1] == doc[b, j]``: a read of a 2-D tensor at the key whose other
+    index is the program's sequence has the key-range form where the kernel reads the ids
+    itself (``_key_side(any_rank=True)``, ``_key_read``), so the partials share each
+    sequence's visible keys.  Sorted ids: no key block outside the query's document is
+    read (NaN there), for the chosen kernel and the split-k one; documents in shuffled id
+    order: the reference's answer."""
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
+    kern, row = batched_doc_decode
+    S = 200
+    assert "bs_" not in row.kernel.source and "the sampled range" in row.kernel.source
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([_sorted_ids(ls, S) for ls in lengths])
+    if shuffled:
+        ids = torch.stack([torch.randperm(int(r.max()) + 1, generator=g)[r] for r in ids])
+    ids = ids.to(torch.int32)
+    q, k, v = qkv(2, 4, 1, S, seed)
+    k, v = k[:, :2], v[:, :2]
+    ref = evaluate(kern.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
+    cfg = candidate_configs(row.kernel, "interpreter")[0]
+    cfg.splits = splits
+    if not shuffled:
+        blk = cfg.blocks["B_L"]
+        assert blk == kern.config.blocks["B_L"]  # one poisoning serves both kernels
+        pad = torch.zeros(2, (-S) % blk, dtype=torch.bool)
+        seen = torch.cat([ids == ids[:, -1:], pad], 1).view(2, -1, blk).any(2, keepdim=True)
+        unread = ~seen.expand(-1, -1, blk).reshape(2, -1)[:, :S]
+        v = torch.where(unread[:, None, :, None], float("nan"), v)
+    o = torch.empty(2, 4, 1, D)
+    Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
+    assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
+    got = kern(q=q, k=k, v=v, doc=ids)
+    assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
+
+
 def test_flex_attention_document_mask_skips_blocks():
     """ne.flex_attention with a document mask_mod (named size S): same answer as torch's
     flex_attention, and a padding block's NaN values are never read."""

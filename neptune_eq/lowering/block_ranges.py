@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from ..ir import Term
 from .block_predicate import Analysis, _maybe_float, summary_dim
-from .block_skip import _count_failing, _key_side, _roles, _row_bounds, _spec, data_atoms
+from .block_skip import (_count_failing, _key_side, _roles, _row_bounds, data_atoms,
+                         inline_summaries)
 from .codegen import LOOP, Emitter
 from .lower import Pass
 
@@ -103,7 +104,7 @@ def _rangeable(plan, t: Term) -> bool:
         return all(_rangeable(plan, a) for a in t.args)
     if t.op not in _CMP:
         return False
-    form = _key_side(t, _roles(plan, "@j"), set(plan.grid_axes))
+    form = _key_side(t, _roles(plan, "@j"), set(plan.grid_axes), inline_summaries(plan))
     if form is None:
         return False
     key, _, other = form
@@ -178,7 +179,8 @@ class _Ctx:
                   f"tl.where({longer}, {a_hi}, {b_hi}))")
             return may, (lo, hi)
         plan = self.em.plan
-        key, cmp, other = _key_side(t, _roles(plan, "@j"), set(plan.grid_axes))
+        key, cmp, other = _key_side(t, _roles(plan, "@j"), set(plan.grid_axes),
+                                    inline_summaries(plan))
         elo, ehi = (e if isinstance(e, str) else self.name("e", f"row_first * 0 + ({e})")
                     for e in _row_bounds(self.em, other, const_ok=True))
         if key.op == "var":
@@ -208,8 +210,7 @@ class _Ctx:
         """``X[j] cmp E``: first blocks by counting over X's key-block summary ([min, max]
         per block), right where both columns are nondecreasing -- the flag the count
         pass returns, which the ranges then need (``mono``)."""
-        em, plan = self.em, self.em.plan
-        spec = _spec(plan, key.val, (0, "loop"))
+        em = self.em
         mx, mn = "max", "min"
         ext = self.ext
         # (may, must) as [lo, hi) with search queries (field, op, target) in their places;
@@ -225,7 +226,7 @@ class _Ctx:
         else:
             form = (((mx, ">=", elo), (mn, ">", ehi)), ((mn, ">=", ehi), (mx, ">", elo)))
         queries = [x for rng in form for x in rng if isinstance(x, tuple)]
-        counts, ordered = _count_failing(em, spec, self.ext, queries, self.scope)
+        counts, ordered = _count_failing(em, key, self.ext, queries, self.scope)
         self.flags.append(ordered)  # the counts hold where the blocks' [min, max] are ordered
         found = iter(counts)
         return tuple(tuple(f"{next(found)} * B_{LOOP}" if isinstance(x, tuple) else x

@@ -229,9 +229,13 @@ def _global_bounds(ops: TritonOps, plan: TilePlan, t: Term, spec: SummarySpec, i
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}
 
 
-def _key_side(atom: Term, roles: dict, grid: set) -> tuple[Term, str, Term] | None:
+def _key_side(atom: Term, roles: dict, grid: set, any_rank: bool = False
+              ) -> tuple[Term, str, Term] | None:
     """``atom`` as ``K cmp E``: K the key index itself or a 1-D tensor read at it, E free
-    of the key axis; None if it has no such form."""
+    of the key axis; None if it has no such form.  ``any_rank``: K may also read a
+    tensor of more dims at the key and one value per program in each other dim
+    (``doc[b, j]``: a batch's own documents) -- where the kernel reads the data itself
+    (``inline_summaries``); the summaries' count reads 1-D ones only."""
     if atom.op not in _FLIP:
         return None
     a, b = atom.args
@@ -241,10 +245,20 @@ def _key_side(atom: Term, roles: dict, grid: set) -> tuple[Term, str, Term] | No
             continue
         if key.op == "var" and key.val == "@j":
             return key, cmp, other
-        if (key.op == "load" and len(key.args) == 1
-                and summary_dim(key, roles, grid) == (0, "loop")):
-            return key, cmp, other
+        if key.op == "load" and (len(key.args) == 1 or any_rank):
+            hit = summary_dim(key, roles, grid)
+            if hit is not None and hit[1] == "loop" and (hit[0] == 0 or any_rank):
+                return key, cmp, other
     return None
+
+
+def _key_read(em: Emitter, key: Term) -> tuple[str, str]:
+    """(offset of the key's row, stride along the key) of a ``_key_side`` read: its other
+    indices are one value per program, bounded exactly here."""
+    dim, _ = summary_dim(key, _roles(em.plan, "@j"), set(em.plan.grid_axes))
+    parts = [f"({_row_bounds(em, ix, const_ok=True)[0]}) * {key.val}_s{q}"
+             for q, ix in enumerate(key.args) if q != dim]
+    return " + ".join(parts) or "0", f"{key.val}_s{dim}"
 
 
 def data_loop_bounds(em: Emitter, ps: Pass, k: int, split: bool = False
@@ -263,7 +277,7 @@ def data_loop_bounds(em: Emitter, ps: Pass, k: int, split: bool = False
     grid = set(plan.grid_axes)
     los, his = [], []
     for atom in atoms:
-        form = _key_side(atom, roles, grid)
+        form = _key_side(atom, roles, grid, inline_summaries(plan))
         if form is None:
             continue
         key, cmp, other = form
@@ -278,13 +292,12 @@ def data_loop_bounds(em: Emitter, ps: Pass, k: int, split: bool = False
             if need_hi is not None:
                 his.append(f"({need_hi}) + 1")
             continue
-        spec = _spec(plan, key.val, (0, "loop"))
         queries = []
         if need_lo is not None:  # first key block whose max reaches lo_e
             queries.append(("max", ">=", need_lo))
         if need_hi is not None:  # one past the last key block whose min is <= hi_e
             queries.append(("min", ">", need_hi))
-        blks, ordered = _count_failing(em, spec, ps.extent, queries, "chunk" if split else "all")
+        blks, ordered = _count_failing(em, key, ps.extent, queries, "chunk" if split else "all")
         mono = em.new("mono")
         em.emit(f"{mono} = {ordered}")
         if need_lo is not None:
@@ -344,7 +357,7 @@ SCAN_KEYS = 1024    # keys counted per vector load where the kernel reads the da
 SAMPLES = 1024      # key blocks whose ends are read per vector load (``_count_sampled``)
 
 
-def _count_failing(em: Emitter, spec: SummarySpec, extent, queries: list,
+def _count_failing(em: Emitter, key: Term, extent, queries: list,
                    scope: str = "all") -> tuple[list[str], str]:
     """For each ``(field, cmp, target)`` (field ``min`` / ``max``): the first key block
     whose [min, max] entry satisfies ``entry cmp target``, all from ONE pass over the
@@ -368,8 +381,9 @@ def _count_failing(em: Emitter, spec: SummarySpec, extent, queries: list,
     ``_count_sampled``: unchecked, for sharing out work only)."""
     if inline_summaries(em.plan):
         if scope == "sampled":
-            return _count_sampled(em, spec.tensor, extent, queries)
-        return _count_keys(em, spec.tensor, extent, queries, scope == "chunk")
+            return _count_sampled(em, key, extent, queries)
+        return _count_keys(em, key, extent, queries, scope == "chunk")
+    spec = _spec(em.plan, key.val, (0, "loop"))  # (a 1-D read: ``_key_side``)
     nb = f"(({extent} + B_{LOOP} - 1) // B_{LOOP})"
     cnts = [em.new("bs_n") for _ in queries]
     breaks = em.new("bs_nd")
@@ -394,7 +408,7 @@ def _count_failing(em: Emitter, spec: SummarySpec, extent, queries: list,
     return cnts, f"({breaks} == 0)"
 
 
-def _count_keys(em: Emitter, tensor: str, extent, queries: list, split: bool
+def _count_keys(em: Emitter, key: Term, extent, queries: list, split: bool
                 ) -> tuple[list[str], str]:
     """``_count_failing``'s answers from the keys themselves, over this program's keys only
     (a split-k partial's chunk; clipped to it afterwards, so nothing outside it matters).
@@ -407,6 +421,8 @@ def _count_keys(em: Emitter, tensor: str, extent, queries: list, split: bool
     never counts as failing a ``max`` query, which starts a may range there (one more
     masked block) or ends a must range before it (the mask kept): never a visible key
     skipped."""
+    base, stride = _key_read(em, key)
+    x = f"{key.val}_ptr + {base}"
     start = "pid_split * CHUNK" if split else "row_first * 0"
     end = f"tl.minimum(pid_split * CHUNK + CHUNK, {extent})" if split else str(extent)
     lo, hi = em.new("ks_lo"), em.new("ks_hi")
@@ -422,8 +438,8 @@ def _count_keys(em: Emitter, tensor: str, extent, queries: list, split: bool
     em.emit(f"    {offs} = {c0} + tl.arange(0, {SCAN_KEYS})")
     em.emit(f"    {inb} = {offs} < {hi}")
     val, prev = em.new("ks_v"), em.new("ks_p")
-    em.emit(f"    {val} = tl.load({tensor}_ptr + {offs} * {tensor}_s0, mask={inb}, other=0)")
-    em.emit(f"    {prev} = tl.load({tensor}_ptr + ({offs} - 1) * {tensor}_s0, "
+    em.emit(f"    {val} = tl.load({x} + {offs} * {stride}, mask={inb}, other=0)")
+    em.emit(f"    {prev} = tl.load({x} + ({offs} - 1) * {stride}, "
             f"mask={inb} & ({offs} > {lo}), other=0)")
     em.emit(f"    {breaks} += tl.sum(({inb} & ({offs} > {lo}) & ~({val} >= {prev}))"
             f".to(tl.int32), axis=0)")  # (a NaN compares false: a break)
@@ -438,7 +454,7 @@ def _count_keys(em: Emitter, tensor: str, extent, queries: list, split: bool
     return blocks, f"({breaks} == 0)"
 
 
-def _count_sampled(em: Emitter, tensor: str, extent, queries: list) -> tuple[list[str], str]:
+def _count_sampled(em: Emitter, key: Term, extent, queries: list) -> tuple[list[str], str]:
     """``_count_failing``'s answers over the whole tensor from its key blocks' first and
     last keys: SAMPLES blocks a vector load (S = 32768 at B_L = 32: one), where counting
     every key of a long cache would be a loop of loads before the key loop could start.
@@ -448,6 +464,7 @@ def _count_sampled(em: Emitter, tensor: str, extent, queries: list) -> tuple[lis
     on other data the ranges may be wrong, so they only share out work, and each partial
     checks its own chunk for what they left out (``split_share``).  The flag returned is
     therefore constant."""
+    base, stride = _key_read(em, key)
     nb, c0, blk, inb = em.new("sb_nb"), em.new("sb_c"), em.new("sb_t"), em.new("sb_in")
     em.emit(f"{nb} = ({extent} + B_{LOOP} - 1) // B_{LOOP}")
     counted: dict[tuple, str] = {}
@@ -463,7 +480,7 @@ def _count_sampled(em: Emitter, tensor: str, extent, queries: list) -> tuple[lis
                       ("max", f"tl.minimum({blk} * B_{LOOP} + B_{LOOP} - 1, {extent} - 1)")):
         if any(f == field for f, _, _ in counted):
             vals[field] = em.new("sb_v")
-            em.emit(f"    {vals[field]} = tl.load({tensor}_ptr + ({at}) * {tensor}_s0, "
+            em.emit(f"    {vals[field]} = tl.load({key.val}_ptr + {base} + ({at}) * {stride}, "
                     f"mask={inb}, other=0)")
     for (field, cmp, target), cnt in counted.items():
         em.emit(f"    {cnt} += tl.sum(({inb} & ~({vals[field]} {cmp} {target})).to(tl.int32), axis=0)")
