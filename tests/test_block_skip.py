@@ -253,27 +253,35 @@ def _sorted_ids(lengths: list[int], S: int) -> torch.Tensor:
     return torch.cat([ids, ids.new_full((S - len(ids),), ids[-1].item())])
 
 
-def _check_split_decode(kern, row, ids, splits: int, seed: int, poison: bool) -> None:
+def _check_split_decode(kern, row, ids, splits: int, seed: int, poison: bool,
+                        chosen_too: bool = False) -> None:
     """The split-k candidate ``row`` of a grouped decode at the cache's end, run with
-    ``splits`` partials on document ids ``ids``, against the reference; ``poison``: every
-    key block holding none of the query's document is NaN in V (never read)."""
+    ``splits`` partials on document ids ``ids`` ((S,), or (B, S): each sequence its own),
+    against the reference; ``poison``: every key block holding none of the query's
+    document is NaN in V (never read); ``chosen_too``: the chosen kernel as well."""
     from neptune_eq.runtime.launcher import Launcher
     from neptune_eq.runtime.tile_configs import candidate_configs
-    S = len(ids)
     ids = ids.to(torch.int32)
-    q, k, v = qkv(1, 4, 1, S, seed)
+    rows = ids.view(-1, ids.shape[-1])
+    B, S = rows.shape
+    q, k, v = qkv(B, 4, 1, S, seed)
     k, v = k[:, :2], v[:, :2]
     ref = evaluate(kern.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
     cfg = candidate_configs(row.kernel, "interpreter")[0]
     cfg.splits = splits
     if poison:
         blk = cfg.blocks["B_L"]
-        seen = torch.cat([ids == ids[-1], torch.zeros((-S) % blk, dtype=torch.bool)]).view(-1, blk)
-        unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
-        v = torch.where(unread[None, None, :, None], float("nan"), v)
-    o = torch.empty(1, 4, 1, D)
+        assert not chosen_too or blk == kern.config.blocks["B_L"]  # one poisoning for both
+        pad = torch.zeros(B, (-S) % blk, dtype=torch.bool)
+        seen = torch.cat([rows == rows[:, -1:], pad], 1).view(B, -1, blk).any(2, keepdim=True)
+        unread = ~seen.expand(-1, -1, blk).reshape(B, -1)[:, :S]
+        v = torch.where(unread[:, None, :, None], float("nan"), v)
+    o = torch.empty(B, 4, 1, D)
     Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
     assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
+    if chosen_too:
+        got = kern(q=q, k=k, v=v, doc=ids)
+        assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -334,33 +342,13 @@ def test_a_batch_s_own_documents_are_a_key_range_per_sequence(batched_doc_decode
     sequence's visible keys.  Sorted ids: no key block outside the query's document is
     read (NaN there), for the chosen kernel and the split-k one; documents in shuffled id
     order: the reference's answer."""
-    from neptune_eq.runtime.launcher import Launcher
-    from neptune_eq.runtime.tile_configs import candidate_configs
     kern, row = batched_doc_decode
-    S = 200
     assert "bs_" not in row.kernel.source and "the sampled range" in row.kernel.source
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([_sorted_ids(ls, S) for ls in lengths])
+    ids = torch.stack([_sorted_ids(ls, 200) for ls in lengths])
     if shuffled:
         ids = torch.stack([torch.randperm(int(r.max()) + 1, generator=g)[r] for r in ids])
-    ids = ids.to(torch.int32)
-    q, k, v = qkv(2, 4, 1, S, seed)
-    k, v = k[:, :2], v[:, :2]
-    ref = evaluate(kern.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
-    cfg = candidate_configs(row.kernel, "interpreter")[0]
-    cfg.splits = splits
-    if not shuffled:
-        blk = cfg.blocks["B_L"]
-        assert blk == kern.config.blocks["B_L"]  # one poisoning serves both kernels
-        pad = torch.zeros(2, (-S) % blk, dtype=torch.bool)
-        seen = torch.cat([ids == ids[:, -1:], pad], 1).view(2, -1, blk).any(2, keepdim=True)
-        unread = ~seen.expand(-1, -1, blk).reshape(2, -1)[:, :S]
-        v = torch.where(unread[:, None, :, None], float("nan"), v)
-    o = torch.empty(2, 4, 1, D)
-    Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
-    assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
-    got = kern(q=q, k=k, v=v, doc=ids)
-    assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
+    _check_split_decode(kern, row, ids, splits, seed, not shuffled, chosen_too=True)
 
 
 def test_flex_attention_document_mask_skips_blocks():
