@@ -226,17 +226,22 @@ def test_a_decode_s_partials_release_and_its_combine_waits_when_compiled_for_sm9
     assert got["combine"]["launch_pdl"] and not got["partial"]["launch_pdl"]
 
 
-def test_a_document_mask_gqa_decode_compiles_for_sm90_with_its_key_test(tmp_path):
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_document_mask_gqa_decode_compiles_for_sm90_with_its_key_test(tmp_path, batched):
     """A GQA decode at the cache's end with a document mask (packed rows, the row-side
-    read one element, the key range counted on the chunk's own ids: no pre-pass): its
-    partials compile for sm_90 with ``PDL`` on, with nothing to wait for, releasing the
-    combine first thing."""
+    read one element, the key range counted on the chunk's own ids: no pre-pass; batched:
+    each sequence its own ids, ``doc[b, j]``): its partials compile for sm_90 with ``PDL``
+    on, with nothing to wait for, releasing the combine first thing."""
     from sm90_compile import compile_for_sm90
     S = 300
-    doc = ne.placeholder((S,), "int32", "doc")
-    kern = ne.superoptimize(ne.attention(1, 8, 1, S, 64, "float16", kv_heads=2,
-                                         mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j]),
-                            target="interpreter", cache=False)
+    if batched:
+        doc = ne.placeholder((2, S), "int32", "doc")
+        mask = lambda b, h, i, j: doc[b, i + S - 1] == doc[b, j]  # noqa: E731
+    else:
+        doc = ne.placeholder((S,), "int32", "doc")
+        mask = lambda b, h, i, j: doc[i + S - 1] == doc[j]  # noqa: E731
+    kern = ne.superoptimize(ne.attention(2 if batched else 1, 8, 1, S, 64, "float16", kv_heads=2,
+                                         mask_mod=mask), target="interpreter", cache=False)
     row = _split_row(kern)
     ks = row.kernel
     assert row.plan.packed and not ks.summaries and ks.prepass is None
