@@ -120,16 +120,19 @@ def data_range_form(plan, ps: Pass) -> bool:
 
 
 def data_ranges(em: Emitter, ps: Pass, k: int, split: bool = False,
-                sampled: bool = False) -> DataRanges | None:
+                sampled: bool = False, bounds: dict | None = None) -> DataRanges | None:
     """The key ranges of pass ``k``'s data atoms (emitted in the pass's scope), or None
     when some data atom has no range form (the per-block test is used then); ``split``:
     a split-k partial's (its ranges are clipped to its chunk); ``sampled``: a decode's
-    whole-cache ranges from a sample of its ids, unchecked (``split_share``)."""
+    whole-cache ranges from a sample of its ids, unchecked (``split_share``).
+    ``bounds``: the row-side bounds already emitted in this scope (term -> code), shared
+    by calls that emit into the same scope so each row-side read is loaded once."""
     plan = em.plan
     atoms = data_atoms(plan, ps)
     if not atoms or not all(_rangeable(plan, a) for a in atoms):
         return None
-    ctx = _Ctx(em, ps, k, "sampled" if sampled else "chunk" if split else "all")
+    ctx = _Ctx(em, ps, k, "sampled" if sampled else "chunk" if split else "all",
+               {} if bounds is None else bounds)
     may, must = ctx.of(atoms[0])
     for a in atoms[1:]:
         may2, must2 = ctx.of(a)
@@ -145,8 +148,8 @@ def data_ranges(em: Emitter, ps: Pass, k: int, split: bool = False,
 class _Ctx:
     """Emits the ranges of atoms: code in key positions (``B_L``-aligned where noted)."""
 
-    def __init__(self, em: Emitter, ps: Pass, k: int, scope: str = "all"):
-        self.em, self.ps, self.k, self.scope = em, ps, k, scope
+    def __init__(self, em: Emitter, ps: Pass, k: int, scope: str, bounds: dict):
+        self.em, self.ps, self.k, self.scope, self.bounds = em, ps, k, scope, bounds
         self.ext = str(ps.extent)
         self.flags: list[str] = []
 
@@ -181,8 +184,11 @@ class _Ctx:
         plan = self.em.plan
         key, cmp, other = _key_side(t, _roles(plan, "@j"), set(plan.grid_axes),
                                     inline_summaries(plan))
-        elo, ehi = (e if isinstance(e, str) else self.name("e", f"row_first * 0 + ({e})")
-                    for e in _row_bounds(self.em, other, const_ok=True))
+        if str(other) not in self.bounds:
+            self.bounds[str(other)] = tuple(
+                e if isinstance(e, str) else self.name("e", f"row_first * 0 + ({e})")
+                for e in _row_bounds(self.em, other, const_ok=True))
+        elo, ehi = self.bounds[str(other)]
         if key.op == "var":
             return self._index(cmp, elo, ehi)
         return self._search(key, cmp, elo, ehi)

@@ -57,8 +57,9 @@ def shared_split_loops(em: Emitter, k: int, lo: str, hi: str, loop) -> bool:
         return False
     ps = em.plan.passes[k]
     B = f"B_{LOOP}"
-    whole = data_ranges(em, ps, k, sampled=True)
-    own = data_ranges(em, ps, k, split=True)
+    row: dict = {}  # (both emit here: the query side's ids are read once)
+    whole = data_ranges(em, ps, k, sampled=True, bounds=row)
+    own = data_ranges(em, ps, k, split=True, bounds=row)
     ga, gb, gu = f"j_ga{k}", f"j_gb{k}", f"j_gu{k}"
     em.emit(f"{ga} = (tl.maximum({lo}, {whole.may[0]}) // {B}) * {B}  # the sampled range")
     em.emit(f"{gb} = tl.maximum(tl.minimum({hi}, {whole.may[1]}), {ga})")
