@@ -284,6 +284,39 @@ def _check_split_decode(kern, row, ids, splits: int, seed: int, poison: bool,
         assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8), splits=st.sampled_from([2, 3]),
+       seed=st.integers(0, 99))
+def test_in_kernel_counts_carry_across_several_vectors(monkeypatch, lengths, splits, seed):
+    """The in-kernel counts load their first vector apart (``block_skip._first_loads``:
+    the partial's counts issue their loads together) and loop over the rest; with 16 keys
+    and 2 key blocks a vector the S = 90 decode takes several of each, so a first vector
+    summed twice or a wrong carry into the loop would shift a range and read a poisoned
+    block or drop a visible one (split-k partials and the chosen kernel)."""
+    from neptune_eq.lowering import block_skip
+    monkeypatch.setattr(block_skip, "SCAN_KEYS", 16)
+    monkeypatch.setattr(block_skip, "SAMPLES", 2)
+    S = 90
+    doc = ne.placeholder((S,), "int32", "doc")
+    out = ne.attention(1, 4, 1, S, D, "float32", kv_heads=2,
+                       mask_mod=lambda b, h, i, j: doc[i + S - 1] == doc[j])
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    row = next(r for r in kern.candidates if r.plan is not None and r.plan.split)
+    assert "tl.arange(0, 16)" in row.kernel.source and "tl.arange(0, 2)" in row.kernel.source
+    ids = _sorted_ids(lengths, S)
+    _check_split_decode(kern, row, ids, splits, seed, True)
+    ids = ids.to(torch.int32)  # the chosen kernel, its unread key blocks poisoned alike
+    q, k, v = qkv(1, 4, 1, S, seed)
+    k, v = k[:, :2], v[:, :2]
+    ref = evaluate(kern.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
+    blk = kern.config.blocks["B_L"]
+    seen = torch.cat([ids == ids[-1], torch.zeros((-S) % blk, dtype=torch.bool)]).view(-1, blk)
+    unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
+    got = kern(q=q, k=k, v=torch.where(unread[None, None, :, None], float("nan"), v), doc=ids)
+    assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def long_gqa_decode_split():
     """The split-k candidate of a grouped decode over 1500 keys (blocks of the ids read

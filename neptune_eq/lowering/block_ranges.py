@@ -46,6 +46,9 @@ _CMP = ("lt", "le", "gt", "ge", "eq")
 # (``TileConfig.one_loop``).  Choosing per row block at run time compiled both loop sets
 # into one kernel and ran every case 1.5-1.7x slower (bench/results/README.md, session 36).
 ONE_LOOP_FLAG = "ONE_LOOP"
+# The key, in a ``bounds`` dict, of where the counts of the calls that share it emit their
+# first loads (``block_skip._first_loads``): one round trip for all of them.
+_FIRST_LOADS = "(first loads)"
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,8 @@ class _Ctx:
         else:
             form = (((mx, ">=", elo), (mn, ">", ehi)), ((mn, ">=", ehi), (mx, ">", elo)))
         queries = [x for rng in form for x in rng if isinstance(x, tuple)]
-        counts, ordered = _count_failing(em, key, self.ext, queries, self.scope)
+        counts, ordered = _count_failing(em, key, self.ext, queries, self.scope,
+                                         self.bounds.setdefault(_FIRST_LOADS, [None, 0]))
         self.flags.append(ordered)  # the counts hold where the blocks' [min, max] are ordered
         found = iter(counts)
         return tuple(tuple(f"{next(found)} * B_{LOOP}" if isinstance(x, tuple) else x

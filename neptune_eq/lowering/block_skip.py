@@ -358,7 +358,7 @@ SAMPLES = 1024      # key blocks whose ends are read per vector load (``_count_s
 
 
 def _count_failing(em: Emitter, key: Term, extent, queries: list,
-                   scope: str = "all") -> tuple[list[str], str]:
+                   scope: str = "all", mark: list | None = None) -> tuple[list[str], str]:
     """For each ``(field, cmp, target)`` (field ``min`` / ``max``): the first key block
     whose [min, max] entry satisfies ``entry cmp target``, all from ONE pass over the
     summary -- and the condition that makes those answers right: the blocks' minima and
@@ -378,11 +378,12 @@ def _count_failing(em: Emitter, key: Term, extent, queries: list,
     inside their blocks.  Where the kernel reads the data itself (``inline_summaries``)
     the count runs over keys instead: all of them (``scope`` "all"), a split-k partial's
     chunk ("chunk", ``_count_keys``), or the whole tensor's key-block ends ("sampled",
-    ``_count_sampled``: unchecked, for sharing out work only)."""
+    ``_count_sampled``: unchecked, for sharing out work only); ``mark``: where those
+    counts' first loads go (``_first_loads``)."""
     if inline_summaries(em.plan):
         if scope == "sampled":
-            return _count_sampled(em, key, extent, queries)
-        return _count_keys(em, key, extent, queries, scope == "chunk")
+            return _count_sampled(em, key, extent, queries, mark)
+        return _count_keys(em, key, extent, queries, scope == "chunk", mark)
     spec = _spec(em.plan, key.val, (0, "loop"))  # (a 1-D read: ``_key_side``)
     nb = f"(({extent} + B_{LOOP} - 1) // B_{LOOP})"
     cnts = [em.new("bs_n") for _ in queries]
@@ -408,8 +409,26 @@ def _count_failing(em: Emitter, key: Term, extent, queries: list,
     return cnts, f"({breaks} == 0)"
 
 
-def _count_keys(em: Emitter, key: Term, extent, queries: list, split: bool
-                ) -> tuple[list[str], str]:
+def _first_loads(em: Emitter, mark: list | None, fresh: bool, lines: list[str]) -> None:
+    """Emit a count's first vector loads (and the sizes they need) at ``mark``, the group's
+    shared point in this scope ([scope lines, index], advanced past them), so the counts
+    of one pass -- a split-k partial's sampled range, its chunk's, each atom's -- issue
+    their loads back to back before any of them is summed: one memory round trip before
+    the key loop instead of one per count (a ``tl.sum`` across warps is a barrier the
+    next load does not move above).  ``fresh``: lines were emitted for this count since
+    the mark (its read's own offsets), so the mark moves here first."""
+    scope, _, indent = em.scopes[-1]
+    if mark is None:
+        mark = [None, 0]
+    if fresh or mark[0] is not scope:
+        mark[0], mark[1] = scope, len(scope)
+    for line in lines:
+        scope.insert(mark[1], indent + line)
+        mark[1] += 1
+
+
+def _count_keys(em: Emitter, key: Term, extent, queries: list, split: bool,
+                mark: list | None = None) -> tuple[list[str], str]:
     """``_count_failing``'s answers from the keys themselves, over this program's keys only
     (a split-k partial's chunk; clipped to it afterwards, so nothing outside it matters).
 
@@ -421,30 +440,40 @@ def _count_keys(em: Emitter, key: Term, extent, queries: list, split: bool
     never counts as failing a ``max`` query, which starts a may range there (one more
     masked block) or ends a must range before it (the mask kept): never a visible key
     skipped."""
+    n0 = len(em.scopes[-1][0])
     base, stride = _key_read(em, key)
     x = f"{key.val}_ptr + {base}"
     start = "pid_split * CHUNK" if split else "row_first * 0"
     end = f"tl.minimum(pid_split * CHUNK + CHUNK, {extent})" if split else str(extent)
     lo, hi = em.new("ks_lo"), em.new("ks_hi")
-    em.emit(f"{lo} = {start}")
-    em.emit(f"{hi} = {end}")
     counted: dict[tuple, str] = {}  # may and must ask the same test, rounded two ways
     cnts = [counted.setdefault((cmp, target), em.new("ks_n")) for _, cmp, target in queries]
     breaks = em.new("ks_nd")
     c0, offs, inb = em.new("ks_c"), em.new("ks_o"), em.new("ks_in")
-    for cnt in list(counted.values()) + [breaks]:
-        em.emit(f"{cnt} = row_first * 0")
-    em.emit(f"for {c0} in range({lo}, {hi}, {SCAN_KEYS}):  # this program's keys, read here")
-    em.emit(f"    {offs} = {c0} + tl.arange(0, {SCAN_KEYS})")
-    em.emit(f"    {inb} = {offs} < {hi}")
     val, prev = em.new("ks_v"), em.new("ks_p")
-    em.emit(f"    {val} = tl.load({x} + {offs} * {stride}, mask={inb}, other=0)")
-    em.emit(f"    {prev} = tl.load({x} + ({offs} - 1) * {stride}, "
-            f"mask={inb} & ({offs} > {lo}), other=0)")
-    em.emit(f"    {breaks} += tl.sum(({inb} & ({offs} > {lo}) & ~({val} >= {prev}))"
-            f".to(tl.int32), axis=0)")  # (a NaN compares false: a break)
-    for (cmp, target), cnt in counted.items():
-        em.emit(f"    {cnt} += tl.sum(({inb} & ~({val} {cmp} {target})).to(tl.int32), axis=0)")
+
+    def scan(offs, inb, val, prev):  # (the first vector's loads are emitted apart)
+        return [f"{inb} = {offs} < {hi}",
+                f"{val} = tl.load({x} + {offs} * {stride}, mask={inb}, other=0)",
+                f"{prev} = tl.load({x} + ({offs} - 1) * {stride}, "
+                f"mask={inb} & ({offs} > {lo}), other=0)"]
+
+    def sums(op, offs, inb, val, prev):
+        out = [f"{breaks} {op} tl.sum(({inb} & ({offs} > {lo}) & ~({val} >= {prev}))"
+               f".to(tl.int32), axis=0)"]  # (a NaN compares false: a break)
+        return out + [f"{cnt} {op} tl.sum(({inb} & ~({val} {cmp} {target})).to(tl.int32), axis=0)"
+                      for (cmp, target), cnt in counted.items()]
+    first = [em.new(p) for p in ("ks_o", "ks_in", "ks_v", "ks_p")]
+    _first_loads(em, mark, len(em.scopes[-1][0]) != n0,
+                 [f"{lo} = {start}", f"{hi} = {end}",
+                  f"{first[0]} = {lo} + tl.arange(0, {SCAN_KEYS})"] + scan(*first))
+    for line in sums("=", *first):
+        em.emit(line)
+    em.emit(f"for {c0} in range({lo} + {SCAN_KEYS}, {hi}, {SCAN_KEYS}):"
+            "  # this program's keys, read here (the rest)")
+    em.emit(f"    {offs} = {c0} + tl.arange(0, {SCAN_KEYS})")
+    for line in scan(offs, inb, val, prev) + sums("+=", offs, inb, val, prev):
+        em.emit("    " + line)
     blocks = []
     for cnt, (field, _, _) in zip(cnts, queries):
         b = em.new("ks_b")
@@ -454,7 +483,8 @@ def _count_keys(em: Emitter, key: Term, extent, queries: list, split: bool
     return blocks, f"({breaks} == 0)"
 
 
-def _count_sampled(em: Emitter, key: Term, extent, queries: list) -> tuple[list[str], str]:
+def _count_sampled(em: Emitter, key: Term, extent, queries: list,
+                   mark: list | None = None) -> tuple[list[str], str]:
     """``_count_failing``'s answers over the whole tensor from its key blocks' first and
     last keys: SAMPLES blocks a vector load (S = 32768 at B_L = 32: one), where counting
     every key of a long cache would be a loop of loads before the key loop could start.
@@ -464,26 +494,38 @@ def _count_sampled(em: Emitter, key: Term, extent, queries: list) -> tuple[list[
     on other data the ranges may be wrong, so they only share out work, and each partial
     checks its own chunk for what they left out (``split_share``).  The flag returned is
     therefore constant."""
+    n0 = len(em.scopes[-1][0])
     base, stride = _key_read(em, key)
-    nb, c0, blk, inb = em.new("sb_nb"), em.new("sb_c"), em.new("sb_t"), em.new("sb_in")
-    em.emit(f"{nb} = ({extent} + B_{LOOP} - 1) // B_{LOOP}")
+    nb, c0 = em.new("sb_nb"), em.new("sb_c")
     counted: dict[tuple, str] = {}
     for field, cmp, target in queries:
         counted.setdefault((field, cmp, target), em.new("sb_n"))
-    for cnt in counted.values():
-        em.emit(f"{cnt} = row_first * 0")
-    em.emit(f"for {c0} in range(0, {nb}, {SAMPLES}):  # the key blocks' first and last keys")
+    fields = [f for f in ("min", "max") if any(f == g for g, _, _ in counted)]
+
+    def scan(blk, inb, vals):  # (the first vector's loads are emitted apart)
+        at = {"min": f"{blk} * B_{LOOP}",
+              "max": f"tl.minimum({blk} * B_{LOOP} + B_{LOOP} - 1, {extent} - 1)"}
+        return [f"{inb} = {blk} < {nb}"] + [
+            f"{vals[f]} = tl.load({key.val}_ptr + {base} + ({at[f]}) * {stride}, "
+            f"mask={inb}, other=0)" for f in fields]
+
+    def sums(op, inb, vals):
+        return [f"{cnt} {op} tl.sum(({inb} & ~({vals[field]} {cmp} {target})).to(tl.int32), "
+                f"axis=0)" for (field, cmp, target), cnt in counted.items()]
+    blk1, inb1 = em.new("sb_t"), em.new("sb_in")
+    vals1 = {f: em.new("sb_v") for f in fields}
+    _first_loads(em, mark, len(em.scopes[-1][0]) != n0,
+                 [f"{nb} = ({extent} + B_{LOOP} - 1) // B_{LOOP}",
+                  f"{blk1} = tl.arange(0, {SAMPLES})"] + scan(blk1, inb1, vals1))
+    for line in sums("=", inb1, vals1):
+        em.emit(line)
+    blk, inb = em.new("sb_t"), em.new("sb_in")
+    vals = {f: em.new("sb_v") for f in fields}
+    em.emit(f"for {c0} in range({SAMPLES}, {nb}, {SAMPLES}):"
+            "  # the key blocks' first and last keys (the rest)")
     em.emit(f"    {blk} = {c0} + tl.arange(0, {SAMPLES})")
-    em.emit(f"    {inb} = {blk} < {nb}")
-    vals = {}
-    for field, at in (("min", f"{blk} * B_{LOOP}"),
-                      ("max", f"tl.minimum({blk} * B_{LOOP} + B_{LOOP} - 1, {extent} - 1)")):
-        if any(f == field for f, _, _ in counted):
-            vals[field] = em.new("sb_v")
-            em.emit(f"    {vals[field]} = tl.load({key.val}_ptr + {base} + ({at}) * {stride}, "
-                    f"mask={inb}, other=0)")
-    for (field, cmp, target), cnt in counted.items():
-        em.emit(f"    {cnt} += tl.sum(({inb} & ~({vals[field]} {cmp} {target})).to(tl.int32), axis=0)")
+    for line in scan(blk, inb, vals) + sums("+=", inb, vals):
+        em.emit("    " + line)
     return [counted[q] for q in map(tuple, queries)], "True"
 
 
