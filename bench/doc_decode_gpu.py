@@ -117,6 +117,8 @@ def run_one(S: int, n_docs: int, dtype: torch.dtype, flex, passes: int = 5, batc
     row["config"] = str(la.config)
     row["split_k"] = bool(getattr(getattr(la, "ks", None), "split_extent", None))
     row["chooser_timed"] = dm.chooser_timings(kern, bound)
+    _, la_nomask, _ = dm.launcher_of(q, k, v, None, enable_gqa=True)
+    row["config_nomask"] = str(la_nomask.config)  # (the no-mask column's own choice)
     added = dm.prepass_added(la, bound)
     if added:
         row["us_prepass_added"] = 1e3 * added["ms_prepass_added"]

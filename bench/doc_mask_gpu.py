@@ -288,7 +288,8 @@ def chooser_timings(kern, bound: dict) -> list | None:
     try:
         rows = (kern.candidates if kern._dispatch is None else
                 kern._dispatch.choice_for(sizes_of(kern.input_program, bound)).rows)
-        return [[str(c), ms] for r in rows for c, ms, _ in r.timings]
+        return [[str(c), ms] if ms is not None else [str(c), None, why]  # (why not timed)
+                for r in rows for c, ms, why in r.timings]
     except Exception as e:  # noqa: BLE001 - a diagnostic, never a crash of the table
         print(f"  chooser timings not read: {type(e).__name__}: {e}", file=sys.stderr)
         return None
