@@ -592,38 +592,3 @@ def test_a_gpu_replay_launches_the_checked_kernels_with_pointers_as_ints(keyed, 
         assert prepared == checked + ["p2", "c2"]
         assert [ck for _, ck, _, _ in launched] == ["p2", "c2"]
         assert any(isinstance(x, torch.Tensor) for x in launched[0][2])  # fresh scratch
-
-
-def test_a_config_short_of_shared_memory_is_timed_one_stage_shallower(monkeypatch):
-    """A config whose kernel needs more shared memory than the GPU has (Triton's "out of
-    resource: shared memory") is timed with one pipeline stage fewer, down to 2, and the
-    config that ran is the one recorded (what a call then launches with); any other
-    failure, a 2-stage config, and the Gluon / warp-specialised forms are recorded as
-    they failed.  The GPU here: a launcher that refuses 3 stages or more."""
-    from neptune_eq.runtime import timing
-    monkeypatch.setattr(timing, "device_ms", lambda call, copies: (call(copies[0]), 1.0)[1])
-    monkeypatch.setattr(timing, "l2_bytes", lambda device: 0)
-    real = tuning.make_launcher
-    short = ("out of resource: shared memory, Required: 268288, Hardware limit: 232448. "
-             "Reducing block sizes or `num_stages` may help.")
-
-    def make_launcher(program, ks, target, cfg, size_args=()):
-        la = real(program, ks, target, cfg, size_args)
-        if cfg.num_stages >= 3:
-            def refuse(*_):
-                raise RuntimeError(short)
-            la = refuse
-        return la
-    monkeypatch.setattr(tuning, "make_launcher", make_launcher)
-    kern = ne.superoptimize(examples.attention(1, 2, 20, 37, 16, "float32"), target="interpreter",
-                            cache=False)
-    prog = kern.input_program
-    ins = {**random_inputs(prog), "o": torch.empty(prog.shape_of("o"))}
-    deep = replace(kern.config, num_stages=4)
-    (cfg, ms, why), = tuning.time_configs(kern.program, kern.kernel_source, "interpreter", ins, [deep])
-    assert (cfg, ms, why) == (replace(deep, num_stages=2), 1.0, "ok")
-    assert tuning.fewer_stages(deep, "failed: " + short) == replace(deep, num_stages=3)
-    for cfg, why in ((replace(deep, num_stages=2), short), (deep, "failed: ptxas error"),
-                     (replace(deep, gluon_ws=True), short),
-                     (replace(deep, warp_specialize=True), short)):
-        assert tuning.fewer_stages(cfg, why) is None

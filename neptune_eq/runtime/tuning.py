@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import replace
 
 from ..ir import Program
 from ..lowering.kernelgen import KernelSource
@@ -34,22 +33,6 @@ def compile_threads() -> int:
 # compiling it a second time (a failed warp-specialised compile costs seconds)
 _COMPILE_FAILED: dict[tuple[str, str], str] = {}
 
-SMEM_SHORT = "out of resource: shared memory"  # Triton's message when a kernel does not fit
-
-
-def fewer_stages(cfg: TileConfig, why: str) -> TileConfig | None:
-    """``cfg`` one software-pipeline stage shallower where ``why`` (its failed compile)
-    says the kernel needs more shared memory than the GPU has -- Triton's own advice --
-    else None.  Each pipelined key loop gets its own ring of K/V tiles, and Triton 3.6
-    keeps several loops' rings at once: a document-mask decode's partial (seven loop
-    bodies: fixed chunks or shared range, sorted or not) needs 262 KiB at 128 keys and 3
-    stages against 133 KiB at 2, where the same decode without the mask needs 136 KiB at
-    3 (sm_90, session 54).  Not below 2 stages (no overlap left), not for the Gluon and
-    warp-specialised forms (their rings are sized to fit when offered)."""
-    if SMEM_SHORT not in why or cfg.gluon_ws or cfg.warp_specialize or cfg.num_stages <= 2:
-        return None
-    return replace(cfg, num_stages=cfg.num_stages - 1)
-
 
 def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], target: str,
                         tensors: dict, values: dict | None = None) -> None:
@@ -73,16 +56,12 @@ def compile_in_parallel(jobs: list[tuple[Program, KernelSource, TileConfig]], ta
         program, ks, cfg = job
         if ks.size_params:
             program, ks = bind(program, values), ks.concrete(values)
-        while cfg is not None:
-            try:
-                make_launcher(program, ks, target, cfg.at(values),
-                              tuple(values[s] for s in ks.size_params)).compile(tensors)
-                return
-            except Exception as e:  # noqa: BLE001 - recorded when the config is timed
-                msg = str(e).strip().splitlines()
-                why = msg[-1] if msg else type(e).__name__
-                _COMPILE_FAILED[(ks.source, str(cfg.at(values)))] = why
-                cfg = fewer_stages(cfg, why)  # (compiled here too: the timer retries it)
+        try:
+            make_launcher(program, ks, target, cfg.at(values),
+                          tuple(values[s] for s in ks.size_params)).compile(tensors)
+        except Exception as e:  # noqa: BLE001 - recorded when the config is timed
+            msg = str(e).strip().splitlines()
+            _COMPILE_FAILED[(ks.source, str(cfg.at(values)))] = msg[-1] if msg else type(e).__name__
 
     for ks in {id(k): k for _, k, _ in jobs}.values():  # import each module once, not racing
         load_kernel(ks.concrete(values) if ks.size_params else ks, False)
@@ -129,23 +108,25 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
     copies = None
     reference = None  # the first tl config's outputs: what a Gluon config is checked by
-
-    def time_one(cfg: TileConfig) -> tuple[float | None, str]:
-        nonlocal copies, reference
+    for cfg in configs:
         if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
-            return None, f"skipped: {TMA_NEEDS} (these inputs do not)"
+            out.append((cfg, None, f"skipped: {TMA_NEEDS} (these inputs do not)"))
+            continue
         if cfg.gluon_ws and not gluon_inputs_ok(ks, tensors):
-            return None, f"skipped: {GLUON_NEEDS} (these inputs do not)"
+            out.append((cfg, None, f"skipped: {GLUON_NEEDS} (these inputs do not)"))
+            continue
         why = _COMPILE_FAILED.get((ks.source, str(cfg.at(values))))
         if why is not None:
-            return None, f"failed: {why}"
+            out.append((cfg, None, f"failed: {why}"))
+            continue
         try:
             la = make_launcher(program, ks, target, cfg.at(values), size_args)
             la(tensors)  # compiles, and checks the direct launch under this key
             if cfg.gluon_ws:  # a second kernel form: it must agree with the tl one
                 why = _disagreement(tensors, reference, program.outputs)
                 if why:
-                    return None, f"failed: {why}"
+                    out.append((cfg, None, f"failed: {why}"))
+                    continue
             elif reference is None:
                 reference = {n: tensors[n].clone() for n in program.outputs}
             # Timed as a call will run: replayed (``bound_call``).
@@ -154,25 +135,18 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
             except ValueError:  # a form the replay does not cover: the general call
                 call = lambda args: la({**tensors, **dict(zip(names, args))})  # noqa: E731
             if host:
-                return float(timing.host_ms(lambda: call(inputs))), "ok"
-            if copies is None:
-                l2 = timing.l2_bytes(inputs[0].device)
-                copies = timing.copy_inputs(inputs, timing.input_copies(inputs, l2))
-            ms = timing.device_ms(call, copies)
-            if cfg.gluon_ws:  # its own launch path: charged where it, not the GPU, bounds
-                ms = gluon_short_ms(ms, timing.host_ms(lambda: call(inputs)))
-            return float(ms), "ok"
+                ms = timing.host_ms(lambda: call(inputs))
+            else:
+                if copies is None:
+                    l2 = timing.l2_bytes(inputs[0].device)
+                    copies = timing.copy_inputs(inputs, timing.input_copies(inputs, l2))
+                ms = timing.device_ms(call, copies)
+                if cfg.gluon_ws:  # its own launch path: charged where it, not the GPU, bounds
+                    ms = gluon_short_ms(ms, timing.host_ms(lambda: call(inputs)))
+            out.append((cfg, float(ms), "ok"))
         except Exception as e:  # a config that does not compile (e.g. out of shared memory)
             msg = str(e).strip().splitlines()
-            return None, f"failed: {msg[-1] if msg else type(e).__name__}"
-
-    for cfg in configs:
-        ms, why = time_one(cfg)
-        shallower = fewer_stages(cfg, why) if ms is None else None
-        while shallower is not None:  # (the config that fits is what is recorded)
-            cfg, (ms, why) = shallower, time_one(shallower)
-            shallower = fewer_stages(cfg, why) if ms is None else None
-        out.append((cfg, ms, why))
+            out.append((cfg, None, f"failed: {msg[-1] if msg else type(e).__name__}"))
     if all(ms is None for _, ms, _ in out):
         warnings.warn("No tile config compiled on the GPU: " + "; ".join(s for *_, s in out))
     return out
