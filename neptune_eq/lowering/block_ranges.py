@@ -250,17 +250,14 @@ def _fold(fn: str, a: str, b: str) -> str:
     return f"tl.{fn}({a}, {b})"
 
 
-def range_loops(em: Emitter, k: int, lo: str, hi: str, split: bool, rng: DataRanges,
-                loop, fallback) -> None:
-    """The pass's loops over [lo, hi) (the affine bounds) cut by the data ranges: masked,
-    unmasked, masked -- under ``if mono:`` with ``fallback()`` (the per-block test form)
-    in the ``else`` when the ranges need ordered key-block summaries.  ``loop(em, k, lo, hi,
-    known, test)`` emits one loop."""
+def range_bounds(em: Emitter, k: int, lo: str, hi: str, split: bool, rng: DataRanges,
+                 unordered: tuple[str, str] | None = None) -> tuple[str, str, str, str]:
+    """Emit the key blocks [a, b) of [lo, hi) (the affine bounds) that may hold a visible
+    pair, and [c, d) inside it whose every pair is visible (no elementwise mask); names
+    (a, b, c, d).  ``split``: clipped to this program's chunk.  ``unordered``: [u0, u1)
+    (block-aligned), what they are where the data is not ordered (``rng.mono`` false):
+    all of it masked -- [a, c) = [u0, u1), the rest empty."""
     ps = em.plan.passes[k]
-    outer = em.scopes[-1][2]
-    if rng.mono is not None:
-        em.emit(f"if {rng.mono}:  # ordered data: the visible keys are one range")
-        em.push(outer + "    ")
     B = f"B_{LOOP}"
     a, b = f"j_ra{k}", f"j_rb{k}"
     em.emit(f"{a} = (tl.maximum({lo}, {rng.may[0]}) // {B}) * {B}")
@@ -276,7 +273,25 @@ def range_loops(em: Emitter, k: int, lo: str, hi: str, split: bool, rng: DataRan
         bi = f"((row_first + ({ps.hi_offset})) // {B}) * {B}"
     em.emit(f"{c} = tl.minimum(tl.maximum(tl.maximum({ai}, {rng.must[0]}), {a}), {b})")
     em.emit(f"{d} = tl.maximum(tl.minimum(tl.minimum({bi}, {rng.must[1]}), {b}), {c})")
+    if rng.mono is not None and unordered is not None:
+        u0, u1 = unordered
+        for v, other in ((c, u1), (d, u1), (a, u0), (b, u1)):
+            em.emit(f"{v} = tl.where({rng.mono}, {v}, {other})")
+    return a, b, c, d
 
+
+def range_loops(em: Emitter, k: int, lo: str, hi: str, split: bool, rng: DataRanges,
+                loop, fallback) -> None:
+    """The pass's loops over [lo, hi) (the affine bounds) cut by the data ranges
+    (``range_bounds``): masked, unmasked, masked -- under ``if mono:`` with ``fallback()``
+    (the per-block test form) in the ``else`` when the ranges need ordered key-block
+    summaries.  ``loop(em, k, lo, hi, known, test)`` emits one loop."""
+    ps = em.plan.passes[k]
+    outer = em.scopes[-1][2]
+    if rng.mono is not None:
+        em.emit(f"if {rng.mono}:  # ordered data: the visible keys are one range")
+        em.push(outer + "    ")
+    a, b, c, d = range_bounds(em, k, lo, hi, split, rng)
     at = em.scopes[-1][2]
     em.one_loop_form = True
     em.emit(f"if {ONE_LOOP_FLAG}:  # (a config's constant) one pipelined loop, every block masked")
