@@ -351,6 +351,18 @@ def test_partials_share_the_sampled_range_and_catch_what_it_misses(
     _check_split_decode(kern, row, ids, splits, seed, order == "sorted")
 
 
+def test_the_shared_partial_runs_two_key_loops_outside_any_branch(long_gqa_decode_split):
+    """``split_share``: whatever the data, a partial runs one masked loop over its key
+    ranges and its chunk's unmasked interior, both at the kernel's top level -- Triton
+    3.6 kept the K/V rings of loops in both branches of an ``if`` at once (262 KiB of
+    shared memory at 128 keys, 3 stages: more than an H200 has)."""
+    src = long_gqa_decode_split[1].kernel.source
+    start = re.search(r"^def \w+_partial\(", src, re.M).start()
+    partial = src[start:src.index("\ndef ", start + 1)]
+    loops = re.findall(r"^( *)for (l0|j_v\d+) in range", partial, re.M)
+    assert [len(indent) for indent, _ in loops] == [4, 4], loops
+
+
 @pytest.fixture(scope="module")
 def batched_doc_decode():
     """A decode of two sequences, each with its own documents (``doc[b, j]``): chosen
