@@ -109,7 +109,7 @@ def _shares(em: Emitter, k: int, own) -> list[tuple[str, str]]:
 
 
 def _segment_loop(em: Emitter, k: int, segments: list[tuple[str, str]], loop) -> None:
-    """One masked loop over the key blocks of several [lo, hi) ranges (block-aligned
+    """One masked loop over the key blocks of two or more [lo, hi) ranges (block-aligned
     starts), one after the other: a virtual key position walks their lengths end to end
     and each block's start is found from it.  One loop body, not one per range: each
     body is compiled (the partial's cold build) and each pipelined loop fills and drains
