@@ -224,11 +224,7 @@ def test_a_grouped_decode_s_key_test_never_skips_a_visible_key(gqa_decode_kernel
     k, v = k[:, :2], v[:, :2]
     ref = evaluate(gqa_decode_kernel.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
     if not shuffle:  # no key block wholly outside the query's document is read
-        blk = gqa_decode_kernel.config.blocks["B_L"]
-        pad = (-S) % blk
-        seen = torch.cat([ids == ids[-1], torch.zeros(pad, dtype=torch.bool)]).view(-1, blk)
-        unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
-        v = torch.where(unread[None, None, :, None], float("nan"), v)
+        v = _poison_unread(v, ids, gqa_decode_kernel.config.blocks["B_L"])
     got = gqa_decode_kernel(q=q, k=k, v=v, doc=ids)
     assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
 
@@ -253,6 +249,18 @@ def _sorted_ids(lengths: list[int], S: int) -> torch.Tensor:
     return torch.cat([ids, ids.new_full((S - len(ids),), ids[-1].item())])
 
 
+def _poison_unread(v: torch.Tensor, ids: torch.Tensor, blk: int) -> torch.Tensor:
+    """``v`` (B, H, S, D) with NaN in every key block of ``blk`` keys that holds none of
+    the query's document (the last key's id; ids (S,) or (B, S), each sequence its own):
+    a decode that reads such a block returns NaN."""
+    rows = ids.view(-1, ids.shape[-1])
+    B, S = rows.shape
+    pad = torch.zeros(B, (-S) % blk, dtype=torch.bool)
+    seen = torch.cat([rows == rows[:, -1:], pad], 1).view(B, -1, blk).any(2, keepdim=True)
+    unread = ~seen.expand(-1, -1, blk).reshape(B, -1)[:, :S]
+    return torch.where(unread[:, None, :, None], float("nan"), v)
+
+
 def _check_split_decode(kern, row, ids, splits: int, seed: int, poison: bool,
                         chosen_too: bool = False) -> None:
     """The split-k candidate ``row`` of a grouped decode at the cache's end, run with
@@ -272,10 +280,7 @@ def _check_split_decode(kern, row, ids, splits: int, seed: int, poison: bool,
     if poison:
         blk = cfg.blocks["B_L"]
         assert not chosen_too or blk == kern.config.blocks["B_L"]  # one poisoning for both
-        pad = torch.zeros(B, (-S) % blk, dtype=torch.bool)
-        seen = torch.cat([rows == rows[:, -1:], pad], 1).view(B, -1, blk).any(2, keepdim=True)
-        unread = ~seen.expand(-1, -1, blk).reshape(B, -1)[:, :S]
-        v = torch.where(unread[:, None, :, None], float("nan"), v)
+        v = _poison_unread(v, ids, blk)
     o = torch.empty(B, 4, 1, D)
     Launcher(row.program, row.kernel, "interpreter", cfg)(dict(q=q, k=k, v=v, doc=ids, o=o))
     assert torch.isfinite(o).all() and torch.allclose(o.double(), ref, atol=1e-4)
@@ -310,10 +315,7 @@ def test_in_kernel_counts_carry_across_several_vectors(monkeypatch, lengths, spl
     q, k, v = qkv(1, 4, 1, S, seed)
     k, v = k[:, :2], v[:, :2]
     ref = evaluate(kern.input_program, dict(q=q, k=k, v=v, doc=ids))["o"]
-    blk = kern.config.blocks["B_L"]
-    seen = torch.cat([ids == ids[-1], torch.zeros((-S) % blk, dtype=torch.bool)]).view(-1, blk)
-    unread = ~seen.any(1, keepdim=True).expand(-1, blk).reshape(-1)[:S]
-    got = kern(q=q, k=k, v=torch.where(unread[None, None, :, None], float("nan"), v), doc=ids)
+    got = kern(q=q, k=k, v=_poison_unread(v, ids, kern.config.blocks["B_L"]), doc=ids)
     assert torch.isfinite(got).all() and torch.allclose(got.double(), ref, atol=1e-4)
 
 
