@@ -240,9 +240,10 @@ def main():
     row["ok"] = row["max_err_vs_torch"] < 5e-3 and row["padding_rows_zero"]
     from host_profile import kernel_times
     times = kernel_times(lambda: ne.flex_attention(q, k, v, mask_mod=jagged), 20)
-    row["us_prepass"] = sum(us for name, us, _ in times if name.endswith("_summaries"))
+    from doc_mask_gpu import PREPASS_NAMES
+    row["us_prepass"] = sum(us for name, us, _ in times if name.endswith(PREPASS_NAMES))
     row["us_main"] = sum(us for name, us, _ in times
-                         if name.startswith("neptune_") and not name.endswith("_summaries"))
+                         if name.startswith("neptune_") and not name.endswith(PREPASS_NAMES))
     row.update(past_the_table(S, score=False))
     print(json.dumps(row), flush=True)
     out = Path(a.out)

@@ -124,6 +124,11 @@ def prepass_ms(q, k, v, mask) -> float | None:
         return None
 
 
+# The pre-pass kernel's name: it builds summaries, or (a mask that needs none, such as
+# jagged offsets read at the rows' own ids) only checks the ids that index a table
+PREPASS_NAMES = ("_summaries", "_check_ids")
+
+
 def device_ms(q, k, v, mask, calls: int = 20) -> tuple[float, float]:
     """(pre-pass, attention) kernel device time per call, from the profiler over real
     calls: a lone timed launch of the pre-pass mostly measures launch latency, which a
@@ -131,7 +136,7 @@ def device_ms(q, k, v, mask, calls: int = 20) -> tuple[float, float]:
     from host_profile import kernel_times
     pre = main = 0.0
     for name, us, _ in kernel_times(lambda: ne.flex_attention(q, k, v, mask_mod=mask), calls):
-        if name.startswith("neptune_") and name.endswith("_summaries"):
+        if name.startswith("neptune_") and name.endswith(PREPASS_NAMES):
             pre += us
         elif name.startswith("neptune_"):  # kernels are named after their outputs
             main += us

@@ -68,11 +68,14 @@ class Analysis:
     """Bounds of terms over one block.
 
     ``axis(name)``: bounds of an index variable (None: unknown).
-    ``load(term, index_bounds)``: bounds of a tensor read, given its index bounds."""
+    ``load(term, index_bounds)``: bounds of a tensor read, given its index bounds.
+    ``exact(term)``: bounds of a read known as a whole (the kernel's own values of it),
+    or None; asked first, so a read it answers bounds none of its indices."""
 
     def __init__(self, ops: Ops, axis: Callable[[str], Bounds],
-                 load: Callable[[Term, list], Bounds]):
-        self.o, self.axis, self.load = ops, axis, load
+                 load: Callable[[Term, list], Bounds],
+                 exact: Callable[[Term], Bounds] | None = None):
+        self.o, self.axis, self.load, self.exact = ops, axis, load, exact
         self.memo: dict[Term, Bounds] = {}
         self.tmemo: dict[Term, tuple] = {}
 
@@ -108,6 +111,9 @@ class Analysis:
         if op == "var":
             return self.axis(t.val)
         if op == "load":
+            whole = self.exact(t) if self.exact is not None else None
+            if whole is not None:
+                return whole
             idx = [self.bounds(a) for a in t.args]
             return self.load(t, idx)
         if t.kind in ("access", "reduce", "fold"):  # scores, running states: unbounded
@@ -257,10 +263,11 @@ def _maybe_float(t: Term) -> bool:
 
 
 def block_truth(cond: Term, ops: Ops, axis: Callable[[str], Bounds],
-                load: Callable[[Term, list], Bounds]):
+                load: Callable[[Term, list], Bounds],
+                exact: Callable[[Term], Bounds] | None = None):
     """(may, must) of ``cond`` over one block: may is false only if no pair of the block
-    satisfies it, must is true only if every pair does."""
-    return Analysis(ops, axis, load).truth(cond)
+    satisfies it, must is true only if every pair does (``Analysis`` for the callables)."""
+    return Analysis(ops, axis, load, exact).truth(cond)
 
 
 # ----------------------------------------------------------------------------------

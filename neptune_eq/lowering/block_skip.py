@@ -79,6 +79,8 @@ def summary_specs(plan: TilePlan) -> list[SummarySpec]:
                 hit = summary_dim(n, _roles(plan, "@j"), set(plan.grid_axes))
                 if hit is not None and hit[0] is None:
                     continue  # one element per program: read from the tensor itself
+                if row_read(plan, n):
+                    continue  # the row block's own values: read by the kernel itself
                 spec = _spec(plan, n.val, hit)
                 specs.setdefault(spec.name, spec)
     return list(specs.values())
@@ -90,6 +92,40 @@ def _spec(plan: TilePlan, tensor: str, hit) -> SummarySpec:
     dim, role = hit
     block = f"B_{plan.block_axis}" if role == "row" else f"B_{LOOP}"
     return SummarySpec(f"bs_{tensor}_d{dim}_{role}", tensor, dim, block)
+
+
+_INT_DTYPES = ("int32", "int64")
+
+
+def row_read(plan: TilePlan, n: Term) -> bool:
+    """A load of integers whose indices move with the row axis and the grid only
+    (``doc[i]``, ``offsets[doc[i]]``, ``doc[b, i]``): its [min, max] over a row block comes
+    from the kernel's own load of the block's values (``_row_values``) -- exact, where a
+    summary built by the pre-pass is a launch the kernel must wait for.  Only a mask whose
+    key side also needs no summary (jagged sequences: ``j >= offsets[doc[i]]``) then runs
+    with no wait at all; a document mask still waits for its key blocks' summaries.
+    Packed GQA rows mix heads in a block (no data atoms there, ``data_atoms``)."""
+    if n.op != "load" or plan.packed:
+        return False
+    axes = free_axes(n)
+    return (plan.block_axis in axes and axes <= {plan.block_axis, *plan.grid_axes}
+            and plan.program.dtype_of(n.val) in _INT_DTYPES)
+
+
+def _row_values(em: Emitter, n: Term) -> tuple[str, str]:
+    """[min, max] of a ``row_read`` over the row block's rows inside the extent: the
+    elementwise mask's own load of them (hoisted to the prologue, shared with the mask),
+    reduced once per kernel."""
+    memo = em.__dict__.setdefault("_row_values", {})
+    if n not in memo:
+        vec = em.expr(n).code  # (no loop axis in it: emitted in the prologue)
+        ba = em.plan.block_axis
+        big = 2 ** 62 if em.plan.program.dtype_of(n.val) == "int64" else 2 ** 31 - 1
+        lo, hi = em.new("rv"), em.new("rv")
+        em.emit(f"{lo} = tl.min(tl.where(mask_{ba}, {vec}, {big}), axis=0)", scope=0)
+        em.emit(f"{hi} = tl.max(tl.where(mask_{ba}, {vec}, {-big}), axis=0)", scope=0)
+        memo[n] = (lo, hi)
+    return memo[n]
 
 
 class TritonOps:
@@ -173,7 +209,8 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
 
     may, must, drop = True, True, []
     for atom in atoms:
-        a_may, a_must = block_truth(rename_axis(atom, "@j", loop_var), ops, ranges.get, load)
+        a_may, a_must = block_truth(rename_axis(atom, "@j", loop_var), ops, ranges.get, load,
+                                    lambda t: _row_values(em, t) if row_read(plan, t) else None)
         may = _and(ops, may, a_may)
         if a_must is False:
             continue
@@ -348,7 +385,8 @@ def _row_bounds(em: Emitter, t: Term, const_ok: bool = False):
         return (ops._name(f"tl.load({spec.name}_ptr + {off})"),
                 ops._name(f"tl.load({spec.name}_ptr + {off} + {spec.name}_s{len(at)})"))
 
-    b = Analysis(ops, ranges.get, load).bounds(t)
+    b = Analysis(ops, ranges.get, load,
+                 lambda n: _row_values(em, n) if row_read(plan, n) else None).bounds(t)
     return (None, None) if b is None else b
 
 

@@ -103,11 +103,16 @@ def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS,
         if dependent and summary_specs(plan):  # (a mask reading a tensor at the grid's
             rng.append(WAIT_FOR_PREPASS)        # index has no summaries to wait for)
         em = Emitter(plan, name)
+        ba = plan.block_axis
+        for a in plan.grid_axes:  # (a row-side read's own values: ``block_skip.row_read``)
+            em.env[a] = f"ax_{a}"
+        em.env[ba], em.block_sizes[ba] = ba, str(rows)
         em.push("")
         em.push("")
         dr = data_ranges(em, ps, 0)
         body = em.pop()
-        rng += ["pid_block = row_block", *em.pop(), *body,
+        rng += ["pid_block = row_block", f"offs_{ba} = row_first + tl.arange(0, {rows})",
+                f"mask_{ba} = offs_{ba} < {plan.row_extent}", *em.pop(), *body,
                 f"j_ra = (tl.maximum(j_lo, {dr.may[0]}) // B_L) * B_L",
                 f"j_rb = tl.maximum(tl.minimum(j_hi, {dr.may[1]}), j_ra)",
                 f"dm_lo = tl.minimum(tl.maximum({dr.must[0]}, j_ra), j_rb)",
