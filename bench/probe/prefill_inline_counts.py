@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import neptune_eq  # noqa: E402,F401  (first: picks the Triton interpreter without a GPU)
+# (neptune_eq first: it picks the Triton interpreter without a GPU)
 from neptune_eq.lowering import block_ranges, block_skip, split_share  # noqa: E402
 
 _decode_only = block_skip.inline_summaries
