@@ -527,6 +527,28 @@ def test_jagged_random_offsets_are_loop_bounds(seed):
     run_against_reference(kern, dict(q=q, k=k, v=v, doc=ids, offsets=offs))
 
 
+@pytest.fixture(scope="module")
+def jagged_kernel():
+    doc = ne.placeholder((45,), "int32", "doc")
+    offsets = ne.placeholder((6,), "int32", "offsets")
+    out = ne.attention(1, 1, 45, 45, D, "float32",
+                       mask_mod=lambda b, h, i, j: (j >= offsets[doc[i]]) & (j <= i))
+    return ne.superoptimize(out, target="interpreter")
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(-6, 5), min_size=45, max_size=45),
+       offs=st.lists(st.integers(-3, 50), min_size=6, max_size=6))
+def test_a_row_block_s_own_ids_bound_its_keys_whatever_the_data(jagged_kernel, ids, offs):
+    """The row side read by the kernel itself (``block_skip.row_read``): a row block's keys
+    start at the least offsets[doc[i]] over its rows, read under torch's index rule --
+    unsorted ids, negative ones counting from the end, offsets in any order or outside the
+    keys -- and the answer is the reference's (a skipped visible block would change it)."""
+    q, k, v = qkv(1, 1, 45, 45, 30)
+    run_against_reference(jagged_kernel, dict(q=q, k=k, v=v, doc=torch.tensor(ids, dtype=torch.int32),
+                                               offsets=torch.tensor(offs, dtype=torch.int32)))
+
+
 def test_decode_split_with_key_ranges_per_head():
     """Decode (split-k / one-row-block forms) with a per-head key window read from data:
     the window is a key range in every chunk (no per-block test); keys outside it are

@@ -128,6 +128,11 @@ def _row_values(em: Emitter, n: Term) -> tuple[str, str]:
     return memo[n]
 
 
+def _exact_rows(em: Emitter):
+    """``block_predicate.Analysis``'s ``exact``: a ``row_read``'s own [min, max], else None."""
+    return lambda n: _row_values(em, n) if row_read(em.plan, n) else None
+
+
 class TritonOps:
     """``block_predicate``'s scalar algebra emitting Triton code; constants fold in Python."""
 
@@ -210,7 +215,7 @@ def emit_block_test(em: Emitter, ps: Pass, atoms: list[Term], loop_var: str,
     may, must, drop = True, True, []
     for atom in atoms:
         a_may, a_must = block_truth(rename_axis(atom, "@j", loop_var), ops, ranges.get, load,
-                                    lambda t: _row_values(em, t) if row_read(plan, t) else None)
+                                    _exact_rows(em))
         may = _and(ops, may, a_may)
         if a_must is False:
             continue
@@ -385,8 +390,7 @@ def _row_bounds(em: Emitter, t: Term, const_ok: bool = False):
         return (ops._name(f"tl.load({spec.name}_ptr + {off})"),
                 ops._name(f"tl.load({spec.name}_ptr + {off} + {spec.name}_s{len(at)})"))
 
-    b = Analysis(ops, ranges.get, load,
-                 lambda n: _row_values(em, n) if row_read(plan, n) else None).bounds(t)
+    b = Analysis(ops, ranges.get, load, _exact_rows(em)).bounds(t)
     return (None, None) if b is None else b
 
 
