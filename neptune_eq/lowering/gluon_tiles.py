@@ -111,8 +111,12 @@ def key_range(plan: TilePlan, name: str, data: bool, rows: int = CTA_ROWS,
         em.push("")
         dr = data_ranges(em, ps, 0)
         body = em.pop()
-        rng += ["pid_block = row_block", f"offs_{ba} = row_first + tl.arange(0, {rows})",
-                f"mask_{ba} = offs_{ba} < {plan.row_extent}", *em.pop(), *body,
+        hoisted = em.pop()
+        rows_read = any(f"offs_{ba}" in ln for ln in hoisted)  # (none: prefix-LM's prefix[b])
+        rng += ["pid_block = row_block",
+                *([f"offs_{ba} = row_first + tl.arange(0, {rows})",
+                   f"mask_{ba} = offs_{ba} < {plan.row_extent}"] if rows_read else []),
+                *hoisted, *body,
                 f"j_ra = (tl.maximum(j_lo, {dr.may[0]}) // B_L) * B_L",
                 f"j_rb = tl.maximum(tl.minimum(j_hi, {dr.may[1]}), j_ra)",
                 f"dm_lo = tl.minimum(tl.maximum({dr.must[0]}, j_ra), j_rb)",
