@@ -15,7 +15,8 @@ and on -- checks both give the same output (bit for bit) and times:
 The graphed times are medians of 5 passes alternating the three.
 
 ``added = graph - main_only`` is what the pre-pass costs the call on the device, and
-``share = added / graph`` the figure against the 3 % goal.
+``share = added / graph`` the figure against the 3 % goal.  ``--toggle first`` turns only
+the pre-pass's own dependent launch (on the kernel before it) off and on.
 
     python bench/prepass_pdl.py --S 4096 8192 --cases doc13 doc64 jagged
     python bench/prepass_pdl.py --smoke      # CPU: the bench's code paths in the interpreter
@@ -40,17 +41,25 @@ REPEATS = 5
 main_only = dm.main_only
 
 
+# What ``--toggle`` turns off and on: every dependent launch (``NEPTUNE_EQ_PDL``), or only
+# the call's first launch -- the pre-pass -- dependent on the kernel before it in the
+# stream (``NEPTUNE_EQ_PDL_FIRST``, session 56)
+TOGGLES = {"pdl": "NEPTUNE_EQ_PDL", "first": "NEPTUNE_EQ_PDL_FIRST"}
+TOGGLE = TOGGLES["pdl"]
+
+
 def twin(la, pdl: bool, config=None):
-    """``la``'s tiles (or ``config``) built again with dependent launch on or off."""
-    old = os.environ.get("NEPTUNE_EQ_PDL")
-    os.environ["NEPTUNE_EQ_PDL"] = "1" if pdl else "0"
+    """``la``'s tiles (or ``config``) built again with ``TOGGLE``'s dependent launch on or
+    off."""
+    old = os.environ.get(TOGGLE)
+    os.environ[TOGGLE] = "1" if pdl else "0"
     try:
         return make_launcher(la.program, la.ks, la.target, config or la.config, la.size_args)
     finally:
         if old is None:
-            os.environ.pop("NEPTUNE_EQ_PDL")
+            os.environ.pop(TOGGLE)
         else:
-            os.environ["NEPTUNE_EQ_PDL"] = old
+            os.environ[TOGGLE] = old
 
 
 def reference(mask, q, k, v):
@@ -91,6 +100,7 @@ def measure(name: str, S: int, dtype: torch.dtype, tl_tiles: bool = False) -> di
         results[pdl] = tensors[out].clone()
         key = "on" if pdl else "off"
         row[f"pdl_{key}_launch_option"] = bool(getattr(t, "pdl", False))
+        row[f"first_{key}_launch_option"] = "launch_pdl" in t._pre.options
         runs[key] = (lambda t=t, x=tensors: t(x))
         if not pdl:
             runs["main_only"] = main_only(t, tensors)
@@ -130,7 +140,7 @@ def write(rows: list[dict], out: str) -> None:
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     path = Path(out) if os.path.isabs(out) else dm.RESULTS / out
     path.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    lines = [f"# The pre-pass's cost, PDL off / on ({meta['device']}, torch {meta['torch']}, "
+    lines = [f"# The pre-pass's cost, {TOGGLE}=0 / 1 ({meta['device']}, torch {meta['torch']}, "
              f"H={dm.H}, D={dm.D})", "",
              "ms per call. graph: 20 calls from one CUDA graph; main only: the attention kernel "
              "alone, graphed; added = graph - main only; share = added / graph.", "",
@@ -157,9 +167,14 @@ def main():
     ap.add_argument("--cases", nargs="*", default=["doc4", "doc13", "doc64", "jagged"])
     ap.add_argument("--out", default="prepass_pdl")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--toggle", choices=sorted(TOGGLES), default="pdl",
+                    help="pdl: every dependent launch off / on; first: only the pre-pass's "
+                         "own launch dependent on the kernel before it")
     ap.add_argument("--tl", action="store_true",
                     help="time the tl kernel's one-loop tiles (B_i=B_L=64), not the chosen ones")
     a = ap.parse_args()
+    global TOGGLE
+    TOGGLE = TOGGLES[a.toggle]
     if a.smoke:
         print(json.dumps(smoke()))
         return

@@ -5,11 +5,12 @@ wait for it before its first read of what it wrote (summaries, fold states) and 
 after.  Compiled here for sm_90 without a GPU; the GPU A/B (same output bit for bit,
 the time the pre-pass adds) is ``bench/prepass_pdl.py``."""
 import re
+from dataclasses import replace
 
 import pytest
 
 import neptune_eq as ne
-from neptune_eq.lowering.dependent_launch import WAIT_FOR_PREPASS, wait_before_reads
+from neptune_eq.lowering.dependent_launch import WAIT_FOR_PREPASS, WAIT_LINES, wait_before_reads
 from neptune_eq.lowering.gluon_tiles import gl_main, key_range
 from neptune_eq.runtime import launcher as launcher_mod
 from neptune_eq.runtime.launch import dependent_launch, dependent_options
@@ -61,11 +62,17 @@ def test_a_data_mask_kernel_waits_once_after_its_row_loads_and_its_prepass_relea
     assert any(re.search(r"\bq_ptr\b|q_desc", ln) for ln in body[:waits[0]])
     assert "PDL: tl.constexpr" in ks.source.split(f"def {ks.name}(")[1].split("):")[0]
     pre = ks.source.split(f"def {ks.prepass.kernel}(")[1]
-    assert "PDL: tl.constexpr" in pre and "tl.extra.cuda.gdc_launch_dependents()" in pre
-    # a kernel without summaries has no flag: nothing to wait for
+    assert "PDL: tl.constexpr" in pre
+    # the pre-pass is the call's first launch: it waits for the kernel before it in the
+    # stream, then releases the attention kernel -- in that order, first thing
+    pre_body = _body(ks.source, ks.prepass.kernel)
+    assert [ln.strip() for ln in pre_body[1:4]] == ["if PDL:", WAIT, RELEASE]
+    assert sum(WAIT in ln for ln in pre_body) == 1 and ks.waits_first
+    # a kernel without summaries or pre-pass has no flag: a call of one launch is launched
+    # plainly (launched dependent it lost 0.2-0.55 us after a torch kernel, session 56)
     plain = ne.superoptimize(ne.attention(1, 2, 77, 77, 64, "float16"), target="interpreter",
-                             cache=False).kernel_source.source
-    assert "PDL" not in plain and "gdc_" not in plain
+                             cache=False).kernel_source
+    assert "PDL" not in plain.source and "gdc_" not in plain.source and not plain.waits_first
 
 
 def _split_row(kern):
@@ -95,12 +102,15 @@ def test_each_launch_waits_for_the_one_before_and_only_its_reads(monkeypatch):
     assert dep.pdl and dep.consts["PDL"] is True and dep._pre.consts["PDL"] is True
     partials, combine = dep._launches
     assert partials.options.get("launch_pdl") is True and combine.options.get("launch_pdl") is True
+    # the pre-pass, the call's first launch, is launched dependent on the kernel before it
+    assert dep._pre.options.get("launch_pdl") is True and "launch_pdl" not in plain._pre.options
     partial = _body(ks.source, f"{ks.name}_partial")
     comb = _body(ks.source, f"{ks.name}_combine")
     assert sum(WAIT in ln for ln in partial) == 1 and sum(WAIT in ln for ln in comb) == 1
     first_read = next(k for k, ln in enumerate(comb) if re.search(r"\bws_\w+_ptr\b", ln))
     assert next(k for k, ln in enumerate(comb) if WAIT in ln) < first_read
-    # the partials release the combine first thing (it waits before reading them)
+    # the partials release the combine first thing (it waits before reading them); after
+    # the pre-pass they are not the first launch, so they do not wait first
     assert partial[:2] == ["    if PDL:  # dependents may launch now: they wait for this "
                            "grid to finish", f"        {RELEASE}"]
     assert sum(RELEASE in ln for ln in partial + comb) == 1
@@ -112,22 +122,36 @@ def test_each_launch_waits_for_the_one_before_and_only_its_reads(monkeypatch):
 
 
 def test_a_plain_decode_s_combine_waits_for_its_partials(monkeypatch):
-    """No data mask, no pre-pass: the partials launch plainly and release the combine
-    first thing, the combine is launched dependent (where the GPU can; captured in a CUDA
-    graph too) and waits; ``NEPTUNE_EQ_PDL_COMBINE=0`` launches both plainly, and without
-    the flag on neither instruction is emitted."""
+    """No data mask, no pre-pass: the partials are the call's first launch -- launched
+    dependent on the kernel before them in the stream, they wait for it, then release the
+    combine, first thing; the combine is launched dependent (where the GPU can; captured
+    in a CUDA graph too) and waits.  ``NEPTUNE_EQ_PDL_COMBINE=0`` and
+    ``NEPTUNE_EQ_PDL_FIRST=0`` launch both plainly, and without the flag on neither
+    instruction is emitted."""
     row = _split_row(ne.superoptimize(ne.attention(1, 4, 1, 300, 32, "float16", kv_heads=4),
                                       target="interpreter", cache=False))
     ks = row.kernel
     assert not ks.summaries and not ks.prepass
     _, dep = _split_launchers(row, monkeypatch)
     partials, combine = dep._launches
-    assert not dep.pdl and dep.pdl_combine and dep.consts["PDL"] is True
-    assert "launch_pdl" not in partials.options and combine.options.get("launch_pdl") is True
+    assert not dep.pdl and dep.pdl_combine and dep.pdl_first and dep.consts["PDL"] is True
+    assert partials.options.get("launch_pdl") is True and combine.options.get("launch_pdl") is True
     partial = _body(ks.source, f"{ks.name}_partial")
-    assert not any(WAIT in ln for ln in partial) and RELEASE in partial[1]
+    assert partial[:4] == WAIT_LINES + ["    if PDL:  # dependents may launch now: they wait "
+                                        "for this grid to finish", f"        {RELEASE}"]
+    assert sum(WAIT in ln for ln in partial) == 1
     assert sum(WAIT in ln for ln in _body(ks.source, f"{ks.name}_combine")) == 1
+    # the one-launch form is the call's only launch: launched plainly, it waits for nothing
+    fused = _body(ks.source, f"{ks.name}_fused")
+    assert not any(WAIT in ln or RELEASE in ln for ln in fused)
+    one = Launcher(row.program, ks, "interpreter", replace(dep.config, fused=True))
+    assert not one.pdl_first and "launch_pdl" not in one._launches[0].options
     monkeypatch.setenv("NEPTUNE_EQ_PDL_COMBINE", "0")
+    first = Launcher(row.program, ks, "interpreter", dep.config)
+    assert not first.pdl_combine and first.pdl_first and first.consts["PDL"] is True
+    assert first._launches[0].options.get("launch_pdl") is True
+    assert "launch_pdl" not in first._launches[1].options
+    monkeypatch.setenv("NEPTUNE_EQ_PDL_FIRST", "0")
     off = Launcher(row.program, ks, "interpreter", dep.config)
     assert not off.pdl_combine and off.consts["PDL"] is False
     assert all("launch_pdl" not in fl.options for fl in off._launches)
@@ -202,8 +226,9 @@ def test_every_kernel_reading_summaries_waits_first_forward_and_backward(monkeyp
 
 def test_a_decode_s_partials_release_and_its_combine_waits_when_compiled_for_sm90(tmp_path):
     """Compiled for sm_90 with ``PDL`` on (offline: the compiler of this Triton; the GPU
-    machine's 3.6 ran it, ``bench/probe/decode_trigger.py``): the partials' PTX releases
-    its dependents and never waits, the combine's waits and never releases."""
+    machine's 3.6 ran it, ``bench/probe/decode_trigger.py``): the partials' PTX waits for
+    the kernel before them and releases its dependents, the combine's waits and never
+    releases; both are launched dependent."""
     from sm90_compile import compile_for_sm90
     row = _split_row(ne.superoptimize(ne.attention(1, 8, 1, 300, 64, "float16", kv_heads=2),
                                       target="interpreter", cache=False))
@@ -218,12 +243,12 @@ def test_a_decode_s_partials_release_and_its_combine_waits_when_compiled_for_sm9
     got = {}
     for kernel, extra in (("partial", {}), ("combine", {"B_P": 16, "B_IC": 8})):
         spec = {"dtypes": dtypes, "constexprs": {**base, **extra}, "num_warps": 4,
-                "num_stages": 2, "options": {"launch_pdl": kernel == "combine"}}
+                "num_stages": 2, "options": {"launch_pdl": True}}
         got[kernel] = compile_for_sm90(path, f"{ks.name}_{kernel}", spec, timeout=300)
     assert got["partial"]["ok"] and got["combine"]["ok"], got
-    assert got["partial"]["pdl_launch_dependents"] and not got["partial"]["pdl_wait"]
+    assert got["partial"]["pdl_launch_dependents"] and got["partial"]["pdl_wait"]
     assert got["combine"]["pdl_wait"] and not got["combine"]["pdl_launch_dependents"]
-    assert got["combine"]["launch_pdl"] and not got["partial"]["launch_pdl"]
+    assert got["combine"]["launch_pdl"] and got["partial"]["launch_pdl"]
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -231,7 +256,7 @@ def test_a_document_mask_gqa_decode_compiles_for_sm90_with_its_key_test(tmp_path
     """A GQA decode at the cache's end with a document mask (packed rows, the row-side
     read one element, the key range counted on the chunk's own ids: no pre-pass; batched:
     each sequence its own ids, ``doc[b, j]``): its partials compile for sm_90 with ``PDL``
-    on, with nothing to wait for, releasing the combine first thing."""
+    on, waiting only for the kernel before them, then releasing the combine, first thing."""
     from sm90_compile import compile_for_sm90
     S = 300
     if batched:
@@ -255,4 +280,6 @@ def test_a_document_mask_gqa_decode_compiles_for_sm90_with_its_key_test(tmp_path
         "dtypes": dtypes, "constexprs": consts, "num_warps": 4, "num_stages": 2,
         "options": {"launch_pdl": True}}, timeout=300)
     assert got["ok"], got
-    assert not got["pdl_wait"] and got["pdl_launch_dependents"] and got["launch_pdl"]
+    assert got["pdl_wait"] and got["pdl_launch_dependents"] and got["launch_pdl"]
+    partial = _body(ks.source, f"{ks.name}_partial")
+    assert sum(WAIT in ln for ln in partial) == 1 and partial[:2] == WAIT_LINES

@@ -26,7 +26,25 @@ import re
 PDL_FLAG = "PDL"
 
 
-def release_first(kernel: list[str]) -> list[str]:
+# Where the GPU can, the first of a call's two or more launches -- the summary pre-pass,
+# or split-k's partials -- is launched dependent on whatever kernel ran before it in the
+# stream (another operator's, or this operator's last call), and waits for it as its first
+# statement (``WAIT_LINES``; ``release_first(wait=True)``, ``summary_kernel``): its launch
+# and the grid's set-up overlap that kernel's last programs, and nothing of it runs before
+# that kernel has finished and its writes are visible.  Measured on an H200 (session 56,
+# ``bench/probe/first_launch.py``, ``bench/prepass_pdl.py --toggle first``), 20 calls
+# from one CUDA graph: GQA decode at 2048 keys 7.01 -> 6.77 us a call back to back, 6.88
+# -> 6.55 after an unrelated torch kernel; what the jagged mask's pre-pass adds at 4096
+# keys 0.94 -> 0.44 us.  A call of ONE launch (a plain kernel, split-k in one launch) is
+# left plain: there it gained 0.15-0.2 us back to back but lost 0.2-0.55 us after a torch
+# kernel, in every pass (causal and ALiBi decode at 2048 and 8192).
+# ``NEPTUNE_EQ_PDL_FIRST=0`` launches it plainly (the wait then returns at once).
+WAIT_LINES = [f"    if {PDL_FLAG}:  # launched dependent: wait for the kernel before it "
+              "in the stream",
+              "        tl.extra.cuda.gdc_wait()"]
+
+
+def release_first(kernel: list[str], wait: bool = False) -> list[str]:
     """A kernel's text (``kernelgen._kernel_text``: the signature, ``"):"``, its body)
     releasing its dependent launch as its first statement.  Safe wherever the dependent
     waits (``griddepcontrol.wait``) before reading what this kernel writes: the release
@@ -40,9 +58,12 @@ def release_first(kernel: list[str]) -> list[str]:
     of each with no stall (``bench/probe/decode_trigger.py``).  Session 24 had reverted
     this signal after three stalled runs on an H100 whose cause was not found."""
     at = kernel.index("):") + 1
-    return kernel[:at] + [f"    if {PDL_FLAG}:  # dependents may launch now: they wait "
-                          "for this grid to finish",
-                          "        tl.extra.cuda.gdc_launch_dependents()"] + kernel[at:]
+    release = [f"    if {PDL_FLAG}:  # dependents may launch now: they wait "
+               "for this grid to finish",
+               "        tl.extra.cuda.gdc_launch_dependents()"]
+    # A first launch (``wait``) releases only after its own wait: released before it, its
+    # dependent could read inputs the kernel before this one is still writing
+    return kernel[:at] + (WAIT_LINES if wait else []) + release + kernel[at:]
 
 
 def wait_before_reads(body: list[str], written: list[str]) -> list[str]:

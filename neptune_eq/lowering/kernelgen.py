@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -69,6 +70,7 @@ class KernelSource:
     # >0: the two-launch combine does a row's work beyond folding partials and may take
     # as few rows a program as this, not a row block (``split_plan.combine_min_rows``)
     combine_min_rows: int = 0
+    waits_first: bool = False         # a call's first of 2+ launches waits first thing
 
     def concrete(self, values: dict[str, int]) -> "KernelSource":
         """This kernel's launch facts at the given sizes (row count, grid, split extent and
@@ -459,10 +461,7 @@ COMBINE_ROWS = "B_IC"
 
 
 def _grid_size(plan: TilePlan) -> int:
-    n = 1
-    for a in plan.grid_axes:
-        n *= plan.grid_extent(a)
-    return n
+    return math.prod(plan.grid_extent(a) for a in plan.grid_axes)
 
 
 def _gluon_form(plan: TilePlan, name: str):
@@ -515,9 +514,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     if f"B_{ECOL}" in tunables:
         even[f"EVEN_{ECOL}"] = (f"B_{ECOL}", [p.extents[a] for e in plan.epilogue for a in e.loop_axes])
     flags = [descriptors.TMA_FLAG, descriptors.WS_FLAG, descriptors.STAGES_FLAG,  # per config
-             VDOT_FLAG, ONE_LOOP_FLAG]
-    if summaries or plan.split:  # launched dependent on the pre-pass / the partials (Hopper)
-        flags.append(PDL_FLAG)
+             VDOT_FLAG, ONE_LOOP_FLAG] + ([PDL_FLAG] if summaries or plan.split else [])
     consts = [f"{c}: tl.constexpr" for c in list(tunables) + list(fixed) + list(even) + flags]
     ptrs = [f"{t}_ptr" for t in tensors]
     # Symbolic sizes are runtime ints after the strides (Triton specialises == 1 and % 16).
@@ -534,10 +531,12 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     if summaries or ids:
         pre_text, prepass = prepass_source(name, summaries, p.dtype_of,
                                            lambda t: len(p.shape_of(t)), ids)
+    first = prepass is None  # split-k's partials are the call's first launch (wait_first)
     common = dict(params=ptrs, stride_params=strides, tunables={**tunables, **fixed},
                   grid_axes=plan.grid_axes, block_axis=ba, even_flags=even,
                   row_extent=plan.row_extent, grid_size=_grid_size(plan), size_params=size_params,
-                  summaries=summaries, prepass=prepass)
+                  summaries=summaries, prepass=prepass,
+                  waits_first=bool(prepass or plan.split))
     if not plan.split:
         em = Emitter(plan, name, bf16_dot_in_fp32, fp32_dot)
         _prologue(em, split_axis=False)
@@ -566,7 +565,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     scratch = _store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
     part = release_first(_kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"]
-                                      + consts, em, [sp.name for sp in summaries]))
+                                      + consts, em, [sp.name for sp in summaries]), wait=first)
     states = [em.desc]
     # ... the combine kernel re-bases and folds them, then runs the epilogue.
     width = combine_width_axis(plan)

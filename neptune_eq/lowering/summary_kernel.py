@@ -127,7 +127,10 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
                   "    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))", "", ""]
     lines += ["@triton.jit", f"def {kernel}(", *[f"    {p}," for p in ptrs + ints + consts], "):",
               "    pid = tl.program_id(0)",
-              f"    if {PDL_FLAG}:  # the next kernel may launch now (it waits to read summaries)",
+              # a call's first launch: it waits for the kernel before it in the stream,
+              # then lets the attention kernel launch (that waits to read the summaries)
+              f"    if {PDL_FLAG}:",
+              "        tl.extra.cuda.gdc_wait()",
               "        tl.extra.cuda.gdc_launch_dependents()"]
     sections = len(specs) + len(guards)
     for k in range(sections):

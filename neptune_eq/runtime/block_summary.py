@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..lowering.dependent_launch import PDL_FLAG
 from ..lowering.summary_kernel import NUM_WARPS
-from .launch import FastLaunch, written_outputs
+from .launch import FastLaunch, dependent_options, written_outputs
 
 
 def summarize(x, dim: int | None, block: int):
@@ -56,7 +56,7 @@ class SummaryPrepass:
     worked out once per shape."""
 
     def __init__(self, prepass, consts: dict, fn, options: dict | None = None,
-                 pdl: bool = False, sizes: dict | None = None):
+                 pdl: bool = False, sizes: dict | None = None, first: bool = False):
         self.pre, self.fn = prepass, fn
         # the runtime sizes a guard's box reads (``Prepass.sizes``): fixed per launcher
         self.sizes = {n: (sizes or {})[n] for n in getattr(prepass, "sizes", ())}
@@ -64,9 +64,13 @@ class SummaryPrepass:
         groups = prepass.groups(consts)
         self.consts = {b: consts[b] for b in blocks}
         self.consts.update({f"G_{k}": g for k, g in enumerate(groups) if g})
-        self.consts[PDL_FLAG] = pdl  # its dependent launches (``dependent_launch``)
+        # its dependent launches (``dependent_launch``): it releases the kernel after it
+        # (``pdl``) and, as the call's first launch, is itself launched dependent on the
+        # kernel before it (``first``); it waits for that one first thing either way
+        self.consts[PDL_FLAG] = pdl or first
         self.block_consts = consts
-        self.options = options or {"num_warps": NUM_WARPS, "num_stages": 1}
+        self.options = dependent_options(options or {"num_warps": NUM_WARPS, "num_stages": 1},
+                                         first)
         if prepass.checks:  # its device_assert of ids in range (summary_kernel): asserts on,
             # Triton's overflow checks of every integer op, which debug also turns on, off
             self.options = {**self.options, "debug": True, "sanitize_overflow": False}

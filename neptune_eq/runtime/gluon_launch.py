@@ -26,8 +26,8 @@ from .block_summary import SummaryPrepass
 from .bound_call import _FRESH, _kept
 from .tile_order import one_tile_per_program, tile_order, tile_work
 from .launch import (FastLaunch, OutputMaker, current_stream, dependent_launch,
-                     dependent_options, host_queries, int_classes, launch_hooks,
-                     written_outputs)
+                     dependent_options, first_launch_dependent, host_queries, int_classes,
+                     launch_hooks, written_outputs)
 from .tma_launch import EncodedLaunch
 from .launcher import Launcher, device_sms, import_source, same_outputs
 from .tile_configs import TileConfig
@@ -139,7 +139,7 @@ class GluonLauncher:
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
             self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": rows,
                                                     "B_L": key_block}, pre_fn,
-                                       pdl=self.pdl,
+                                       pdl=self.pdl, first=first_launch_dependent(ks, dependent_launch("cuda")),
                                        sizes=dict(zip(ks.size_params, self.size_args)))
         self._ranges, self._sched_n = None, 0
         if form.ranges:  # a dynamic walk: each tile's key range, after the summaries

@@ -81,6 +81,15 @@ def _hopper_or_newer() -> bool:
             and any(f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions)))
 
 
+def first_launch_dependent(ks, dependent: bool) -> bool:
+    """Whether the first of a call's launches of ``ks`` may be launched dependent on the
+    kernel before it in the stream: where the GPU can (``dependent``, ``dependent_launch``),
+    where that kernel waits for it first thing (``KernelSource.waits_first``,
+    ``lowering.dependent_launch.WAIT_LINES``), and unless ``NEPTUNE_EQ_PDL_FIRST=0``."""
+    return (dependent and getattr(ks, "waits_first", False)
+            and os.environ.get("NEPTUNE_EQ_PDL_FIRST", "1") != "0")
+
+
 def dependent_options(options: dict, on: bool) -> dict:
     """``options`` with ``launch_pdl`` where the launch is dependent (``on``): only for a
     kernel that waits before its first read of what the kernel before wrote."""

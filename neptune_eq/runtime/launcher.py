@@ -23,7 +23,8 @@ from ..lowering.dependent_launch import PDL_FLAG
 from .block_summary import SummaryPrepass, build_summaries
 from .descriptors import ensure_allocator, tma_ok
 from .launch import (FastLaunch, _triton_int_specialisation, class_launch_key, current_stream,
-                     dependent_launch, dependent_options, launch_key, written_outputs)
+                     dependent_launch, dependent_options, first_launch_dependent, launch_key,
+                     written_outputs)
 from ..ir import Program, ProgramError
 from .index_check import check_data_indices
 from .triton_mode import check_interpreter_importable, enable_interpreter
@@ -167,6 +168,11 @@ class Launcher:
         # that only guards ids (no summaries) the kernel never waits: the two run side by side
         dependent = dependent_launch(self.target)
         self.pdl = bool(self.ks.prepass) and dependent
+        # ... and a call's first of two or more launches (the pre-pass, split-k's partials)
+        # on whatever kernel ran before it in the stream, which it waits for first thing
+        # (``lowering/dependent_launch.WAIT_LINES``: measured there)
+        self.pdl_first = (first_launch_dependent(self.ks, dependent)
+                          and (bool(self.ks.prepass) or not self.config.fused))
         # The combine after the partials is compiled to wait for them and launched
         # dependent, as called and in CUDA graphs; the partials release it first thing
         # (``dependent_launch.release_first``).  As called that gained 1.3-1.5 us a call
@@ -176,7 +182,7 @@ class Launcher:
         self.pdl_combine = (bool(self.ks.split_extent) and dependent
                             and os.environ.get("NEPTUNE_EQ_PDL_COMBINE", "1") != "0")
         if self.ks.summaries or self.ks.split_extent:  # (the modules with the flag)
-            consts[PDL_FLAG] = self.pdl or self.pdl_combine
+            consts[PDL_FLAG] = self.pdl or self.pdl_combine or self.pdl_first
         self.consts = consts
         self.tma = tma
         self._pointer_twin = None  # the pointer form, for calls whose tensors TMA cannot take
@@ -190,7 +196,8 @@ class Launcher:
         # Block summaries are rebuilt from the data on every call by one pre-pass launch
         # (the last kernel of the module); a kernel cached before the pre-pass existed
         # builds them with torch.
-        self._pre = (SummaryPrepass(self.ks.prepass, consts, self.fns[-1], pdl=self.pdl,
+        self._pre = (SummaryPrepass(self.ks.prepass, consts, self.fns[-1],
+                                    pdl=self.pdl, first=self.pdl_first,
                                     sizes=dict(zip(self.ks.size_params, self.size_args)))
                      if self.ks.prepass else None)
         self._last_summaries: dict = {}
@@ -274,7 +281,8 @@ class Launcher:
 
     def _plan_launches(self):
         """One FastLaunch per kernel, in launch order: fixed per launcher."""
-        first = dependent_options(self.options, self.pdl)  # the launch after the pre-pass
+        # the launch after the pre-pass, or the call's first
+        first = dependent_options(self.options, self.pdl or (self.pdl_first and not self._pre))
         if not self.ks.split_extent:
             return [FastLaunch(self.fns[0], self.grid(), self.consts, first)]
         _, nsplit = self._chunks
