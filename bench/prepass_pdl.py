@@ -74,7 +74,8 @@ def reference(mask, q, k, v):
     return p @ v[:1].float()
 
 
-def measure(name: str, S: int, dtype: torch.dtype, tl_tiles: bool = False) -> dict:
+def measure(name: str, S: int, dtype: torch.dtype, tl_tiles: bool = False,
+            dynamic: bool = False) -> dict:
     from dataclasses import replace
     dm.fresh_start()
     mask, B, _ = dm.case(name, S)
@@ -88,6 +89,9 @@ def measure(name: str, S: int, dtype: torch.dtype, tl_tiles: bool = False) -> di
                                    gluon_ws=False, heads_first=False, per_tile=False,
                                    one_loop=bool(la.ks.one_loop), tma=False,
                                    warp_specialize=False), la.size_args)
+    if dynamic:  # the Gluon form's dynamic walk (pre-pass, ranges kernel, form)
+        from neptune_eq.runtime.tile_configs import dynamic_configs
+        la = make_launcher(la.program, la.ks, la.target, dynamic_configs(la.ks)[0], la.size_args)
     out = la.program.outputs[0]
     row = {"case": name, "S": S, "dtype": str(dtype).replace("torch.", ""),
            "config": str(la.config)}
@@ -172,6 +176,8 @@ def main():
                          "own launch dependent on the kernel before it")
     ap.add_argument("--tl", action="store_true",
                     help="time the tl kernel's one-loop tiles (B_i=B_L=64), not the chosen ones")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="time the Gluon form's dynamic walk, not the chosen tiles")
     a = ap.parse_args()
     global TOGGLE
     TOGGLE = TOGGLES[a.toggle]
@@ -183,7 +189,7 @@ def main():
         for dt in a.dtype:
             for name in a.cases:
                 try:
-                    rows.append(measure(name, S, getattr(torch, dt), a.tl))
+                    rows.append(measure(name, S, getattr(torch, dt), a.tl, a.dynamic))
                 except Exception as e:  # noqa: BLE001 - a row that fails is reported, not fatal
                     rows.append({"case": name, "S": S, "dtype": dt, "skipped": f"{type(e).__name__}: {e}"})
                 print(json.dumps(rows[-1]), flush=True)

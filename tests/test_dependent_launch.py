@@ -164,7 +164,8 @@ def test_the_gluon_forms_key_range_waits_before_reading_summaries():
     first_read = next(k for k, ln in enumerate(rng) if "bs_" in ln and "_ptr" in ln)
     assert wait < first_read
     assert WAIT_FOR_PREPASS not in key_range(kern.plan, "k", data=False)
-    # the ranges kernel of a dynamic walk is launched plainly (and runs in the interpreter)
+    # the ranges kernel of a dynamic walk waits at its top with tl's own wait (it also runs
+    # in the interpreter, which has no inline assembly)
     assert WAIT_FOR_PREPASS not in key_range(kern.plan, "k", data=True, dependent=False)
     form = kern.kernel_source.gluon
     assert form is not None and form.source.count("griddepcontrol.wait") == 1

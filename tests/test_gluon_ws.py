@@ -163,9 +163,9 @@ def _compiles(tmp_path, name: str, program, ks, pipelined: bool = True,
     assert res["tma"] and res["wgmma"] and res["setmaxnreg"], (name, res)
     if pipelined:
         assert res["wgmma_serialized"] is None, (name, res)
-    # a data mask's form is launched dependent on its summaries' pre-pass: it waits for it
-    # (a dynamic walk's ranges kernel reads them instead, launched plainly between)
-    assert res["pdl_wait"] == (bool(ks.summaries) and not ks.gluon.ranges), (name, res)
+    # a data mask's form is launched dependent on its summaries' pre-pass (a dynamic
+    # walk's: on its ranges kernel, which reads them): it waits for it
+    assert res["pdl_wait"] == bool(ks.summaries), (name, res)
 
 
 def test_the_deferred_product_keeps_its_operand_live_until_its_wait():
@@ -228,6 +228,16 @@ def test_the_dynamic_walk_takes_tiles_from_a_counter_and_compiles_for_sm90(tmp_p
         kname, ranges = ks.gluon.ranges
         assert "dm_lo = " in ranges and "n_blocks = " in ranges, name
         assert "tile_sched_ptr, 0, mask=" in ranges  # one program zeroes the counter
+        # launched dependent on the pre-pass: the ranges kernel waits for it, then lets the
+        # form launch, first thing; the form waits for it before its warps split, and
+        # reads nothing from memory before that
+        top = ranges.split(f"def {kname}(")[1].split("):\n", 1)[1].splitlines()[:3]
+        assert [ln.strip() for ln in top] == ["if PDL:", "tl.extra.cuda.gdc_wait()",
+                                              "tl.extra.cuda.gdc_launch_dependents()"], name
+        main = src.split(f"def {ks.gluon.name}(")[1].split("):\n", 1)[1]
+        before = main[:main.index("griddepcontrol.wait")]
+        assert main.count("griddepcontrol.wait") == 1 and "gl.warp_specialize(" not in before
+        assert "load" not in before and "_ptr" not in before, name
         producer = src.split("def _producer(")[1].split("def _consumer(")[0]
         consumer = src.split("def _consumer(")[1].split("@gluon.jit")[0]
         assert "gl.atomic_add(tile_sched_ptr, 1)" in producer, name

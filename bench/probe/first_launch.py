@@ -1,5 +1,6 @@
 """A call's first launch dependent on the kernel before it in the stream, off against on,
-in one process (``NEPTUNE_EQ_PDL_FIRST``; ``lowering/dependent_launch.wait_first``).
+in one process (``NEPTUNE_EQ_PDL_FIRST``, or the switch ``--env`` names;
+``lowering/dependent_launch.WAIT_LINES``).
 
 For each operator of ``bench/neptune_ops.py`` and length, the bench builds the launcher
 the chosen config runs with twice -- the first launch plain, and dependent (its kernel
@@ -38,17 +39,20 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 CALLS = 20
 
 
+ENV = "NEPTUNE_EQ_PDL_FIRST"  # what off / on toggles (``--env``)
+
+
 def twin(la, first: bool):
-    """``la``'s config built again with the first launch dependent (``first``) or plain."""
-    old = os.environ.get("NEPTUNE_EQ_PDL_FIRST")
-    os.environ["NEPTUNE_EQ_PDL_FIRST"] = "1" if first else "0"
+    """``la``'s config built again with ``ENV`` on (``first``) or off."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = "1" if first else "0"
     try:
         return make_launcher(la.program, la.ks, la.target, la.config, la.size_args)
     finally:
         if old is None:
-            os.environ.pop("NEPTUNE_EQ_PDL_FIRST")
+            os.environ.pop(ENV)
         else:
-            os.environ["NEPTUNE_EQ_PDL_FIRST"] = old
+            os.environ[ENV] = old
 
 
 def graphed(fn, before=None) -> float:
@@ -111,7 +115,7 @@ def write(rows: list[dict], out: str) -> None:
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     path = RESULTS / out
     path.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    lines = [f"# A call's first launch dependent on the kernel before it, off / on "
+    lines = [f"# {ENV}=0 / 1: a call's launches dependent on the kernel before, off / on "
              f"({meta['device']}, torch {meta['torch']})", "",
              f"us per call, {CALLS} calls from one CUDA graph: back to back (graph) and each "
              "after an unrelated 16 MiB / 16 KiB torch multiply, its own time taken off "
@@ -138,12 +142,16 @@ def write(rows: list[dict], out: str) -> None:
 
 
 def main():
+    global ENV
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", nargs="*", default=["gqa-dc", "causal-dc"])
     ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--out", default="first_launch")
+    ap.add_argument("--env", default=ENV, help="the switch off / on toggles (e.g. "
+                    "NEPTUNE_EQ_PDL_COMBINE: the split-k combine launched dependent)")
     a = ap.parse_args()
+    ENV = a.env
     rows = []
     for op in a.ops:
         for S in a.seqs:

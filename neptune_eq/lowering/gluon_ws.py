@@ -63,6 +63,7 @@ from .gluon_tiles import (ROWS, affine_walk, consumer_blocks, flat_row, gl_lines
                           grid_order, interior_loops, key_range, persistent_place,
                           pingpong_turns, ranges_kernel, skipped_blocks, source_header,
                           tile_lines, walk)
+from .dependent_launch import WAIT_FOR_PREPASS
 from .lower import LoweringError, TilePlan
 
 PERSISTENT = True  # tiles walked by one program per SM (see generate)
@@ -528,6 +529,9 @@ def generate(plan: TilePlan, name: str = "neptune_ws", consumers: int = 2,
         f"        mbarrier.init(b_empty.index(i), count={consumers})  # every consumer reads "
         "every block",
         f"        mbarrier.init(c_empty.index(i), count={consumers})",
+        # a dynamic walk's tiles are read from what its ranges kernel wrote: the form is
+        # launched dependent on that kernel, and its warps split only after it has finished
+        *(["    " + ln for ln in gl_main([WAIT_FOR_PREPASS])] if mode == "dynamic" else []),
         "    gl.warp_specialize([",
         *[f"        (_consumer, ({shared}, {k}, B_L, DTYPE, EVEN_L{tma_o}))," for k in range(consumers)],
         f"        (_producer, ({producer_args}, B_L)),",

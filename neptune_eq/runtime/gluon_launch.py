@@ -18,6 +18,7 @@ import os
 from dataclasses import replace
 
 from ..ir import Program
+from ..lowering.dependent_launch import PDL_FLAG
 from ..lowering.gluon_tiles import CTA_ROWS, ROWS, sched_size
 from ..lowering.gluon_form import KEY_BLOCKS, GluonForm
 from ..lowering.kernelgen import KernelSource
@@ -133,20 +134,23 @@ class GluonLauncher:
         self._pre = None
         # the form right after the pre-pass is launched dependent on it (its key range
         # waits for the summaries, ``dependent_launch.WAIT_FOR_PREPASS``); a dynamic walk's
-        # ranges kernel comes between them, and is launched plainly
-        self.pdl = bool(ks.prepass) and not form.ranges and dependent_launch("cuda")
+        # ranges kernel comes between them, launched dependent on the pre-pass (it waits
+        # first thing, then releases the form, which waits before its warps split)
+        self.pdl = bool(ks.prepass) and dependent_launch("cuda")
         if ks.prepass:  # the tl module's pre-pass, at this form's blocks
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
             self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": rows,
                                                     "B_L": key_block}, pre_fn,
-                                       pdl=self.pdl, first=first_launch_dependent(ks, dependent_launch("cuda")),
+                                       pdl=self.pdl,
+                                       first=first_launch_dependent(ks, dependent_launch("cuda")),
                                        sizes=dict(zip(ks.size_params, self.size_args)))
         self._ranges, self._sched_n = None, 0
         if form.ranges:  # a dynamic walk: each tile's key range, after the summaries
             kname, source = form.ranges
             fn = import_source(source, kname, [kname], interpret=False)[0]
-            self._ranges = FastLaunch(fn, tiles, {"B_L": key_block},
-                                      {"num_warps": 4, "num_stages": 1})
+            self._ranges = FastLaunch(fn, tiles, {"B_L": key_block, PDL_FLAG: self.pdl},
+                                      dependent_options({"num_warps": 4, "num_stages": 1},
+                                                        self.pdl))
             self._sched_n = sched_size(tiles[0] * tiles[1], self.grid[0])
         self._twin = None
         from triton.experimental.gluon import language as gl
