@@ -284,3 +284,41 @@ def test_a_document_mask_gqa_decode_compiles_for_sm90_with_its_key_test(tmp_path
     assert got["pdl_wait"] and got["pdl_launch_dependents"] and got["launch_pdl"]
     partial = _body(ks.source, f"{ks.name}_partial")
     assert sum(WAIT in ln for ln in partial) == 1 and partial[:2] == WAIT_LINES
+
+
+def _gluon_launcher(monkeypatch, kern, config):
+    """A GluonLauncher built without a GPU (its compile, SM count and device faked; its
+    launch plan is what is checked, never run)."""
+    import torch
+
+    from neptune_eq.runtime import gluon_launch
+    monkeypatch.setattr(gluon_launch, "gluon_unavailable", lambda: None)
+    monkeypatch.setattr(gluon_launch, "load_gluon", lambda form: None)
+    monkeypatch.setattr(gluon_launch, "device_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return gluon_launch.GluonLauncher(kern.program, kern.kernel_source, "cuda", config)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_dynamic_walk_chains_its_three_launches(first, monkeypatch):
+    """Pre-pass, ranges kernel, form: each launched dependent on the one before where the
+    GPU can -- the pre-pass on the kernel before the call (``NEPTUNE_EQ_PDL_FIRST``),
+    waiting for it and releasing the ranges kernel first thing; the ranges kernel waiting
+    for the summaries, then releasing the form; the form waiting before its warps split
+    (the texts: ``test_gluon_ws``).  Without dependent launch, all three plain."""
+    from neptune_eq.runtime import gluon_launch
+    from neptune_eq.runtime.tile_configs import dynamic_configs
+    kern = _doc_attention()
+    config = dynamic_configs(kern.kernel_source)[0]
+    monkeypatch.setenv("NEPTUNE_EQ_PDL_FIRST", "1" if first else "0")
+    monkeypatch.setattr(gluon_launch, "dependent_launch", lambda target: True)
+    la = _gluon_launcher(monkeypatch, kern, config)
+    assert la.form.ranges and la._pre.consts["PDL"] is True
+    assert la._pre.options.get("launch_pdl", False) is first
+    assert la._ranges.consts["PDL"] is True and la._ranges.options.get("launch_pdl") is True
+    assert la.options.get("launch_pdl") is True
+    monkeypatch.setattr(gluon_launch, "dependent_launch", lambda target: False)
+    plain = _gluon_launcher(monkeypatch, kern, config)
+    assert plain._pre.consts["PDL"] is False and plain._ranges.consts["PDL"] is False
+    assert not any("launch_pdl" in o for o in (plain._pre.options, plain._ranges.options,
+                                                plain.options))
