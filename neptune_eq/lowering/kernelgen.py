@@ -10,25 +10,23 @@
   ``<name>_combine`` folds the partials, a tile of them a step, in producer order --
   ``max``/``min``/``sum`` states by their own operator, rolling states by
   ``t' = t ⊙ h(R→R') ⊕_p t_p ⊙ h(prev := R_p, run := R')`` with the correction ``h`` the
-  rules derived (Neptune Thm 4.4) -- then runs the epilogue.
+  rules derived (Neptune Thm 4.4) -- then runs the epilogue (the partials' storage and
+  the fold of them: ``split_combine``); ``<name>_fused`` does both in one launch.
   For attention this *is* FlashDecoding; for a plain ``sum`` the correction is 1.
 """
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field, replace
 
 from . import descriptors, gluon_sums, gluon_ws
-from .codegen import (ECOL, LOOP, NEG, POS, SPLIT, VDOT_FLAG, Emitter, Tile, grid_decode,
-                      init_fill)
-from ..ir import accessed
+from .codegen import ECOL, LOOP, SPLIT, VDOT_FLAG, Emitter, Tile, grid_decode, init_fill
 from .block_ranges import ONE_LOOP_FLAG, data_ranges, range_loops
 from .block_skip import data_atoms, data_loop_bounds, emit_block_test, summary_specs
-from .fold_body import at_block, epilogue, fold_order, fold_update, loop_body
+from .fold_body import epilogue, loop_body
 from .data_indices import checked_ids
 from .dependent_launch import PDL_FLAG, release_first, wait_before_reads
 from .summary_kernel import prepass_source
+from .split_combine import combine_partials, grid_size, renamed_locals, store_partials
 from .split_plan import combine_min_rows
 from .split_share import shared_split_loops
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
@@ -289,96 +287,6 @@ def _branch(em: Emitter, k: int, loop_var: str, known: frozenset, indent: str) -
     em.scopes[-1][0].extend(lines)
 
 
-def _scratch_offset(em: Emitter, f: Fold, split: Tile, copy: str = "pid_block"
-                   ) -> tuple[str, tuple[str, ...], int]:
-    """Offset tile of fold ``f``'s state in its scratch buffer at split(s) ``split``:
-    layout [split, grid program, row, padded whole axes...].  A state without the row
-    axis (``Σ_k w[k, e]`` beside per-row sums) is the same in every row block: each row
-    block's programs store their own copy at row ``pid_block`` (the one-launch combine of
-    a row block may read only what its own chunks wrote), and ``copy`` names the one read."""
-    plan = em.plan
-    st = em.states[f.name]
-    whole = [a for a in st.axes if a != plan.block_axis]
-    width = 1
-    for a in whole:
-        width *= plan.whole_axes[a]
-    ba = plan.block_axis
-    axes = em.canon(split.axes + st.axes)
-    row_split = f"({em.bcast(split, axes)} * {_grid_size(plan)} + pid_grid) * {plan.row_extent}"
-    row = em.bcast(Tile(f'offs_{ba}', (ba,), 'int'), axes) if ba in st.axes else copy
-    parts = [f"({row_split} + {row}) * {width}"]
-    stride = width
-    for a in whole:
-        stride //= plan.whole_axes[a]
-        parts.append(f"{em.bcast(Tile(f'offs_{a}', (a,), 'int'), axes)} * {stride}")
-    return " + ".join(parts), axes, width
-
-
-def _store_partials(em: Emitter) -> dict[str, int]:
-    ba = em.plan.block_axis
-    scratch = {}
-    em.emit("# split-k: store this chunk's fold states")
-    for f in em.plan.passes[0].folds:
-        st = em.states[f.name]
-        off, _, width = _scratch_offset(em, f, Tile("pid_split", (), "int"))
-        m = em.bcast(Tile(f"mask_{ba}", (ba,), "bool"), st.axes) if ba in st.axes else None
-        em.emit(f"tl.store(ws_{f.name}_ptr + {off}, {f.name}{f', mask={m}' if m else ''})")
-        scratch[f"ws_{f.name}"] = width
-    return scratch
-
-
-def _combine(em: Emitter, cache: str = "", copy: str = "0") -> None:
-    """States = the partials folded together, in one loop of ``B_P`` partials a step.
-
-    Each step loads every fold's partials once, as tiles with a leading split axis ``P``,
-    and folds them in producer order the way the key loop folds a block
-    (``fold_body.loop_body``): a rolling state is re-based from its producers' values
-    before the step to the values after it, t' = t·h(R→R'), and each partial from its own
-    producers' values, + Σ_P t_p·h(R_p→R').  All partials usually fit in one step, so
-    every load of the combine issues at once -- one round trip to L2, not one per level
-    of producers (H100, GQA decode S=2048: the combine kernel 4.55 -> 3.10 us; cuDNN's
-    2.28).
-    """
-    ba = em.plan.block_axis
-    folds = fold_order(em.plan.passes[0].folds)
-    ident = {"max": NEG, "rollmax": NEG, "min": POS}
-    em.emit("# split-k combine: fold the partial states, re-based by each fold's correction")
-    em.emit(f"for sp0 in range(0, NSPLIT, B_{SPLIT}):")
-    em.push(em.scopes[0][2] + "    ")
-    em.emit(f"offs_{SPLIT} = sp0 + tl.arange(0, B_{SPLIT})")
-    em.emit(f"mask_{SPLIT} = offs_{SPLIT} < NSPLIT")
-    split = Tile(f"offs_{SPLIT}", (SPLIT,), "int")
-    for f in folds:
-        off, axes, _ = _scratch_offset(em, f, split, copy)  # (row-less: row block 0's copy,
-        present = [a for a in axes if a in (SPLIT, ba)]      # or in one launch its own)
-        m = em.bcast(Tile(f"({em.mask(present)})", em.canon(tuple(present)), "bool"), axes)
-        other = ident.get(f.op, "0.0")
-        em.emit(f"{f.name}_p = tl.load(ws_{f.name}_ptr + {off}, mask={m}, other={other}{cache})")
-        em.states[f"{f.name}_p"] = Tile(f"{f.name}_p", axes, "f32")
-    for f in folds:  # run := the value after this step, prev := before it
-        em.running[f.name] = (f.name, f"{f.name}_new")
-    for f in folds:
-        part = em.states[f"{f.name}_p"]
-        inside = em.bcast(Tile(f"mask_{SPLIT}", (SPLIT,), "bool"), part.axes)
-        rebase = None
-        if f.op in ("max", "min", "sum"):  # padded splits load the operator's identity
-            step = f"tl.{f.op}({part.code}, axis=0)"
-        else:
-            rebase = em.bcast(em.f32(em.expr(f.term.args[1])), em.states[f.name].axes)
-            own = {n: f"{n}_p" for n in accessed(f.term.args[1], ("prev",))}
-            corr = em.f32(em.expr(at_block(f.term.args[1], own, "prev")))
-            c = em.bcast(corr, em.canon(part.axes + corr.axes))
-            if f.op == "rollmax":
-                step = f"tl.max(tl.where({inside}, {part.code} + {c}, {NEG}), axis=0)"
-            else:  # padded splits must add exactly 0, even where h is inf or NaN there
-                step = f"tl.sum(tl.where({inside}, {part.code} * {c}, 0.0), axis=0)"
-        em.emit(f"{f.name}_new = {fold_update(f.op, f.name, step, rebase)}")
-    for f in folds:
-        em.emit(f"{f.name} = {f.name}_new")
-        em.running.pop(f.name, None)
-    em.scopes[1][0].extend(em.pop())
-
-
 def _after_split(em: Emitter) -> None:
     """The passes after the split one (``split_plan.why_not_splittable``), whole, in the
     combine: they may read the folded states, which are final here."""
@@ -410,58 +318,18 @@ def _fused_combine(em: Emitter, plan: TilePlan, name: str, bf16_dot_in_fp32: boo
     _prologue(last, split_axis=False, indent=inner)
     last.emit("tl.store(sem, 0)")
     _init_states(last)
-    _combine(last, cache=", cache_modifier='.cg'", copy="pid_block")
+    combine_partials(last, cache=", cache_modifier='.cg'", copy="pid_block")
     _after_split(last)
     epilogue(last)
     body = last.pop()
-    em.scopes[-1][0].extend(_renamed_locals(last.pop() + body, "_c"))
+    em.scopes[-1][0].extend(renamed_locals(last.pop() + body, "_c"))
     em.tmp = last.tmp
     return last.desc  # the descriptors the combining program made
-
-
-_ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
-
-
-def _renamed_locals(lines: list[str], suffix: str) -> list[str]:
-    """``lines`` with every name they define before reading it renamed
-    ``<name><suffix>`` (a name read first still means the value from before).  Triton
-    types a name assigned under an ``if`` by its value before the ``if``, and the
-    combine's row tiles (``COMBINE_ROWS`` rows) are not the loop's (``B_<rows>``): fresh
-    names keep the two apart.  Assigned names are tile variables, never keyword names of
-    tl calls."""
-    names, seen = set(), set()
-    word = re.compile(r"\b[A-Za-z_]\w*\b")
-    for ln in lines:  # only names the block defines before any read: none read the outer one
-        m = _ASSIGNED.match(ln)
-        rhs = ln[m.end(1):] if m else ln
-        seen |= set(word.findall(rhs))
-        if m and m.group(1) not in seen:
-            names.add(m.group(1))
-        if m:
-            seen.add(m.group(1))
-    if not names:
-        return lines
-    pat = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
-                     + r")\b(?!\s*=[^=])")
-    out = []
-    for ln in lines:
-        m = _ASSIGNED.match(ln)
-        if m:  # the assigned name itself, then every use on the right-hand side
-            head, rest = ln[:m.end(1)], ln[m.end(1):]
-            ln = head + suffix + pat.sub(lambda x: x.group(1) + suffix, rest)
-        else:
-            ln = pat.sub(lambda x: x.group(1) + suffix, ln)
-        out.append(ln)
-    return out
 
 
 # constexpr of the split-k combines: the rows they fold per program (B_<rows> where a
 # row block is full; else the next power of two of the row count)
 COMBINE_ROWS = "B_IC"
-
-
-def _grid_size(plan: TilePlan) -> int:
-    return math.prod(plan.grid_extent(a) for a in plan.grid_axes)
 
 
 def _gluon_form(plan: TilePlan, name: str):
@@ -534,7 +402,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     first = prepass is None  # split-k's partials are the call's first launch (wait_first)
     common = dict(params=ptrs, stride_params=strides, tunables={**tunables, **fixed},
                   grid_axes=plan.grid_axes, block_axis=ba, even_flags=even,
-                  row_extent=plan.row_extent, grid_size=_grid_size(plan), size_params=size_params,
+                  row_extent=plan.row_extent, grid_size=grid_size(plan), size_params=size_params,
                   summaries=summaries, prepass=prepass,
                   waits_first=bool(prepass or plan.split))
     if not plan.split:
@@ -562,7 +430,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     _init_states(em)
     _pass_loop(em, 0, split=True)
     vector_dot = em.vector_dots > 0
-    scratch = _store_partials(em)
+    scratch = store_partials(em)
     ws = [f"{w}_ptr" for w in scratch]
     part = release_first(_kernel_text(f"{name}_partial", ptrs + ws + stride_args + ["CHUNK"]
                                       + consts, em, [sp.name for sp in summaries]), wait=first)
@@ -573,7 +441,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     em.block_sizes[ba] = COMBINE_ROWS  # the real rows only, as in the one-launch combine
     _prologue(em, split_axis=False, width_axis=width)
     _init_states(em)
-    _combine(em)
+    combine_partials(em)
     _after_split(em)
     epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
@@ -585,7 +453,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     _prologue(em, split_axis=True)
     _init_states(em)
     _pass_loop(em, 0, split=True)
-    _store_partials(em)
+    store_partials(em)
     states += [em.desc, _fused_combine(em, plan, name, bf16_dot_in_fp32, fp32_dot)]
     fused = _kernel_text(f"{name}_fused", ptrs + ws + ["sem_ptr"] + stride_args + ["CHUNK", "NSPLIT"]
                          + consts + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em,

@@ -2,7 +2,7 @@
 
 A pass holding a ``splitk`` fold is cut into chunks of its loop, each run by its own
 program (the partials kernel), and a combine folds the chunks' states, re-based by each
-fold's correction (``kernelgen._combine``).  Only the first pass is cut.  A later pass
+fold's correction (``split_combine.combine_partials``).  Only the first pass is cut.  A later pass
 runs whole in the combine, once its row block's states are final: the target's logit of
 linear + cross-entropy, ``Σ_k x[i, k] w[k, t[i]]``, beside the vocabulary's log-sum-exp.
 Before that was allowed, such a plan could not split, and at N=512, V=32003 its 4-32 row
