@@ -44,6 +44,14 @@ WAIT_LINES = [f"    if {PDL_FLAG}:  # launched dependent: wait for the kernel be
               "        tl.extra.cuda.gdc_wait()"]
 
 
+def wait_then_release() -> list[str]:
+    """A first launch's opening statements where its one dependent reads what it writes and
+    waits for it (the pre-pass, a dynamic walk's ranges kernel): wait for the kernel
+    before, then release the next launch."""
+    return [f"    if {PDL_FLAG}:", "        tl.extra.cuda.gdc_wait()",
+            "        tl.extra.cuda.gdc_launch_dependents()"]
+
+
 def release_first(kernel: list[str], wait: bool = False) -> list[str]:
     """A kernel's text (``kernelgen._kernel_text``: the signature, ``"):"``, its body)
     releasing its dependent launch as its first statement.  Safe wherever the dependent

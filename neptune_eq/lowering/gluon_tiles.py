@@ -37,7 +37,7 @@ import re
 
 from .block_ranges import data_ranges
 from .block_skip import summary_specs
-from .dependent_launch import PDL_FLAG, WAIT_FOR_PREPASS
+from .dependent_launch import PDL_FLAG, WAIT_FOR_PREPASS, wait_then_release
 from .codegen import Emitter, grid_decode
 from .lower import TilePlan
 
@@ -193,9 +193,7 @@ def ranges_kernel(plan: TilePlan, name: str, args: list[str],
            f"def {kname}({', '.join(args)}, B_L: tl.constexpr, {PDL_FLAG}: tl.constexpr = False):",
            # launched dependent on the pre-pass (on the GPU): it waits for the summaries
            # first thing, then lets the form launch (which waits for this kernel)
-           f"    if {PDL_FLAG}:",
-           "        tl.extra.cuda.gdc_wait()",
-           "        tl.extra.cuda.gdc_launch_dependents()",
+           *wait_then_release(),
            "    row_block = tl.program_id(0)",
            "    pid_grid = tl.program_id(1)",
            "    n_rb = tl.num_programs(0)",

@@ -399,7 +399,7 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     if summaries or ids:
         pre_text, prepass = prepass_source(name, summaries, p.dtype_of,
                                            lambda t: len(p.shape_of(t)), ids)
-    first = prepass is None  # split-k's partials are the call's first launch (wait_first)
+    first = prepass is None  # split-k's partials: the call's first launch (release_first)
     common = dict(params=ptrs, stride_params=strides, tunables={**tunables, **fixed},
                   grid_axes=plan.grid_axes, block_axis=ba, even_flags=even,
                   row_extent=plan.row_extent, grid_size=grid_size(plan), size_params=size_params,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .block_predicate import SummarySpec
 from .codegen import _TL_DTYPE
-from .dependent_launch import PDL_FLAG
+from .dependent_launch import PDL_FLAG, wait_then_release
 from ..sizes import names_in, value
 
 TILE = 2048    # elements one per-block program reads (G_k blocks of B)
@@ -129,9 +129,7 @@ def prepass_source(name: str, specs: list[SummarySpec], dtype_of, rank_of,
               "    pid = tl.program_id(0)",
               # a call's first launch: it waits for the kernel before it in the stream,
               # then lets the attention kernel launch (that waits to read the summaries)
-              f"    if {PDL_FLAG}:",
-              "        tl.extra.cuda.gdc_wait()",
-              "        tl.extra.cuda.gdc_launch_dependents()"]
+              *wait_then_release()]
     sections = len(specs) + len(guards)
     for k in range(sections):
         if sections == 1:
