@@ -136,13 +136,14 @@ class GluonLauncher:
         # waits for the summaries, ``dependent_launch.WAIT_FOR_PREPASS``); a dynamic walk's
         # ranges kernel comes between them, launched dependent on the pre-pass (it waits
         # first thing, then releases the form, which waits before its warps split)
-        self.pdl = bool(ks.prepass) and dependent_launch("cuda")
+        dependent = dependent_launch("cuda")
+        self.pdl = bool(ks.prepass) and dependent
         if ks.prepass:  # the tl module's pre-pass, at this form's blocks
             pre_fn = import_source(ks.source, ks.name, [ks.prepass.kernel], interpret=False)[0]
             self._pre = SummaryPrepass(ks.prepass, {f"B_{ks.block_axis}": rows,
                                                     "B_L": key_block}, pre_fn,
                                        pdl=self.pdl,
-                                       first=first_launch_dependent(ks, dependent_launch("cuda")),
+                                       first=first_launch_dependent(ks, dependent),
                                        sizes=dict(zip(ks.size_params, self.size_args)))
         self._ranges, self._sched_n = None, 0
         if form.ranges:  # a dynamic walk: each tile's key range, after the summaries
