@@ -441,3 +441,22 @@ def test_longer_tables_at_new_lengths_and_the_ones_that_cannot_fit():
         ne.flex_attention(*qkv(b=1, lq=17, s=23), mask_mod=same)
     with pytest.raises(ne.ProgramError, match=r"fit this call \(B=1, L=9, S=30\).*extent 20"):
         ne.flex_attention(*qkv(b=1, lq=9, s=30), score_mod=lambda s, b, h, i, j: s + short[j])
+
+
+def test_a_tensor_a_mod_computes_from_data_is_an_error_under_compile():
+    """Compiled, a tensor a mod computes from one it closes over (``(doc > 0)[q_idx]``)
+    would be baked into the graph with the first call's values: an error saying so and
+    what to write instead, never a stale kernel."""
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    doc = torch.zeros(q.shape[2], dtype=torch.int32)
+
+    def mask(b, h, i, j):
+        return (doc > 0)[i] | (i >= j)
+
+    def f(q, k, v):
+        return ne.flex_attention(q, k, v, mask_mod=mask)
+    with pytest.raises(Exception, match=r"computes from one of them while traced.*Compute it "
+                                        r"outside the mod \(flag = doc > 0"):
+        torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+

@@ -129,3 +129,43 @@ def test_flat_environments_are_rechecked_in_place(traces, monkeypatch):
     assert close(ne.flex_attention(q, k, v, score_mod=capped), torch_flex(q, k, v, score_mod=capped))
     assert traces[0] == m + 1
     BIAS = torch.tensor([0.5, -1.0])
+
+
+def test_a_tensor_the_mask_computes_from_data_is_this_call_s(traces):
+    """A mask computing a tensor from one it closes over -- ``(doc > 0)[q_idx]``: torch
+    runs ``doc > 0`` eagerly while the mod is traced -- gets that tensor from this call's
+    data: changed in place or rebound, the next call reads the new values (it used to
+    read the first call's).  Such a mod is traced on every call, once: one kernel input,
+    not one per use of the mask.  A literal the mod makes (``torch.tensor([...])[h]``)
+    stays a constant of the structure, traced once."""
+    import torch.nn.functional as F
+    q, k, v = qkv()
+    causal = torch.ones(21, 21, dtype=torch.bool).tril()
+    doc = torch.zeros(21, dtype=torch.int32)
+
+    def mask(b, h, q_idx, kv_idx):
+        return (doc > 0)[q_idx] | (q_idx >= kv_idx)
+
+    def want():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(doc > 0)[:, None] | causal)
+    assert close(ne.flex_attention(q, k, v, mask_mod=mask), want())
+    n = traces[0]
+    doc[5:] = 1                                          # in place: rows 5.. see every key
+    assert close(ne.flex_attention(q, k, v, mask_mod=mask), want())
+    doc = torch.zeros(21, dtype=torch.int32)             # rebound
+    assert close(ne.flex_attention(q, k, v, mask_mod=mask), want())
+    assert traces[0] == n + 2                            # once per call
+    st, captured = flex.trace(flex.check(q, k, v, None, False, False), None, mask,
+                              {"B": 1, "L": 21, "S": 21})
+    assert len(captured) == 1 and "captured0[i]" in str(st.program)
+    lit = make_literal_bias()
+    ne.flex_attention(q, k, v, score_mod=lit)
+    m = traces[0]
+    assert close(ne.flex_attention(q, k, v, score_mod=lit), torch_flex(q, k, v, score_mod=lit))
+    assert traces[0] == m
+
+
+def make_literal_bias():
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + torch.tensor([0.5, -1.0])[h]
+    return mod

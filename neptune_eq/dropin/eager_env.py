@@ -20,6 +20,7 @@ import weakref
 from torch import Tensor
 
 from . import flex
+from ..frontend.torch_capture import made_from_data
 from .torch_op import _SCALARS, _Walk, _fetch, _is_library, _library_module, _names
 
 _EAGER_PLANS: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
@@ -56,6 +57,11 @@ def eager_structure(score_mod, mask_mod, spec: "flex.Spec", sizes: dict[str, int
     else:
         st, tensors = flex.trace(spec, score_mod, mask_mod, sizes)
         where = {id(x): (r, p) for r, w in enumerate(walks) for p, x in w.tensors}
+        if any(made_from_data(x) for x in tensors.values()):
+            # A tensor the mods computed while traced from existing ones ((doc > 0)[q_idx])
+            # is this call's data, and no path fetches it again: remembered, a later call
+            # would read the first call's values.  Such mods are traced on every call.
+            return st.key, list(tensors.values())
         plan = tuple(("path",) + where[id(x)] if id(x) in where else ("const", x)
                      for x in tensors.values())
         # A structure traced at this call's sizes (a table longer than S) holds only for them.
@@ -72,7 +78,8 @@ def eager_structure(score_mod, mask_mod, spec: "flex.Spec", sizes: dict[str, int
 
 def _captured(roots: tuple, plan: tuple) -> list:
     """The captured tensors of this call: fetched along each remembered path (a new
-    tensor in the same place is used), or the constant the trace made."""
+    tensor in the same place is used), or the constant the trace made (a literal of the
+    mod's code, ``torch.tensor([...])[h]``: one made from data is traced per call)."""
     return [_fetch(roots[c[1]], c[2]) if c[0] == "path" else c[1] for c in plan]
 
 

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import flex
+from ..frontend.torch_capture import made_from_data
 from ..ir import ProgramError
 
 
@@ -193,6 +194,14 @@ def compile_plan(score_fn, score_self, mask_fn, mask_self, dtype, hq, hkv, e, ev
                 f"{('score_mod', 'mask_mod')[r]}); its value cannot be guarded, so a change "
                 "could reuse a stale kernel. Convert it to a tensor or a number, or call "
                 "ne.flex_attention outside torch.compile.")
+    made = [n for n, t in captured.items() if made_from_data(t)]
+    if made:  # baked into the compiled graph, it would keep the compile's values
+        raise ProgramError(
+            f"Expected the mods of ne.flex_attention under torch.compile to index tensors "
+            f"they close over, got {made[0]!r} (shape {tuple(captured[made[0]].shape)}), "
+            "which a mod computes from one of them while traced (e.g. (doc > 0)[q_idx]): "
+            "compiled, it would keep the values of the first call. Compute it outside the "
+            "mod (flag = doc > 0, then flag[q_idx]) or index first ((doc[q_idx] > 0)).")
     where = {id(t): (r, p) for r, w in enumerate(walks) for p, t in w.tensors}
     plan = tuple(("path",) + where[id(t)] if id(t) in where else ("const", t)
                  for t in captured.values())

@@ -102,9 +102,21 @@ def _build(b, hq, s_q, s_kv, d, dtype, group, kv_heads, scale, score_mod, mask_m
     def kvh(h):
         return h // group if group > 1 else h
 
-    def mask(z, y, i, j) -> Term | None:
-        return None if mask_mod is None else _term(
-            torch_mods.condition(mask_mod(z, y, i, j), "mask_mod"))
+    traced: dict = {}
+
+    def mask(z, y, i, jj) -> Term | None:
+        """mask_mod's condition at key axis ``jj``: traced once, at the score's key axis
+        ``j``, and renamed for the reductions' key axes.  Traced again per use, a mod that
+        computes a tensor from a captured one (``(doc > 0)[q_idx]``) would make a new
+        tensor -- a separate kernel input -- per use, and the uses would no longer be one
+        mask (its folds' passes would each get their own key ranges)."""
+        if mask_mod is None:
+            return None
+        if "term" not in traced:  # (the first call: s's body, key axis "j")
+            traced["term"] = _term(torch_mods.condition(mask_mod(z, y, i, jj), "mask_mod"))
+            return traced["term"]
+        term = traced["term"]  # (None: a mask that is always true)
+        return None if term is None else substitute(term, {"j": var(jj.name)})
 
     def s_body(z, y, i, j):
         sc = ne.sum(q[z, y, i, dd] * k[z, kvh(y), j, dd], axis=dd) * scale

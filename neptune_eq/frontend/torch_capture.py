@@ -13,9 +13,11 @@ no index.  ``ne.attention`` opens one ``capturing`` session per call and hands
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import dsl
 from ..ir import ProgramError, Term
@@ -61,14 +63,69 @@ class Session:
 
 _SESSIONS: list[Session] = []
 
+# Tensors a mod computed, while traced, from tensors that existed before the trace
+# (``(doc > 0)[q_idx]``: torch runs ``doc > 0`` eagerly, as a whole-tensor op).  Such a
+# tensor is this call's data: a later call must compute it again from its own ``doc``
+# (``dropin.eager_env`` traces such mods per call; under torch.compile it is an error;
+# ``made_from_data`` tells).
+# A tensor made from no existing one -- a literal, ``torch.tensor([...])[h]`` -- is a
+# constant of the mod's code, and is not listed.
+_MADE_FROM_DATA: dict[int, weakref.ref] = {}  # id -> the tensor, held weakly
+
+
+def made_from_data(t) -> bool:
+    """Whether ``t`` is a tensor a mod computed while traced from existing tensors."""
+    ref = _MADE_FROM_DATA.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _mark_made_from_data(t: torch.Tensor) -> None:
+    key = id(t)  # (a WeakSet would compare tensors with ==, elementwise)
+    _MADE_FROM_DATA[key] = weakref.ref(t, lambda _, key=key: _MADE_FROM_DATA.pop(key, None))
+
+
+class _Provenance(TorchFunctionMode):
+    """While a mod is traced: which tensors torch made from tensors that existed before
+    (``made_from_data``).  The tensors made are held until the trace ends, so no two
+    share an id."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        data = any(id(t) not in self.made or made_from_data(t)
+                   for t in _tensors((args, kwargs)))
+        for t in _tensors(out):
+            self.made.setdefault(id(t), t)
+            if data:
+                _mark_made_from_data(t)
+        return out
+
+
+def _tensors(x):
+    """The torch tensors in ``x`` (nested tuples, lists and dicts)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
 
 @contextmanager
 def capturing(*fns):
-    """Collect the torch tensors that ``fns`` (the mods) index while traced inside."""
+    """Collect the torch tensors that ``fns`` (the mods) index while traced inside, and
+    note which tensors they compute from existing ones (``made_from_data``)."""
     sess = Session([f for f in fns if f is not None])
     _SESSIONS.append(sess)
     try:
-        yield sess
+        with _Provenance():
+            yield sess
     finally:
         _SESSIONS.pop()
 
