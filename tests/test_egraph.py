@@ -214,3 +214,24 @@ def test_fold_proofs_see_constants_in_their_exact_form_found_once():
     assert verify._exact(1.4426950408889634) == 1 / sympy.log(2)
     assert verify._exact(0.125) == sympy.Rational(1, 8) and verify._exact(30) == 30
     assert verify._exact(0.08838834764831845) is verify._exact(0.08838834764831845)
+
+
+def test_a_comparison_in_arithmetic_counts_one_or_zero_in_the_fold_check():
+    """``score * (kv_idx <= q_idx)`` (torch multiplies by the condition as 0 / 1): the fold
+    checks read the comparison as a number, not as a crash inside sympy; the whole mod
+    matches torch's flex_attention."""
+    import sympy
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    from neptune_eq.egraph.verify import to_sympy
+    from neptune_eq.ir import Term, var
+    x = Term("load", (var("i"), var("j")), "x")
+    got = to_sympy(Term("mul", (x, Term("le", (var("j"), var("i"))))))
+    assert got.has(sympy.Piecewise)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 19, 16, generator=g) for _ in range(3))
+
+    def gated(score, b, h, q_idx, kv_idx):
+        return score * (kv_idx <= q_idx)
+    out = ne.flex_attention(q, k, v, score_mod=gated)
+    assert (out - torch_flex(q, k, v, score_mod=gated)).abs().max() < 1e-4

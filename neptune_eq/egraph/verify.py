@@ -35,6 +35,17 @@ _SYM_BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lamb
                "div": lambda a, b: a / b, "maximum": sympy.Max, "minimum": sympy.Min,
                "lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge,
                "eq": sympy.Eq, "ne": sympy.Ne, "and": sympy.And, "or": sympy.Or}
+_SYM_LOGIC = ("eq", "ne", "and", "or")  # (sympy takes booleans there as they are)
+
+
+def _number(x: sympy.Basic) -> sympy.Basic:
+    """``x``, or a condition as the number torch makes of it in arithmetic (``score *
+    (kv_idx <= q_idx)``): 1 where it holds, else 0."""
+    if isinstance(x, sympy.logic.boolalg.Boolean):
+        return sympy.Piecewise((1, x), (0, True))
+    return x
+
+
 # Integer index arithmetic (masks: batchify, dilated windows, NATTEN, Morton codes) has no
 # useful sympy form: such a subterm, and a where's condition, that reads no running value
 # is an opaque symbol, like an access.  Sound for proofs (equal text, equal symbol; an
@@ -84,9 +95,12 @@ def to_sympy(t: Term, subst: dict[str, sympy.Symbol] | None = None, positive=Fal
         name = re.sub(r"\W+", "_", str(t)).strip("_") or "v"
         return sympy.Symbol(name, real=True, positive=positive or None)
     if t.op in _SYM_UNARY:
-        return _SYM_UNARY[t.op](to_sympy(t.args[0], subst, positive))
+        return _SYM_UNARY[t.op](_number(to_sympy(t.args[0], subst, positive)))
     if t.op in _SYM_BINARY:
-        return _SYM_BINARY[t.op](*(to_sympy(a, subst, positive) for a in t.args))
+        args = [to_sympy(a, subst, positive) for a in t.args]
+        if t.op not in _SYM_LOGIC:  # a comparison in arithmetic counts 1 or 0, as in torch
+            args = [_number(a) for a in args]
+        return _SYM_BINARY[t.op](*args)
     if t.op in _OPAQUE_INDEX_OPS and not _reads_running(t):
         return _opaque(t)
     if t.op == "where":
