@@ -171,6 +171,7 @@ def _sparse_tables() -> BlockMask:
     (qkv(hq=4)[:1] + qkv(hq=2)[1:], {}, ValueError, "enable_gqa=True"),
     (qkv(hq=3)[:1] + qkv(hq=2)[1:], {"enable_gqa": True}, ValueError, "multiple of the key/value"),
     (qkv(e=16)[:1] + qkv(e=8)[1:], {}, ValueError, "same head dim"),
+    (qkv(e=1, ev=1)[:2] + (torch.randn(2, 2, 30, 0),), {}, ValueError, "head dims of at least 1"),
     (qkv()[:2] + (qkv()[2].half(),), {}, ValueError, "one dtype"),
     (tuple(t.double() for t in qkv()), {}, ne.ProgramError, "float16, bfloat16 or float32"),
     (qkv(), {"block_mask": "causal", "mask_mod": causal}, ValueError, "got both"),

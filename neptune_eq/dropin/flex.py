@@ -254,6 +254,9 @@ def check(q, k, v, scale, enable_gqa, want_max) -> Spec:
                          f"{tuple(k.shape)} and value {tuple(v.shape)}.")
     if ek != e:
         raise ValueError(f"Expected query and key with the same head dim E, got {e} and {ek}.")
+    if 0 in (hq, hkv, e, ev):  # (an empty batch or sequence is an empty result, not this)
+        raise ValueError(f"Expected at least one head and head dims of at least 1, got query "
+                         f"{tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}.")
     if not enable_gqa and hq != hkv:
         raise ValueError(f"Expected query and key/value with the same number of heads, got "
                          f"Hq={hq} and Hkv={hkv}; set enable_gqa=True for GQA.")
