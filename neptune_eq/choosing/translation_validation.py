@@ -35,6 +35,9 @@ SMALL = 16
 CASES = (("normal", 1.0, 2), ("large-magnitude", 40.0, 2), ("few-ids", 1.0, 3))
 KERNEL_CASE = "large-magnitude"   # the kernel runs once, on the inputs that catch most
 KERNEL_TOL = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 6e-2, "float64": 1e-6}
+# A kernel may stray from fp64 this many times as far as the fp32 evaluation of the same
+# program does (its sums run in another order); a lowering fault is off by O(1)
+FP32_SLACK = 4.0
 
 
 def output_tolerance(program: Program, name: str, fp32_dot: str = "ieee") -> float:
@@ -347,6 +350,12 @@ def _check_kernel(kernel_program: Program, named: dict, program: Program, data: 
             continue
         r, c = torch.where(held, r, 0.0), torch.where(held, c, 0.0)
         denom = max(1.0, float(r.abs().max()))
+        # The program as written, evaluated in fp32, may itself stray this far from fp64
+        # (a softmax gradient at scores of ~1e4: 8.5e-4 of its largest value, a score_mod
+        # doubling them): a kernel accumulating in fp32 in another order is allowed
+        # FP32_SLACK times that where it is looser than the dtype's tolerance.
+        r32 = torch.where(held, ref32[name].double().cpu(), 0.0)
+        tol = max(tol, FP32_SLACK * float((r32 - r).abs().max()) / denom)
         bad = ~torch.isfinite(c) | ((r - c).abs() > tol * denom)
         if bool(bad.any()):
             k = int(torch.nonzero(bad.flatten())[0])
