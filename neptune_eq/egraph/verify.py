@@ -36,14 +36,19 @@ _SYM_BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lamb
                "lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge,
                "eq": sympy.Eq, "ne": sympy.Ne, "and": sympy.And, "or": sympy.Or}
 _SYM_LOGIC = ("eq", "ne", "and", "or")  # (sympy takes booleans there as they are)
+_CONDITIONS = ("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not")
 
 
-def _number(x: sympy.Basic) -> sympy.Basic:
-    """``x``, or a condition as the number torch makes of it in arithmetic (``score *
-    (kv_idx <= q_idx)``): 1 where it holds, else 0."""
-    if isinstance(x, sympy.logic.boolalg.Boolean):
-        return sympy.Piecewise((1, x), (0, True))
-    return x
+def _number(t: Term, subst: dict, positive: bool) -> sympy.Basic:
+    """An operand of arithmetic in sympy.  A condition there is the 0 or 1 torch makes of
+    it (``score * (kv_idx <= q_idx)``): an opaque symbol where it reads no running value
+    (as index arithmetic is; a Piecewise there sent simplify into an expansion that
+    filled memory), else no algebraic form."""
+    if t.op not in _CONDITIONS:
+        return to_sympy(t, subst, positive)
+    if _reads_running(t):
+        raise NotAlgebraic(f"{t.op} used as a number")
+    return _opaque(t)
 
 
 # Integer index arithmetic (masks: batchify, dilated windows, NATTEN, Morton codes) has no
@@ -95,12 +100,11 @@ def to_sympy(t: Term, subst: dict[str, sympy.Symbol] | None = None, positive=Fal
         name = re.sub(r"\W+", "_", str(t)).strip("_") or "v"
         return sympy.Symbol(name, real=True, positive=positive or None)
     if t.op in _SYM_UNARY:
-        return _SYM_UNARY[t.op](_number(to_sympy(t.args[0], subst, positive)))
+        return _SYM_UNARY[t.op](_number(t.args[0], subst, positive))
     if t.op in _SYM_BINARY:
-        args = [to_sympy(a, subst, positive) for a in t.args]
-        if t.op not in _SYM_LOGIC:  # a comparison in arithmetic counts 1 or 0, as in torch
-            args = [_number(a) for a in args]
-        return _SYM_BINARY[t.op](*args)
+        if t.op in _SYM_LOGIC:
+            return _SYM_BINARY[t.op](*(to_sympy(a, subst, positive) for a in t.args))
+        return _SYM_BINARY[t.op](*(_number(a, subst, positive) for a in t.args))
     if t.op in _OPAQUE_INDEX_OPS and not _reads_running(t):
         return _opaque(t)
     if t.op == "where":
@@ -194,8 +198,11 @@ def _unbounded_exp(body: Term, corr: Term, max_producers: frozenset[str]) -> str
         if not_max:
             return f"exp reads the running value of {not_max[0]}, which is not a maximum"
         syms = {r: sympy.Symbol(f"{r}_run", real=True) for r in running}
-        expo = to_sympy(n.args[0], {**{f"run:{r}": s for r, s in syms.items()},
-                                    **{f"prev:{r}": s for r, s in syms.items()}})
+        try:
+            expo = to_sympy(n.args[0], {**{f"run:{r}": s for r, s in syms.items()},
+                                        **{f"prev:{r}": s for r, s in syms.items()}})
+        except NotAlgebraic as e:  # (not shown bounded: refused, as unbounded)
+            return f"exp's exponent has no algebraic form ({e})"
         for r, s in syms.items():
             slope = sympy.diff(expo, s)
             if not (slope.is_number and slope <= 0):
