@@ -1,6 +1,6 @@
 """A call's first launch dependent on the kernel before it in the stream, off against on,
 in one process (``NEPTUNE_EQ_PDL_FIRST``, or the switch ``--env`` names;
-``lowering/dependent_launch.WAIT_LINES``).
+``lowering/dependent_launch.wait_then_release``).
 
 For each operator of ``bench/neptune_ops.py`` and length, the bench builds the launcher
 the chosen config runs with twice -- the first launch plain, and dependent (its kernel

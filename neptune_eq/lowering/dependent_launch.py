@@ -29,7 +29,7 @@ PDL_FLAG = "PDL"
 # Where the GPU can, the first of a call's two or more launches -- the summary pre-pass,
 # or split-k's partials -- is launched dependent on whatever kernel ran before it in the
 # stream (another operator's, or this operator's last call), and waits for it as its first
-# statement (``WAIT_LINES``; ``release_first(wait=True)``, ``summary_kernel``): its launch
+# statement, then releases its dependent (``wait_then_release``): its launch
 # and the grid's set-up overlap that kernel's last programs, and nothing of it runs before
 # that kernel has finished and its writes are visible.  Measured on an H200 (session 56,
 # ``bench/probe/first_launch.py``, ``bench/prepass_pdl.py --toggle first``), 20 calls
@@ -39,15 +39,11 @@ PDL_FLAG = "PDL"
 # left plain: there it gained 0.15-0.2 us back to back but lost 0.2-0.55 us after a torch
 # kernel, in every pass (causal and ALiBi decode at 2048 and 8192).
 # ``NEPTUNE_EQ_PDL_FIRST=0`` launches it plainly (the wait then returns at once).
-WAIT_LINES = [f"    if {PDL_FLAG}:  # launched dependent: wait for the kernel before it "
-              "in the stream",
-              "        tl.extra.cuda.gdc_wait()"]
-
-
 def wait_then_release() -> list[str]:
-    """A first launch's opening statements where its one dependent reads what it writes and
-    waits for it (the pre-pass, a dynamic walk's ranges kernel): wait for the kernel
-    before, then release the next launch."""
+    """A first launch's opening statements (the pre-pass, split-k's partials, a dynamic
+    walk's ranges kernel), whose dependent waits before reading what it writes: wait for
+    the kernel before, then release the next launch -- released before the wait, the
+    dependent could read inputs the kernel before is still writing."""
     return [f"    if {PDL_FLAG}:", "        tl.extra.cuda.gdc_wait()",
             "        tl.extra.cuda.gdc_launch_dependents()"]
 
@@ -66,12 +62,10 @@ def release_first(kernel: list[str], wait: bool = False) -> list[str]:
     of each with no stall (``bench/probe/decode_trigger.py``).  Session 24 had reverted
     this signal after three stalled runs on an H100 whose cause was not found."""
     at = kernel.index("):") + 1
-    release = [f"    if {PDL_FLAG}:  # dependents may launch now: they wait "
-               "for this grid to finish",
-               "        tl.extra.cuda.gdc_launch_dependents()"]
-    # A first launch (``wait``) releases only after its own wait: released before it, its
-    # dependent could read inputs the kernel before this one is still writing
-    return kernel[:at] + (WAIT_LINES if wait else []) + release + kernel[at:]
+    opening = wait_then_release() if wait else [  # (``wait``: the call's first launch)
+        f"    if {PDL_FLAG}:  # dependents may launch now: they wait for this grid to finish",
+        "        tl.extra.cuda.gdc_launch_dependents()"]
+    return kernel[:at] + opening + kernel[at:]
 
 
 def wait_before_reads(body: list[str], written: list[str]) -> list[str]:

@@ -85,7 +85,7 @@ def first_launch_dependent(ks, dependent: bool) -> bool:
     """Whether the first of a call's launches of ``ks`` may be launched dependent on the
     kernel before it in the stream: where the GPU can (``dependent``, ``dependent_launch``),
     where that kernel waits for it first thing (``KernelSource.waits_first``,
-    ``lowering.dependent_launch.WAIT_LINES``), and unless ``NEPTUNE_EQ_PDL_FIRST=0``."""
+    ``lowering.dependent_launch.wait_then_release``), and unless ``NEPTUNE_EQ_PDL_FIRST=0``."""
     return (dependent and getattr(ks, "waits_first", False)
             and os.environ.get("NEPTUNE_EQ_PDL_FIRST", "1") != "0")
 

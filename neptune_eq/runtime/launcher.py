@@ -170,7 +170,7 @@ class Launcher:
         self.pdl = bool(self.ks.prepass) and dependent
         # ... and a call's first of two or more launches (the pre-pass, split-k's partials)
         # on whatever kernel ran before it in the stream, which it waits for first thing
-        # (``lowering/dependent_launch.WAIT_LINES``: measured there)
+        # (``lowering/dependent_launch.wait_then_release``: measured there)
         self.pdl_first = (first_launch_dependent(self.ks, dependent)
                           and (bool(self.ks.prepass) or not self.config.fused))
         # The combine after the partials is compiled to wait for them and launched
