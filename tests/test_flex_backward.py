@@ -510,3 +510,28 @@ def test_a_learnable_per_key_bias_longer_than_the_keys():
     assert "tl.dot(" not in ks.source and ks.row_extent == 3
     configs = candidate_configs(ks, "cuda")
     assert configs and all(c.blocks["B_y"] == 4 and c.blocks["B_L"] <= 64 for c in configs)
+
+
+def test_a_learnable_table_read_at_queries_and_at_keys():
+    """``score + t[q_idx] - 2·t[kv_idx]`` with 9 queries, 13 keys and a 16-entry table:
+    the table is not cut to one length, so its gradient reads ``g_s`` through the
+    ``where(q == m)`` form (it raised an ExtentError), and its kernel loads ``t[q]`` and
+    ``t[kv]`` as two tiles -- both pad to 16, but their masks differ (one load served
+    both, and the gradient was wrong by 1.0, which translation validation then passed:
+    it ran the kernel only on the large-magnitude inputs, where the softmax is one-hot
+    and this gradient ~0)."""
+    torch.manual_seed(0)
+    t = torch.randn(16, requires_grad=True)
+
+    def both(s, b, h, i, j):
+        return s + t[i] - 2 * t[j]
+    q, k, v = (torch.randn(2, 2, n, 16, requires_grad=True) for n in (9, 13, 13))
+    out = ne.flex_attention(q, k, v, score_mod=both)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, t), g)
+    ins = [x.detach().double().requires_grad_() for x in (q, k, v, t)]
+    ref_out, _ = reference(*ins[:3], lambda s, i, j: s + ins[3][i] - 2 * ins[3][j])
+    ref = torch.autograd.grad(ref_out, ins, g.double())
+    for a, r in zip(got, ref):
+        assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
+    assert torch.all(got[3][13:] == 0)

@@ -107,6 +107,22 @@ def test_a_wrong_kernel_is_caught_by_translation_validation(monkeypatch):
         ne.superoptimize(examples.softmax(3, 20), target="interpreter", cache=False)
 
 
+def test_a_kernel_wrong_only_on_normal_inputs_is_caught(monkeypatch):
+    """The large-magnitude inputs make a softmax one-hot, and a gradient through its
+    scores ~0 there: a kernel wrong only where values are ordinary must still be caught
+    (a backward's table gradient, wrong by 1.0, passed when only those inputs ran)."""
+    import neptune_eq.api as api
+    real = api._run_small_kernel
+
+    def wrong_at_normal_scale(p, sizes, data, *how):
+        out = real(p, sizes, data, *how)
+        ordinary = max(float(v.abs().max()) for v in data.values() if v.is_floating_point()) < 10
+        return {k: v * 1.05 if ordinary else v for k, v in out.items()}
+    monkeypatch.setattr(api, "_run_small_kernel", wrong_at_normal_scale)
+    with pytest.raises(ne.TranslationValidationError, match="normal inputs"):
+        ne.superoptimize(examples.softmax(3, 20), target="interpreter", cache=False)
+
+
 def test_validation_runs_at_shrunk_sizes_and_is_reported_in_the_trace():
     kern = ne.superoptimize(examples.attention(1, 2, 40, 72, 32, "float32"), target="interpreter",
                             cache=False)

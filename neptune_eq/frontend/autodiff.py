@@ -333,7 +333,12 @@ class _Builder:
         bind: dict[str, Term] = {}
         conds: list[Term] = []
         for ix, tgt in zip(idx, targets):
-            if ix.op == "var" and ix.val in ren.values() and ix.val not in bind:
+            # A read at a loop variable binds it to the target axis -- only where the two
+            # have one extent: a 64-entry table read at 37 queries (``t[q_idx]`` where the
+            # table was not cut to L, as when it is read at q and kv of other lengths)
+            # takes the ``where(q == m)`` form below, as a computed index does.
+            if (ix.op == "var" and ix.val in ren.values() and ix.val not in bind
+                    and self.extents[ix.val] == self.extents[tgt]):
                 bind[ix.val] = var(tgt)
             else:
                 conds.append(Term("eq", (ix, var(tgt))))

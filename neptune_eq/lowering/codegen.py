@@ -319,10 +319,13 @@ class Emitter:
         """A load's identity up to the names of whole axes of equal extent: the backward's
         ``dO[i, e]``, ``dO[i, e']`` and ``dO[i, e'']`` (one per sum the adjoint wrote) are
         one tile of memory, and Triton does not merge loads.  Whole axes of one extent have
-        identical offsets and masks, so one load serves every name."""
+        identical offsets and masks, so one load serves every name -- of one *extent*, not
+        one padded block: ``t[i]`` and ``t[j]`` over 9 and 13 entries both pad to 16, but
+        their masks differ (a backward reading a table at queries and keys was wrong)."""
         def canon(a: Term) -> Term:
             if a.op == "var" and a.val in self.plan.whole_axes and self.env.get(a.val) == a.val:
-                return Term("var", (), f"#whole{self.plan.whole_axes[a.val]}")
+                extent = self.p.extents[a.val]
+                return Term("var", (), f"#whole{self.plan.whole_axes[a.val]}:{extent}")
             return a.map_args(canon)
         return (t.val, tuple(canon(a) for a in t.args))
 
