@@ -5,6 +5,7 @@ decode.  Small shapes: the kernels run in the Triton interpreter."""
 import math
 import re
 
+import pytest
 import torch
 
 import neptune_eq as ne
@@ -512,20 +513,25 @@ def test_a_learnable_per_key_bias_longer_than_the_keys():
     assert configs and all(c.blocks["B_y"] == 4 and c.blocks["B_L"] <= 64 for c in configs)
 
 
-def test_a_learnable_table_read_at_queries_and_at_keys():
-    """``score + t[q_idx] - 2·t[kv_idx]`` with 9 queries, 13 keys and a 16-entry table:
-    the table is not cut to one length, so its gradient reads ``g_s`` through the
-    ``where(q == m)`` form (it raised an ExtentError), and its kernel loads ``t[q]`` and
-    ``t[kv]`` as two tiles -- both pad to 16, but their masks differ (one load served
+@pytest.mark.parametrize("lq", [9, 13])
+def test_a_learnable_table_read_at_queries_and_at_keys(lq):
+    """``score + t[q_idx] - 2·t[kv_idx]`` with a 16-entry table and 13 keys.
+
+    9 queries: the table is not cut to one length, so its gradient reads ``g_s`` through
+    the ``where(q == m)`` form (it raised an ExtentError), and its kernel loads ``t[q]``
+    and ``t[kv]`` as two tiles -- both pad to 16, but their masks differ (one load served
     both, and the gradient was wrong by 1.0, which translation validation then passed:
     it ran the kernel only on the large-magnitude inputs, where the softmax is one-hot
-    and this gradient ~0)."""
+    and this gradient ~0).  13 queries (self-attention): the table is cut to S and its
+    gradient adds a partial per query (summed over keys) and one per key (summed over
+    queries); one kernel holding both could not be built at any size, each is now a
+    kernel of its own (``flex_backward._partial_pieces``)."""
     torch.manual_seed(0)
     t = torch.randn(16, requires_grad=True)
 
     def both(s, b, h, i, j):
         return s + t[i] - 2 * t[j]
-    q, k, v = (torch.randn(2, 2, n, 16, requires_grad=True) for n in (9, 13, 13))
+    q, k, v = (torch.randn(2, 2, n, 16, requires_grad=True) for n in (lq, 13, 13))
     out = ne.flex_attention(q, k, v, score_mod=both)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v, t), g)

@@ -58,6 +58,12 @@ def finish_gradient(g, rows: int, heads_per_kv: int | None):
     return g
 
 
+def add_gradient(got: dict, name: str, g) -> None:
+    """``got[name]``, or its sum with ``g``: a gradient computed by several kernels (a
+    captured table read at queries and at keys, ``flex_backward._partial_pieces``)."""
+    got[name] = g if name not in got else got[name] + g
+
+
 def as_input_dtype(g, t):
     """``g`` in the dtype of the input ``t`` it is the gradient of (no op when it is)."""
     return g if g is None or g.dtype == t.dtype else g.to(t.dtype)
@@ -108,7 +114,7 @@ class BackwardPlan:
                 env.update(zip(st.outputs, res))
                 continue
             for name, g in zip(st.outputs, res):
-                got[name] = finish_gradient(g, st.rows, st.expanded.get(name))
+                add_gradient(got, name, finish_gradient(g, st.rows, st.expanded.get(name)))
         return [as_input_dtype(got.get(n), t) for n, t in zip(names, tensors)]
 
 

@@ -57,6 +57,8 @@ class Structure:
     program: object = None             # the plain forward program (its backward derives from it)
     backward: dict = field(default_factory=dict)  # input name -> backward Kernel (flex_backward)
     row_kernels: dict = field(default_factory=dict)  # program -> row-dot kernel (flex_backward)
+    # (input names, shared, lse grad?) -> kernels summed for one gradient (pieces_of)
+    backward_pieces: dict = field(default_factory=dict)
     # (lse grad?, size bucket) -> (fused?, timed there?) (flex_backward.fused_is_faster)
     backward_form: dict = field(default_factory=dict)
     # (captured position, dim, size name) of each captured dim named by a size (fit_captured)

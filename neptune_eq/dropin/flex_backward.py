@@ -39,7 +39,8 @@ UNSEEN_ROW_SHIFT = -MASKED  # s − m <= −1e30 on a row with no visible key: P
 
 
 def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str, int],
-                    shared: bool = False, lse_grad: bool = True, example: dict | None = None):
+                    shared: bool = False, lse_grad: bool = True, example: dict | None = None,
+                    piece: int = 0):
     """The superoptimized backward kernel of structure ``st`` for the inputs ``wrt`` (one
     kernel computes all of them: ``("k", "v")`` share the recomputed P in one loop).
 
@@ -51,16 +52,24 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
     ``example``: the call's tensors by input name, which a first build times its tile
     configs on.  Returns (backward, kernel, rows, expanded, stats, pre): ``pre`` is the
     (backward, kernel) that computes the row statistics first, for the fused group and
-    dQ's.""" 
-    key = (wrt, shared, lse_grad)
+    dQ's.  ``piece``: which of a gradient's kernels (``pieces_of``).""" 
+    key = (wrt, shared, lse_grad) + ((piece,) if piece else ())
     if key not in st.backward:
         with st.lock:
             if key not in st.backward:
-                st.backward[key] = _build_backward(st, wrt, sizes, shared, lse_grad, example)
+                st.backward[key] = _build_backward(st, wrt, sizes, shared, lse_grad, example,
+                                                   piece)
     return st.backward[key]
 
 
-def _build_backward(st, wrt, sizes, shared, lse_grad, example=None):
+def pieces_of(st, wrt: tuple[str, ...], shared: bool, lse_grad: bool) -> int:
+    """How many kernels compute ``wrt``'s gradient (``_partial_pieces``), known once its
+    first is built: 1, or one per row-wise partial of a captured tensor read along two
+    row roles (``t[q_idx]`` and ``t[kv_idx]``)."""
+    return st.backward_pieces.get((wrt, shared, lse_grad), 1)
+
+
+def _build_backward(st, wrt, sizes, shared, lse_grad, example=None, piece: int = 0):
     program, expanded = _grouped_reads_expanded(st.program, wrt)
     bw = backward_program(program, list(wrt), saved=SAVED, constant=("mx",))
     bw = _grouped_inputs_shared(bw, st.program, expanded)
@@ -98,7 +107,9 @@ def _build_backward(st, wrt, sizes, shared, lse_grad, example=None):
     if fused:
         bw = with_fp32_output(bw, "d_q", "summed over key blocks by atomic adds in the "
                               "dK/dV loop (FlashAttention-2): no second kernel recomputing P, dP")
-    bw, rows = _partial_only(bw, wrt)
+    pieces = _partial_pieces(bw, wrt)
+    st.backward_pieces[(wrt, shared, lse_grad)] = len(pieces)
+    bw, rows = pieces[piece]
     kern = _superoptimize(st, bw, wrt, sizes, example)
     return bw, kern, rows, expanded, stats, pre
 
@@ -219,7 +230,10 @@ def group_kernels(st, groups, sizes, lse_grad: bool, env: dict):
     computed).  Where a dQ and a dK/dV kernel both run they share the row statistics."""
     shared = ("q",) in groups and any(g[0] in ("k", "v") for g in groups)
     for g in groups:
-        yield g, backward_kernel(st, g, sizes, shared and g[0] in ("q", "k", "v"), lse_grad, env)
+        sh = shared and g[0] in ("q", "k", "v")
+        yield g, backward_kernel(st, g, sizes, sh, lse_grad, env)
+        for piece in range(1, pieces_of(st, g, sh, lse_grad)):  # (summed by the caller)
+            yield g, backward_kernel(st, g, sizes, sh, lse_grad, env, piece)
 
 
 def fused_group(wrt: tuple[str, ...]) -> bool:
@@ -326,6 +340,47 @@ def gradient_groups(names: list[str], needs: list[bool],
     return main + [(n,) for n in want if n not in ("q", "k", "v")]
 
 
+def _partial_pieces(bw, wrt: tuple[str, ...]) -> list:
+    """[(backward, rows)] of ``_partial_only``: one entry, or, where a captured tensor's
+    gradient adds partials of different row roles -- ``t[q_idx]`` summed over the keys
+    per query and ``t[kv_idx]`` over the queries per key -- one per partial.  One kernel
+    holding both tiled neither (its tile spanned queries and keys whole); each alone is
+    the row-wise reduction ``_partial_only`` computes, and their sum is a torch add."""
+    grad = bw.program.definition("d_" + wrt[0]) if len(wrt) == 1 else None
+    terms = _added(grad.body) if grad is not None else []
+    if len(terms) < 2:
+        return [_partial_only(bw, wrt)]
+    pieces, roles = [], set()
+    for term in terms:
+        prog = bw.program.with_defs(
+            d.__class__(d.name, d.axes, term, d.dtype) if d is grad else d
+            for d in bw.program.defs)
+        one = type(bw)(prog, bw.wrt, bw.saved, bw.cotangents)
+        piece = _partial_only(one, wrt)
+        if not piece[1]:  # a term that is not a row-wise partial: keep them in one kernel
+            return [_partial_only(bw, wrt)]
+        pieces.append(piece)
+        roles.add(_loop_role(piece[0].program))
+    # partials looping over the same axis of what they read (``where(q == m)`` forms, a
+    # table not cut to one length) share one kernel's loop: kept together
+    return pieces if len(roles) > 1 else [_partial_only(bw, wrt)]
+
+
+def _loop_role(prog) -> frozenset:
+    """Where the one output's reduction variable indexes what it reads: {(name, dim)}."""
+    part = prog.definition(prog.outputs[0])
+    if part.body.op != "sum":
+        return frozenset()
+    v = part.body.val
+    return frozenset((t.val, k) for t in part.body.walk() if t.op in ("ref", "load")
+                     for k, a in enumerate(t.args) if a.op == "var" and a.val == v)
+
+
+def _added(t) -> list:
+    """The terms of a sum ``a + b + …``."""
+    return _added(t.args[0]) + _added(t.args[1]) if t.op == "add" else [t]
+
+
 def _partial_only(bw, wrt: tuple[str, ...]):
     """A captured tensor's gradient is ``d_X[t…] = Σ_rows p[t…, rows…]`` over a row-wise
     partial ``p`` (autodiff keeps the forward's rows).  The kernel computes the partial --
@@ -388,7 +443,8 @@ def run_backward(skey: str, q, k, v, captured: list, out, lse, d_out, d_lse, nee
         res = res if isinstance(res, tuple) else (res,)
         rec.gradients(kern, inputs, args, group, rows, expanded)
         for name, g in zip(group, res):
-            got[name] = backward_plan.finish_gradient(g, rows, expanded.get(name))
+            backward_plan.add_gradient(got, name, backward_plan.finish_gradient(
+                g, rows, expanded.get(name)))
     backward_plan.keep(key, rec)
     return [backward_plan.as_input_dtype(got.get(n), t) for n, t in zip(names, tensors)]
 
