@@ -78,6 +78,24 @@ def test_causal_softcap_gqa_and_a_fully_masked_row():
     assert bw.program.shape_of("d_k")[1] == 4
 
 
+def test_a_mod_reading_the_score_twice_sums_one_score_tile():
+    """``score * sigmoid(score)``: the product rule sends a cotangent to each read of the
+    raw score.  Copied as terms, each copy of ``Σ_d q·k`` got its own reduce axis, so dK
+    and dQ were two sums each recomputing the scores, no tile config compiled on an H200
+    at S = 200 ([rows, keys, head dim] products); the raw score is now one definition
+    the gradients read (``autodiff._repeated_reductions_named``): one sum, on the tensor
+    cores."""
+    def gate(score, b, h, i, j):
+        return score * torch.sigmoid(score)
+    check(1, 2, 2, 7, 11, 16, gate, None, lambda s, i, j: s * torch.sigmoid(s))
+    st = next(s for s in flex.STRUCTURES.values() if "exp(-" in s.text
+              and any(key[0][:2] == ("k", "v") for key in s.backward))
+    bw = next(b[0] for key, b in st.backward.items() if key[0][:2] == ("k", "v"))
+    d_k = bw.program.definition("d_k")
+    assert d_k.body.op == "sum" and "ref" in {t.op for t in d_k.body.walk()}
+    assert sum(t.kind == "reduce" for t in d_k.body.walk()) == 1
+
+
 def test_integer_softcap_gradients_and_gpu_sources():
     """A softcap written with integers (``tanh(s / 30) * 30``, as users do): its backward
     derives constants such as ``30 / 30`` in int arithmetic.  The GPU form of every ranked

@@ -1,7 +1,7 @@
 """Unusual FlexAttention mods and inputs through ``ne.flex_attention``, forward and
 backward, against an fp64 dense reference evaluated from the same mods.
 
-    python bench/probe/mod_battery.py [--device cuda] [--L 37 --S 53] [--out DIR]
+    python bench/probe/mod_battery.py [--device cuda] [--L 37 --S 53] [--only NAME ...] [--out DIR]
 
 The CPU tests cover each case at interpreter sizes; this runs them where the kernels
 are the GPU's (Gluon / TMA forms, tensor-core products, other tile configs) and at odd
@@ -87,12 +87,15 @@ def main():
     ap.add_argument("--S", type=int, default=53)
     ap.add_argument("--E", type=int, default=64)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--only", nargs="*", default=None, help="cases whose name has one of these")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     bound = {"float32": 2e-4, "float16": 2e-2, "bfloat16": 6e-2}
     rows, bad = [], 0
     for dt in a.dtypes:
         for name, hq, hkv, make, tables in cases(a.L, a.S, a.device):
+            if a.only and not any(o in name for o in a.only):
+                continue
             t0 = time.perf_counter()
             try:
                 errs = run_case(name, hq, hkv, make, tables, 2, a.L, a.S, a.E,

@@ -95,7 +95,37 @@ def backward_program(p: Program, wrt, *, saved=None, constant=()) -> Backward:
             if t.kind == "fold" or t.op in ("run", "prev"):
                 raise ProgramError(f"{d.name}: differentiate the plain program, not a fused one "
                                    f"(found {t.op}); pass kern.input_program.")
-    return _Builder(p, wrt, saved, frozenset(constant)).build()
+    return _Builder(_repeated_reductions_named(p), wrt, saved, frozenset(constant)).build()
+
+
+def _repeated_reductions_named(p: Program) -> Program:
+    """``p`` with each reduction a definition's body reads twice or more (the raw score
+    of ``s = r·sigmoid(r)``, ``r = Σ_d q·k``) made a definition of its own, read by ref.
+    The product rule sends a cotangent to each occurrence with the other factor copied
+    in; copied as a term, each copy of ``r`` gets its own reduce axis (a new sum per
+    term), the rules never see them as one score tile, and the lowering built [rows,
+    keys, head dim] products that no GPU config compiled.  A ref is one value: the
+    backward recomputes it once per tile, as it does ``s``.  Only a reduction over all of
+    the definition's own axes is named (a tile of the same shape)."""
+    defs, changed = [], False
+    for d in p.defs:
+        seen: dict[Term, int] = {}
+        for t in d.body.walk():
+            if t.kind == "reduce":
+                seen[t] = seen.get(t, 0) + 1
+        body = d.body
+        for k, r in enumerate(t for t, n in seen.items() if n > 1 and t is not d.body
+                              and ir.free_axes(t) == frozenset(d.axes)):
+            name = f"{d.name}_r{k}"
+            defs.append(Definition(name, d.axes, r, "float32"))
+            body = _replace(body, r, Term("ref", tuple(var(a) for a in d.axes), name))
+            changed = True
+        defs.append(Definition(d.name, d.axes, body, d.dtype) if body is not d.body else d)
+    return p.with_defs(defs) if changed else p
+
+
+def _replace(t: Term, old: Term, new: Term) -> Term:
+    return new if t == old else t.map_args(lambda a: _replace(a, old, new))
 
 
 # ----------------------------------------------------------------------------------
