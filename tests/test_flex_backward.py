@@ -559,3 +559,17 @@ def test_a_learnable_table_read_at_queries_and_at_keys(lq):
     for a, r in zip(got, ref):
         assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
     assert torch.all(got[3][13:] == 0)
+
+
+def test_a_gradient_of_a_gradient_is_a_clear_error():
+    """No double backward, as FlexAttention: differentiating the gradients says so (was
+    torch's "element 0 of tensors does not require grad"); create_graph=True for a
+    first-order gradient still works, and gives the same values."""
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    (g,) = torch.autograd.grad(ne.flex_attention(q, k, v).sum(), q, create_graph=True)
+    (plain,) = torch.autograd.grad(ne.flex_attention(q, k, v).sum(), q)
+    assert torch.equal(g, plain)
+    with pytest.raises(ne.ProgramError, match="double backward"):
+        torch.autograd.grad(g.sum(), q)
+

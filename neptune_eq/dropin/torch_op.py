@@ -126,7 +126,29 @@ class EagerFlexAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse, d_mx):
         from . import flex_backward
         dq, dk, dv, d_captured, _, _ = flex_backward.backward(ctx, d_out, d_lse, d_mx)
+        if torch.is_grad_enabled():  # create_graph=True: a gradient of these must say why not
+            reach = [t for t in ctx.saved_tensors if t.requires_grad]
+            dq, dk, dv, *d_captured = (None if g is None else _NoDoubleBackward.apply(g, *reach)
+                                       for g in (dq, dk, dv, *d_captured))
         return (dq, dk, dv, None, None, None, *d_captured)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """A gradient returned under ``create_graph=True``, tied to the inputs it depends on:
+    differentiating it again raises a clear error (the derived backward kernels have no
+    backward of their own, as FlexAttention's have none) instead of torch's "element 0
+    of tensors does not require grad"."""
+
+    @staticmethod
+    def forward(ctx, g, *inputs):
+        return g.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise ProgramError("Expected a first-order gradient of ne.flex_attention, got a "
+                           "gradient of its gradient (double backward), which it does not "
+                           "have (as FlexAttention); differentiate a torch reference "
+                           "attention for second-order terms.")
 
 
 # ----------------------------------------------------------------------------------
