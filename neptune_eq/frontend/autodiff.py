@@ -115,13 +115,20 @@ def _repeated_reductions_named(p: Program) -> Program:
                 seen[t] = seen.get(t, 0) + 1
         body = d.body
         for k, r in enumerate(t for t, n in seen.items() if n > 1 and t is not d.body
-                              and ir.free_axes(t) == frozenset(d.axes)):
+                              and ir.free_axes(t) == frozenset(d.axes) and _float_only(p, t)):
             name = f"{d.name}_r{k}"
             defs.append(Definition(name, d.axes, r, "float32"))
             body = _replace(body, r, Term("ref", tuple(var(a) for a in d.axes), name))
             changed = True
         defs.append(Definition(d.name, d.axes, body, d.dtype) if body is not d.body else d)
     return p.with_defs(defs) if changed else p
+
+
+def _float_only(p: Program, t: Term) -> bool:
+    """Whether ``t`` reads float tensors only (named as a float32 definition, an integer
+    sum -- a count -- would change type)."""
+    reads = {n.val for n in t.walk() if n.op in ("load", "ref")}
+    return all(p.dtype_of(n) in ir.FLOAT_DTYPES for n in reads) and bool(reads)
 
 
 def _replace(t: Term, old: Term, new: Term) -> Term:
