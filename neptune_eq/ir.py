@@ -283,6 +283,45 @@ class Program:
         return format_program(self)
 
 
+def split_out(program: Program, pick, dtype: str | None = None) -> Program:
+    """``program`` with the subterms ``pick(d)`` lists in each definition's body made
+    producers of their own -- over the definition's axes they read, named after it and
+    the term's op (``mean_sum``), in ``dtype`` (None: the definition's) -- and read back
+    by ref; the same program when nothing is picked (no copy).  The lowering splits out
+    nested reductions so the rules can fuse them (``lowering.inline``), autodiff a
+    reduction a body reads twice (``frontend.autodiff``)."""
+    taken = {ph.name for ph in program.inputs} | {d.name for d in program.defs}
+    defs: list[Definition] = []
+    changed = False
+    for d in program.defs:
+        table: dict[Term, Term] = {}
+        for t in pick(d):
+            name = _fresh(f"{d.name}_{t.op}", taken)
+            axes = tuple(a for a in d.axes if a in free_axes(t))
+            defs.append(Definition(name, axes, t, dtype or d.dtype))
+            table[t] = Term("ref", tuple(var(a) for a in axes), name)
+        changed |= bool(table)
+        defs.append(Definition(d.name, d.axes, replace_terms(d.body, table), d.dtype)
+                    if table else d)
+    return program.with_defs(defs) if changed else program
+
+
+def replace_terms(t: Term, table: dict[Term, Term]) -> Term:
+    """``t`` with every subterm found in ``table`` replaced by its entry."""
+    if t in table:
+        return table[t]
+    return t.map_args(lambda a: replace_terms(a, table))
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name, k = base, 1
+    while name in taken:
+        k += 1
+        name = f"{base}{k}"
+    taken.add(name)
+    return name
+
+
 def canonical_text(p: Program) -> str:
     """The program's text with reduce axes renamed in order of appearance (r0, r1, …):
     two builds of the same computation get the same text whatever the DSL named the axes."""

@@ -106,33 +106,22 @@ def _repeated_reductions_named(p: Program) -> Program:
     term), the rules never see them as one score tile, and the lowering built [rows,
     keys, head dim] products that no GPU config compiled.  A ref is one value: the
     backward recomputes it once per tile, as it does ``s``.  Only a reduction over all of
-    the definition's own axes is named (a tile of the same shape)."""
-    defs, changed = [], False
-    for d in p.defs:
+    the definition's own axes is named (a tile of the same shape), and only one of float
+    reads (named as a float32 definition, an integer count would change type)."""
+    def repeated(d: Definition) -> list[Term]:
         seen: dict[Term, int] = {}
         for t in d.body.walk():
             if t.kind == "reduce":
                 seen[t] = seen.get(t, 0) + 1
-        body = d.body
-        for k, r in enumerate(t for t, n in seen.items() if n > 1 and t is not d.body
-                              and ir.free_axes(t) == frozenset(d.axes) and _float_only(p, t)):
-            name = f"{d.name}_r{k}"
-            defs.append(Definition(name, d.axes, r, "float32"))
-            body = _replace(body, r, Term("ref", tuple(var(a) for a in d.axes), name))
-            changed = True
-        defs.append(Definition(d.name, d.axes, body, d.dtype) if body is not d.body else d)
-    return p.with_defs(defs) if changed else p
+        return [t for t, n in seen.items() if n > 1 and t is not d.body
+                and ir.free_axes(t) == frozenset(d.axes) and _float_only(p, t)]
+    return ir.split_out(p, repeated, "float32")
 
 
 def _float_only(p: Program, t: Term) -> bool:
-    """Whether ``t`` reads float tensors only (named as a float32 definition, an integer
-    sum -- a count -- would change type)."""
+    """Whether ``t`` reads float tensors, and only them."""
     reads = {n.val for n in t.walk() if n.op in ("load", "ref")}
     return all(p.dtype_of(n) in ir.FLOAT_DTYPES for n in reads) and bool(reads)
-
-
-def _replace(t: Term, old: Term, new: Term) -> Term:
-    return new if t == old else t.map_args(lambda a: _replace(a, old, new))
 
 
 # ----------------------------------------------------------------------------------

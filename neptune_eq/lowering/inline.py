@@ -25,7 +25,7 @@ fold states that are final by then.
 """
 from __future__ import annotations
 
-from ..ir import Definition, Program, ProgramError, Term, free_axes, substitute, var
+from ..ir import Definition, Program, ProgramError, Term, split_out, substitute
 
 
 def loop_level(t: Term):
@@ -37,44 +37,16 @@ def loop_level(t: Term):
         yield from loop_level(a)
 
 
-def _replace(t: Term, table: dict[Term, Term]) -> Term:
-    if t in table:
-        return table[t]
-    return t.map_args(lambda a: _replace(a, table))
-
-
 def isolate_reductions(program: Program) -> Program:
     """``program`` with every reduction nested in a read definition split out into a
     producer of its own; the same program when there is none (no copy)."""
     read = {n.val for d in program.defs for n in d.body.walk() if n.op == "ref"}
-    taken = {ph.name for ph in program.inputs} | {d.name for d in program.defs}
-    defs: list[Definition] = []
-    changed = False
-    for d in program.defs:
-        nested = d.body.kind not in ("reduce", "fold") and (d.name in read
-                                                            or d.name not in program.outputs)
-        tops = list(dict.fromkeys(loop_level(d.body))) if nested else []
-        if not tops:
-            defs.append(d)
-            continue
-        changed = True
-        table: dict[Term, Term] = {}
-        for t in tops:
-            name = _fresh(f"{d.name}_{t.op}", taken)
-            axes = tuple(a for a in d.axes if a in free_axes(t))
-            defs.append(Definition(name, axes, t, d.dtype))
-            table[t] = Term("ref", tuple(var(a) for a in axes), name)
-        defs.append(Definition(d.name, d.axes, _replace(d.body, table), d.dtype))
-    return program.with_defs(defs) if changed else program
 
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, k = base, 1
-    while name in taken:
-        k += 1
-        name = f"{base}{k}"
-    taken.add(name)
-    return name
+    def nested(d: Definition) -> list[Term]:
+        if d.body.kind in ("reduce", "fold") or (d.name not in read and d.name in program.outputs):
+            return []
+        return list(dict.fromkeys(loop_level(d.body)))
+    return split_out(program, nested)
 
 
 def inline_derived(program: Program) -> Program:
