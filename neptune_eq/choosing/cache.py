@@ -66,10 +66,13 @@ def lowering_switches() -> dict:
     """The lowering's module switches (whether a row max is taken before its scale;
     whether a score term linear in the key index splits off a per-block shift; how Gluon
     tiles are walked, how many consumers a program has, whether they take turns, whether
-    each computes only its rows' key blocks, whether the output goes by TMA).  The benches
+    each computes only its rows' key blocks, whether the output goes by TMA; whether an
+    output at a computed index may be added into atomically: not under torch's
+    deterministic algorithms).  The benches
     flip them to A/B a form in one process; a kernel chosen under one setting is not the
     kernel the other emits, so a cache entry must not serve both."""
-    from ..lowering import block_shift, gluon_epilogue, gluon_sums, gluon_tiles, gluon_ws, lower
+    from ..lowering import (block_shift, gluon_epilogue, gluon_sums, gluon_tiles, gluon_ws,
+                            index_scatter, lower)
     return {"max_before_scale": lower.MAX_BEFORE_SCALE, "block_shift": block_shift.ENABLED,
             "ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,
             "ws_dynamic": gluon_ws.DYNAMIC, "ws_pingpong": gluon_ws.PINGPONG,
@@ -79,7 +82,8 @@ def lowering_switches() -> dict:
             "ws_own_blocks": gluon_ws.OWN_BLOCKS, "ws_own_past_rows": gluon_ws.OWN_PAST_ROWS,
             "ws_own_consumers": gluon_ws.OWN_CONSUMERS,
             "ws_tma_store": gluon_epilogue.TMA_STORE,
-            "sums_persistent": gluon_sums.PERSISTENT}
+            "sums_persistent": gluon_sums.PERSISTENT,
+            "index_scatter": index_scatter.allowed()}
 
 
 def _path(key: str) -> Path:

@@ -53,7 +53,8 @@ def backward_kernel(st: "flex.Structure", wrt: tuple[str, ...], sizes: dict[str,
     configs on.  Returns (backward, kernel, rows, expanded, stats, pre): ``pre`` is the
     (backward, kernel) that computes the row statistics first, for the fused group and
     dQ's.  ``piece``: which of a gradient's kernels (``pieces_of``).""" 
-    key = (wrt, shared, lse_grad) + ((piece,) if piece else ())
+    key = (wrt, shared, lse_grad) + ((piece,) if piece else ()) + (
+        ("deterministic",) if _atomics_barred(wrt) else ())
     if key not in st.backward:
         with st.lock:
             if key not in st.backward:
@@ -107,7 +108,7 @@ def _build_backward(st, wrt, sizes, shared, lse_grad, example=None, piece: int =
     if fused:
         bw = with_fp32_output(bw, "d_q", "summed over key blocks by atomic adds in the "
                               "dK/dV loop (FlashAttention-2): no second kernel recomputing P, dP")
-    pieces = _partial_pieces(bw, wrt)
+    pieces = _at_computed_index(bw, wrt) or _partial_pieces(bw, wrt)
     st.backward_pieces[(wrt, shared, lse_grad)] = len(pieces)
     bw, rows = pieces[piece]
     kern = _superoptimize(st, bw, wrt, sizes, example)
@@ -364,6 +365,29 @@ def _partial_pieces(bw, wrt: tuple[str, ...]) -> list:
     # partials looping over the same axis of what they read (``where(q == m)`` forms, a
     # table not cut to one length) share one kernel's loop: kept together
     return pieces if len(roles) > 1 else [_partial_only(bw, wrt)]
+
+
+def _atomics_barred(wrt: tuple[str, ...]) -> bool:
+    """A captured tensor's gradient under ``torch.use_deterministic_algorithms``: no
+    atomic adds (``_at_computed_index``), so its kernel differs."""
+    return not set(wrt) <= {"q", "k", "v"} and torch.are_deterministic_algorithms_enabled()
+
+
+def _at_computed_index(bw, wrt: tuple[str, ...]) -> list:
+    """[(backward, 0)] where the gradient of a table read at a computed index (a
+    relative-position table ``rel[q_idx - kv_idx + n]``) is the whole kernel's output:
+    each score's gradient added into the table where its index points, one pass over the
+    score tiles (``lowering.index_scatter``), in float32.  Tiled as a row-wise partial,
+    every table entry recomputed all the scores.  [] where it is not that form, or where
+    deterministic algorithms bar atomic adds."""
+    from ..lowering import index_scatter
+    if len(wrt) != 1 or _atomics_barred(wrt):
+        return []
+    name = "d_" + wrt[0]
+    wide = with_fp32_output(bw, name, "added into by atomic adds, one per score, at the "
+                            "index the mod computes")
+    found = index_scatter.find(wide.program)
+    return [(wide, 0)] if [sc.name for sc, _ in found] == [name] else []
 
 
 def _loop_role(prog) -> frozenset:

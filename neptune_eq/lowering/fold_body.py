@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from .codegen import _TL_DTYPE, ECOL, LOOP, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
-from .scatter_code import emit_scattered
+from .index_scatter import IndexScattered
+from .scatter_code import emit_index_scattered, emit_scattered
 from .lower import Fold, LoweringError, drop_atoms, replace_folds
 
 
@@ -66,7 +67,10 @@ def loop_body(em: Emitter, k: int, loop_var: str, known: frozenset) -> None:
             rebase = em.bcast(corr, st.axes)
         em.emit(f"{f.name}_new = {fold_update(f.op, f.name, partc, rebase)}")
     for sc in ps.scattered:  # outputs summed over the rows: this block's term, atomically
-        emit_scattered(em, sc, loop_var, atoms)
+        if isinstance(sc, IndexScattered):  # ... or each pair's term at its own index
+            emit_index_scattered(em, sc, loop_var, atoms)
+        else:
+            emit_scattered(em, sc, loop_var, atoms)
     for f in ordered:
         em.emit(f"{f.name} = {f.name}_new")
     em.env.pop(loop_var, None)

@@ -59,6 +59,7 @@ from .fold_body import epilogue, loop_body
 from . import gluon_epilogue
 from .gluon_epilogue import allocation, program_end, tile_store
 from .gluon_form import KEY_BLOCKS, WIDTHS, GluonForm
+from .index_scatter import IndexScattered
 from .gluon_tiles import (ROWS, affine_walk, consumer_blocks, flat_row, gl_lines as _gl, gl_main,
                           grid_order, interior_loops, key_range, persistent_place,
                           pingpong_turns, ranges_kernel, skipped_blocks, source_header,
@@ -243,7 +244,8 @@ def check_scope(plan: TilePlan, scattered_ok: bool = False) -> None:
     (``scattered_ok``: atomically summed outputs are in it, as in ``gluon_sums``)."""
     if plan.split or plan.packed or len(plan.passes) != 1:
         raise LoweringError("The warp-specialised form takes one unsplit, unpacked pass.")
-    if plan.passes[0].scattered and not scattered_ok:
+    if plan.passes[0].scattered and not scattered_ok or any(
+            isinstance(sc, IndexScattered) for ps in plan.passes for sc in ps.scattered):
         raise LoweringError("Scattered (atomically summed) outputs are not in the "
                             "warp-specialised form.")
     if not data_range_form(plan, plan.passes[0]):

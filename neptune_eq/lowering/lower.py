@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ..ir import (MASKED, Program, ProgramError, Term, accessed, free_axes, positive_scale,
                   rename_axis)
-from . import block_shift, scatter
+from . import block_shift, index_scatter, scatter
 from .inline import loop_level, inline_derived
 from .split_plan import why_not_splittable
 
@@ -184,6 +184,9 @@ class TilePlan:
                              "row and block that joins the row max (a·(j − i) = a·c + "
                              "a·(l0 − m0 − r); with a per row, a lane tile a·(c − r))")
             for sc in p.scattered:
+                if isinstance(sc, index_scatter.IndexScattered):
+                    lines.append(sc.describe())
+                    continue
                 lines.append(f"  + {sc.name}[{', '.join(sc.axes)}]: a sum over the rows; each "
                              f"program adds its row block's term atomically per step of the "
                              f"loop, which runs over its {sc.loop_axis} (no second kernel)")
@@ -209,7 +212,14 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     defs = {d.name: d for d in program.defs}
     folds: list[Fold] = []
     state_of: dict[Term, str] = {}
+    # outputs at a computed index (a table's gradient, ``index_scatter``): each one and
+    # the definition it sums ride in a pass as atomic adds, not as folds of their own
+    at_index = index_scatter.find(program)
+    absorbed = {n for sc, p in at_index for n in (sc.name, p) if n}
+    at_index = [sc for sc, _ in at_index]
     for d in program.defs:
+        if d.name in absorbed:
+            continue
         top = list(loop_level(d.body))
         if d.body.kind in ("reduce", "fold"):
             f = Fold(d.name, d.body, d.axes, d.name)
@@ -229,7 +239,7 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
             name = f"{d.name}_f{k}"
             folds.append(Fold(name, t, axes, d.name))
             state_of[t] = name
-    if not folds:
+    if not folds and not at_index:
         raise LoweringError("The program has no reduction; neptune_eq targets chains of "
                             "reductions (use torch for purely elementwise code).")
     # An output reducing over the rows the first output keeps (dQ beside dK) may be
@@ -251,14 +261,14 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
             folds, row_axes = kept, rows  # (a candidate that did not bind stays a fold)
             scattered = [b for b in bound if b is not None]
     if not scattered:
-        row_axes = _row_axes(program, folds)
+        row_axes = _row_axes(program, folds + at_index)
     for f in folds:
         for a in f.state_axes:
             if a not in row_axes:
                 _whole(program, a, f"column axis of {f.name}")
     whole: dict[str, int] = {}
     chunked: set[str] = set()
-    for f in folds + scattered:
+    for f in folds + scattered + at_index:
         for a in f.state_axes:
             if a not in row_axes and a != getattr(f, "loop_axis", None):
                 whole[a] = next_pow2(program.extents[a])
@@ -271,19 +281,21 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
                     chunked.add(n.val)
                 else:
                     _whole(program, n.val, f"inner fold in {f.name}")
-    _assign_passes(program, folds, state_of)
+    _assign_passes(program, folds + at_index, state_of)
     passes: list[Pass] = []
-    for k in range(max(f.pass_index for f in folds) + 1):
+    for k in range(max(f.pass_index for f in folds + at_index) + 1):
         # Folds ready at the same time but reducing over different extents (a contraction
         # over K beside a log-sum-exp over V) cannot share a loop: each extent gets a loop
         # of its own, one after the other.  Folds that read running values share their
         # producer's axis, so a rolling group never splits.
-        level = [f for f in folds if f.pass_index == k]
+        level = [f for f in folds + at_index if f.pass_index == k]
         for extent in dict.fromkeys(program.extents[f.axis] for f in level):
             members = [f for f in level if program.extents[f.axis] == extent]
             # a scattered output rides in its first output's pass; it must vanish
             # wherever the loop skips (the bounds and block tests count it as a member)
             riding = scattered if any(f is g for f in members) else []
+            riding = riding + [f for f in members if f in at_index]
+            members = [f for f in members if f not in at_index]
             lo, hi, atoms = loop_bounds(members + riding, row_axes[-1])
             passes.append(Pass(extent, members, lo, hi, atoms, common_gates(members + riding),
                                riding))
@@ -294,7 +306,7 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
     epilogue, fold_outputs = [], []
     for name in program.outputs:
         d = defs[name]
-        if any(s.name == name for s in scattered):
+        if any(s.name == name for s in scattered + at_index):
             continue
         if name in fold_names:
             fold_outputs.append(next(f for f in folds if f.name == name))
@@ -308,10 +320,11 @@ def plan(program: Program, pack_heads: bool | None = None) -> TilePlan:
         why = why_not_splittable(tp)
         if why:
             raise LoweringError(why)
-        if scattered:
+        if scattered or at_index:
             raise LoweringError("A scattered output accumulates per row block; split-k "
                                 "partials of the same pass are not combined with it.")
-    if pack_heads is not False and program.extents[tp.block_axis] < PACK_ROWS_BELOW:
+    if pack_heads is not False and program.extents[tp.block_axis] < PACK_ROWS_BELOW and \
+            not at_index:  # (its atomic adds address the head axis of the grid)
         tp.packed = _packable_head_axis(tp)
     return tp
 
@@ -321,7 +334,7 @@ def _row_axes(program: Program, folds: list[Fold]) -> tuple[str, ...]:
     order of the output's axes.  A fold without it (Σ_j w[j, e] in a centered matmul)
     must fit in registers and is recomputed by every program."""
     order = list(program.definition(program.outputs[0]).axes) + [
-        a for d in program.defs for a in d.axes]
+        a for d in program.defs for a in d.axes] + [a for f in folds for a in f.state_axes]
     lead = order[0]
     rowed = [f for f in folds if lead in f.state_axes] or folds
     common = set.intersection(*(set(f.state_axes) for f in rowed))

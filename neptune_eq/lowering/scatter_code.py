@@ -39,3 +39,26 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     # 6.86 ms against 6.74 for per-element adds at S=8192 (bench/backward_probe.py,
     # session 13); session 12's fault, first blamed on it, was warp specialisation's)
     em.emit(line)
+
+
+def emit_index_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
+    """Add this block's terms of ``sc`` (``index_scatter.IndexScattered``) into its
+    output, each at its computed index: one atomic add per (row, key) pair of the tile.
+    A pair whose index falls outside the output, or outside the rows and keys, adds
+    nothing (``where(f == m)`` held for no ``m``)."""
+    plan = em.plan
+    j = sc.term.val
+    val = em.f32(em.expr(drop_atoms(rename_axis(sc.term.args[0], j, loop_var), known)))
+    at = em.expr(rename_axis(sc.index, j, loop_var))
+    taxes = em.canon((plan.block_axis, LOOP))
+    if set(val.axes) - set(taxes) or set(at.axes) - set(taxes):
+        raise AssertionError(f"{sc.name}: a term beyond the [rows x keys] tile")  # find()
+    full = f" + tl.zeros({em.shape(taxes)}, tl.int32)"
+    idx = f"({em.bcast(at, taxes)}{full if set(at.axes) != set(taxes) else ''})"
+    off = " + ".join(f"{idx if a == sc.computed else em.bcast(em.expr(Term('var', (), a)), taxes)}"
+                     f" * {sc.name}_s{k}" for k, a in enumerate(sc.axes))
+    m = f"{em.mask(taxes)} & ({idx} >= 0) & ({idx} < {sc.extent})"
+    code = em.bcast(val, taxes)
+    if set(val.axes) != set(taxes):
+        code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
+    em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {code}, mask={m}, sem='relaxed')")

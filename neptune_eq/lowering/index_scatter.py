@@ -1,0 +1,142 @@
+"""Outputs at a computed index: each term added where its index points (a scatter-add).
+
+The gradient of a table read at a computed index -- a relative-position bias
+``rel[q − kv + n]``, T5's buckets ``rel[min(|q − kv|, n)]`` -- comes out of autodiff as
+
+    d[m] = Σ_rows Σ_j [f(rows, j) = m] · X[rows, j]
+
+(``p[m, rows] = Σ_j where(f == m, X, 0)`` summed over the rows by the output).  Tiled as
+written, every table entry ``m`` is a program of its own that recomputes all of ``X``:
+work ∝ table length × L × S.  The sifting identity reads the same sum the other way round:
+
+    Σ_m d[m]·e_m = Σ_{rows, j} X[rows, j] · e_{f(rows, j)}
+
+so one pass over the (rows, j) tiles -- the plan of ``X``, rows blocked and a loop over
+``j`` -- computes each ``X`` tile once and adds it into ``d`` at ``f``, with atomic adds
+(the adds collide where ``f`` repeats: along a diagonal for ``q − kv``).  Pairs whose
+``f`` falls outside ``d`` never met an ``m`` and are dropped; so are masked pairs.
+FlexAttention's backward adds a captured buffer's gradient the same way.
+
+``find`` recognises the form from the program alone (no attention names): an output
+``d[a…] = Σ_{s…} p[…]`` over a definition ``p[b…] = Σ_j where(c, X, 0)`` read by it
+alone, where one conjunct of ``c`` is ``f == m`` with ``m`` an axis of ``p`` that appears
+nowhere else and every other axis of ``p`` an axis of ``d`` or one it sums.  The fp32
+adds arrive in no fixed order (not bitwise deterministic), like ``scatter``'s.
+"""
+from __future__ import annotations
+
+from ..ir import Program, Term, fmt, free_axes
+
+# (the plan's fold protocol: ``name``, ``term``, ``state_axes``, ``owner``,
+# ``pass_index``, ``op``, ``axis``; ``lower.plan`` assigns its pass like a fold's and
+# then lets it ride in that pass as a scattered output)
+
+
+class IndexScattered:
+    """Output ``name`` = Σ over ``state_axes`` (the plan's rows) and the loop axis
+    ``term.val`` of ``term.args[0]``, each term added at ``index`` along the output's
+    axis ``computed``; the output's other axes are state axes (``axes`` names them in
+    the output's order, in the state axes' names)."""
+
+    def __init__(self, name: str, term: Term, state_axes: tuple[str, ...], axes: tuple[str, ...],
+                 computed: str, index: Term, extent: int):
+        self.name, self.term, self.state_axes, self.axes = name, term, state_axes, axes
+        self.computed, self.index, self.extent = computed, index, extent
+        self.owner, self.pass_index, self.loop_axis = name, 0, None
+
+    @property
+    def op(self) -> str:
+        return "sum"
+
+    @property
+    def axis(self) -> str:
+        return self.term.val
+
+    def describe(self) -> str:
+        return (f"  + {self.name}[{', '.join(self.axes)}]: each (row, {self.axis}) term added "
+                f"atomically at {self.computed} = {fmt(self.index)} (Σ_m [f = m]·X[m] = X at "
+                "m = f: one pass over the terms, not one per entry)")
+
+
+def allowed() -> bool:
+    """Whether the form may be taken: not under ``torch.use_deterministic_algorithms``
+    (where several terms meet one entry, fp32 adds in no fixed order are not bitwise
+    reproducible); the lowering then keeps the row-wise form."""
+    import torch  # (the user's switch; read when a plan is made)
+    return not torch.are_deterministic_algorithms_enabled()
+
+
+def find(program: Program) -> list[tuple[IndexScattered, str | None]]:
+    """[(scattered output, the definition it absorbs or None)] of ``program``: an output
+    ``d[a…] = Σ_{s…} Σ_j where(c, X, 0)`` (as extracted: one definition), or
+    ``d[a…] = Σ_{s…} p[…]`` over ``p[b…] = Σ_j where(c, X, 0)`` read by it alone (as
+    autodiff writes it; the rows then take ``p``'s axis names, which the definitions
+    ``X`` reads -- a row statistic -- have too)."""
+    if not allowed():
+        return []
+    uses: dict[str, int] = {}
+    for d in program.defs:
+        for n in d.body.walk():
+            if n.op in ("ref", "run", "prev"):
+                uses[n.val] = uses.get(n.val, 0) + 1
+    out = []
+    for name in program.outputs:
+        d = program.definition(name)
+        if program.dtype_of(name) != "float32":
+            continue  # (atomics accumulate in fp32)
+        body, summed = d.body, []
+        while body.op == "sum":
+            summed.append(body.val)
+            body = body.args[0]
+        if body.op == "where" and summed:  # one definition: the innermost sum is the loop
+            got = _bind(program, name, d.axes, tuple(d.axes) + tuple(summed[:-1]),
+                        list(d.axes) + summed[:-1], summed[-1], body)
+            if got is not None:
+                out.append((got, None))
+            continue
+        if body.op != "ref" or body.val in program.outputs or uses.get(body.val) != 1:
+            continue
+        p = next((x for x in program.defs if x.name == body.val), None)
+        args = body.args
+        if p is None or p.body.op != "sum" or any(a.op != "var" for a in args) or \
+                len({a.val for a in args}) != len(args) or len(args) != len(p.axes):
+            continue
+        names = [a.val for a in args]
+        if set(names) != set(d.axes) | set(summed):
+            continue
+        got = _bind(program, name, d.axes, p.axes, names, p.body.val, p.body.args[0])
+        if got is not None:
+            out.append((got, p.name))
+    return out
+
+
+def _bind(program: Program, name: str, out_axes, axes, names, loop: str,
+          inner: Term) -> IndexScattered | None:
+    """The scattered view of output ``name[out_axes]`` = Σ over the ``axes`` that are not
+    its own and Σ_loop of ``inner``; ``names[k]``: what the output calls ``axes[k]``
+    (its own axis, or one it sums).  None if ``inner`` is not ``where(… & f == m & …, X,
+    0)`` with ``m`` one of the output's axes that only that conjunct reads."""
+    if inner.op != "where" or inner.args[2] != Term("flt", (), 0.0):
+        return None
+    conds = _conjuncts(inner.args[0])
+    for k, c in enumerate(conds):
+        if c.op != "eq":
+            continue
+        for m_side, f in ((c.args[1], c.args[0]), (c.args[0], c.args[1])):
+            if m_side.op != "var" or m_side.val not in axes:
+                continue
+            m = m_side.val
+            body = inner.args[1]
+            for r in reversed(conds[:k] + conds[k + 1:]):
+                body = Term("where", (r, body, Term("flt", (), 0.0)))
+            if m in free_axes(f) or m in free_axes(body) or names[axes.index(m)] not in out_axes:
+                continue
+            rows = tuple(a for a in axes if a != m)
+            own = tuple(axes[names.index(a)] for a in out_axes)
+            return IndexScattered(name, Term("sum", (body,), loop), rows, own, m, f,
+                                  program.extents[m])
+    return None
+
+
+def _conjuncts(c: Term) -> list[Term]:
+    return _conjuncts(c.args[0]) + _conjuncts(c.args[1]) if c.op == "and" else [c]
