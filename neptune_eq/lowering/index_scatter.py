@@ -20,7 +20,8 @@ FlexAttention's backward adds a captured buffer's gradient the same way.
 ``find`` recognises the form from the program alone (no attention names): an output
 ``d[a…] = Σ_{s…} p[…]`` over a definition ``p[b…] = Σ_j where(c, X, 0)`` read by it
 alone, where one conjunct of ``c`` is ``f == m`` with ``m`` an axis of ``p`` that appears
-nowhere else and every other axis of ``p`` an axis of ``d`` or one it sums.  The fp32
+nowhere else, ``f`` moves with ``j``, and every other axis of ``p`` is an axis of ``d``
+or one it sums.  The fp32
 adds arrive in no fixed order (not bitwise deterministic), like ``scatter``'s.
 """
 from __future__ import annotations
@@ -54,8 +55,8 @@ class IndexScattered:
 
     def describe(self) -> str:
         return (f"  + {self.name}[{', '.join(self.axes)}]: each (row, {self.axis}) term added "
-                f"atomically at {self.computed} = {fmt(self.index)} (Σ_m [f = m]·X[m] = X at "
-                "m = f: one pass over the terms, not one per entry)")
+                f"atomically at {self.computed} = {fmt(self.index)} ([f = m]·X holds for one "
+                "m per term: one pass over the terms, not one per entry)")
 
 
 def allowed() -> bool:
@@ -129,8 +130,10 @@ def _bind(program: Program, name: str, out_axes, axes, names, loop: str,
             body = inner.args[1]
             for r in reversed(conds[:k] + conds[k + 1:]):
                 body = Term("where", (r, body, Term("flt", (), 0.0)))
-            if m in free_axes(f) or m in free_axes(body) or names[axes.index(m)] not in out_axes:
-                continue
+            if m in free_axes(f) or m in free_axes(body) or names[axes.index(m)] not in out_axes \
+                    or loop not in free_axes(f):
+                continue  # (an index fixed along the loop -- a per-head slope's
+                # ``where(h == m)`` -- is a row-wise sum: no adds needed)
             rows = tuple(a for a in axes if a != m)
             own = tuple(axes[names.index(a)] for a in out_axes)
             return IndexScattered(name, Term("sum", (body,), loop), rows, own, m, f,

@@ -1,0 +1,135 @@
+"""Outputs at a computed index (``lowering.index_scatter``): a relative-position table's
+gradient, T5's buckets, a cross-correlation -- one pass over the terms, each added where
+its index points, against fp64 references."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import neptune_eq as ne
+from neptune_eq.dropin import flex
+from neptune_eq.lowering import index_scatter
+
+from test_flex_backward import TOL, reference
+
+
+def table_kernels(name: str):
+    """The kernels built for the gradient of captured tensor ``name``."""
+    return [val[1] for st in flex.STRUCTURES.values() for key, val in st.backward.items()
+            if key[0] == (name,)]
+
+
+def check_grads(q, k, v, table, mod, ref_mod, mask=None, ref_mask=None, group=1):
+    out = ne.flex_attention(q, k, v, score_mod=mod, mask_mod=mask, enable_gqa=group > 1)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, table), g)
+    ins = [x.detach().double().requires_grad_() for x in (q, k, v, table)]
+    ref_out, _ = reference(*ins[:3], lambda s, i, j: ref_mod(s, ins[3], i, j),
+                           ref_mask, group=group)
+    ref = torch.autograd.grad(ref_out, ins, g.double())
+    for a, r in zip(got, ref):
+        assert a.shape == r.shape
+        assert (a.double() - r).abs().max().item() <= TOL * max(1.0, r.abs().max().item())
+    return got
+
+
+@pytest.mark.parametrize("lq", [9, 13])
+def test_a_relative_table_gradient_is_one_pass_of_atomic_adds(lq):
+    """``rel[q_idx - kv_idx + 12]`` under a causal mask: its gradient kernel loops over the
+    score tiles once and adds each score's gradient at its diagonal; it used to be one
+    program per table entry recomputing every score (work ~ table x L x S; on an H200 at
+    1024 keys its launch failed)."""
+    torch.manual_seed(0)
+    rel_ix = torch.randn(25, requires_grad=True)
+    q = torch.randn(2, 2, lq, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 13, 16, requires_grad=True) for _ in range(2))
+    got = check_grads(q, k, v, rel_ix, lambda s, b, h, i, j: s + rel_ix[i - j + 12],
+                      lambda s, t, i, j: s + t[i - j + 12],
+                      mask=lambda b, h, i, j: i + (13 - lq) >= j,
+                      ref_mask=lambda i, j: i + (13 - lq) >= j)
+    # entries only masked pairs read get nothing added (visible: lq - 1 <= i - j + 12 <= lq + 11)
+    assert torch.all(got[3][:lq - 1] == 0) and torch.all(got[3][lq + 12:] == 0)
+    assert torch.all(got[3][lq - 1:lq + 12] != 0)
+    kerns = table_kernels("rel_ix")  # (one per lq)
+    for kern in kerns:
+        src = kern.kernel_source.source
+        assert "tl.atomic_add(d_rel_ix_ptr" in src and src.count("tl.dot(") >= 2
+        assert "added atomically at" in kern.explain()
+
+
+def t5_bucket(i, j, buckets=8, max_distance=40):
+    """T5's bidirectional relative bucket: half exact, half log-spaced."""
+    n = (i - j).abs()
+    exact = buckets // 2
+    far = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                   * (buckets - exact)).to(torch.int64)
+    return torch.where(n < exact, n, torch.clamp(far, max=buckets - 1))
+
+
+def test_t5_buckets_per_head_many_scores_meet_one_entry():
+    """A per-head table read at T5's log buckets, with GQA: many scores add into one
+    entry (the adds collide), and the head axis addresses the table's rows."""
+    torch.manual_seed(1)
+    t5_rows = torch.randn(4, 8, requires_grad=True)
+    q = torch.randn(1, 4, 29, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 29, 16, requires_grad=True) for _ in range(2))
+    h_of = torch.arange(4).view(1, 4, 1, 1)
+
+    def ref_mod(s, tt, i, j):
+        return s + tt[h_of, t5_bucket(i, j)]
+    check_grads(q, k, v, t5_rows, lambda s, b, h, i, j: s + t5_rows[h, t5_bucket(i, j)], ref_mod,
+                group=2)
+    (kern,) = table_kernels("t5_rows")
+    assert "tl.atomic_add(d_t5_rows_ptr" in kern.kernel_source.source
+
+
+def test_deterministic_algorithms_keep_the_row_wise_form():
+    """Under ``torch.use_deterministic_algorithms`` the adds (in no fixed order) are
+    barred: the gradient comes from the row-wise partials, as right, with no atomics."""
+    torch.manual_seed(2)
+    rel_det = torch.randn(21, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 11, 16, requires_grad=True) for _ in range(3))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not index_scatter.allowed()
+        check_grads(q, k, v, rel_det, lambda s, b, h, i, j: s + 0.5 * rel_det[j - i + 10],
+                    lambda s, t, i, j: s + 0.5 * t[j - i + 10])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    kerns = [kn for st in flex.STRUCTURES.values() for key, val in st.backward.items()
+             if key[0] == ("rel_det",) and "deterministic" in key for kn in [val[1]]]
+    assert kerns and all("atomic_add" not in kn.kernel_source.source for kn in kerns)
+
+
+def test_a_cross_correlation_is_one_pass():
+    """Nothing here names attention: ``c[m] = Σ_i Σ_j [i − j + 8 = m]·a[i]·b[j]`` (numpy's
+    full correlation, cut to 17 of its 21 entries: the terms that would land past the
+    output are dropped) lowers to rows over i, a loop over j and adds at i − j + 8."""
+    a = ne.placeholder((13,), "float32", "a")
+    b = ne.placeholder((9,), "float32", "b")
+    i, j = ne.reduce_axis(13, "i"), ne.reduce_axis(9, "j")
+    c = ne.compute((17,), lambda m: ne.sum(ne.sum(
+        ne.where(i - j + 8 == m, a[i] * b[j], 0.0), axis=j), axis=i), "c")
+    kern = ne.superoptimize(c, target="interpreter", cache=False)
+    x, y = torch.randn(13), torch.randn(9)
+    want = np.correlate(x.double().numpy(), y.double().numpy(), "full")[:17]
+    assert np.abs(kern(x, y).double().numpy() - want).max() < 1e-5
+    assert "tl.atomic_add(c_ptr" in kern.kernel_source.source
+
+
+def test_what_is_not_the_form():
+    """``m`` read beside its equation, or a narrower output than fp32: not scattered."""
+    a = ne.placeholder((13,), "float32", "a")
+    i, j = ne.reduce_axis(13, "i"), ne.reduce_axis(13, "j")
+
+    def prog(body, dtype="float32"):
+        out = ne.compute((25,), lambda m: ne.sum(ne.sum(body(m), axis=j), axis=i), "c", dtype)
+        return ne.build_program(out)
+    ok = prog(lambda m: ne.where(i - j + 12 == m, a[i] * a[j], 0.0))
+    assert [sc.computed for sc, _ in index_scatter.find(ok)] == ["m"]
+    assert not index_scatter.find(prog(lambda m: ne.where(i - j + 12 == m, a[i] * m, 0.0)))
+    assert not index_scatter.find(prog(lambda m: ne.where(i == m, a[i], 0.0), "float16"))
+    assert not index_scatter.find(prog(lambda m: ne.where(i <= m, a[j], 0.0)))
