@@ -83,7 +83,8 @@ def lowering_switches() -> dict:
             "ws_own_consumers": gluon_ws.OWN_CONSUMERS,
             "ws_tma_store": gluon_epilogue.TMA_STORE,
             "sums_persistent": gluon_sums.PERSISTENT,
-            "index_scatter": index_scatter.allowed()}
+            "index_scatter": index_scatter.allowed(),
+            "histogram_max": index_scatter.HISTOGRAM_MAX}
 
 
 def _path(key: str) -> Path:
