@@ -83,8 +83,7 @@ def lowering_switches() -> dict:
             "ws_own_consumers": gluon_ws.OWN_CONSUMERS,
             "ws_tma_store": gluon_epilogue.TMA_STORE,
             "sums_persistent": gluon_sums.PERSISTENT,
-            "index_scatter": index_scatter.allowed(),
-            "histogram_max": index_scatter.HISTOGRAM_MAX}
+            "index_scatter": index_scatter.allowed()}
 
 
 def _path(key: str) -> Path:

@@ -28,15 +28,6 @@ from __future__ import annotations
 
 from ..ir import Program, Term, fmt, free_axes
 
-import os
-
-# Computed axes at most this long are kept whole in each program's registers
-# (``histogram_axes``), longer ones scattered with atomic adds.  Switches for A/B runs:
-# NEPTUNE_EQ_HISTOGRAM_MAX=0 scatters every one; NEPTUNE_EQ_INDEX_SCATTER=0 takes
-# neither (one program per entry, as before).
-HISTOGRAM_MAX = int(os.environ.get("NEPTUNE_EQ_HISTOGRAM_MAX", "64"))
-ENABLED = os.environ.get("NEPTUNE_EQ_INDEX_SCATTER", "1") != "0"
-
 # (the plan's fold protocol: ``name``, ``term``, ``state_axes``, ``owner``,
 # ``pass_index``, ``op``, ``axis``; ``lower.plan`` assigns its pass like a fold's and
 # then lets it ride in that pass as a scattered output)
@@ -73,7 +64,7 @@ def allowed() -> bool:
     (where several terms meet one entry, fp32 adds in no fixed order are not bitwise
     reproducible); the lowering then keeps the row-wise form."""
     import torch  # (the user's switch; read when a plan is made)
-    return ENABLED and not torch.are_deterministic_algorithms_enabled()
+    return not torch.are_deterministic_algorithms_enabled()
 
 
 def find(program: Program) -> list[tuple[IndexScattered, str | None]]:
@@ -125,24 +116,9 @@ def _bind(program: Program, name: str, out_axes, axes, names, loop: str,
     """The scattered view of output ``name[out_axes]`` = Σ over the ``axes`` that are not
     its own and Σ_loop of ``inner``; ``names[k]``: what the output calls ``axes[k]``
     (its own axis, or one it sums).  None if ``inner`` is not ``where(… & f == m & …, X,
-    0)`` with ``m`` one of the output's axes (longer than ``HISTOGRAM_MAX``)."""
-    for m, f, body in _sifting(inner, axes, loop):
-        if names[axes.index(m)] not in out_axes or program.extents[m] <= HISTOGRAM_MAX:
-            continue
-        rows = tuple(a for a in axes if a != m)
-        own = tuple(axes[names.index(a)] for a in out_axes)
-        return IndexScattered(name, Term("sum", (body,), loop), rows, own, m, f,
-                              program.extents[m])
-    return None
-
-
-def _sifting(inner: Term, axes, loop: str):
-    """(m, f, X) for each way ``inner`` reads ``where(… & f == m & …, X, 0)`` with ``m``
-    one of ``axes`` that only that conjunct reads and ``f`` moving with ``loop`` (an
-    index fixed along the loop -- a per-head slope's ``where(h == m)`` -- is a row-wise
-    sum: nothing to scatter)."""
+    0)`` with ``m`` one of the output's axes that only that conjunct reads."""
     if inner.op != "where" or inner.args[2] != Term("flt", (), 0.0):
-        return
+        return None
     conds = _conjuncts(inner.args[0])
     for k, c in enumerate(conds):
         if c.op != "eq":
@@ -154,25 +130,15 @@ def _sifting(inner: Term, axes, loop: str):
             body = inner.args[1]
             for r in reversed(conds[:k] + conds[k + 1:]):
                 body = Term("where", (r, body, Term("flt", (), 0.0)))
-            if m not in free_axes(f) and m not in free_axes(body) and loop in free_axes(f):
-                yield m, f, body
-
-
-def histogram_axes(program: Program) -> frozenset:
-    """Axes ``m`` of a reduction ``p[…, m, …] = Σ_j where(f == m, X, 0)`` (the form ``find``
-    scatters) at most ``HISTOGRAM_MAX`` long: the plan keeps them whole in registers --
-    a column of the row's state, each key block's terms summed into the entry ``f``
-    points at -- instead of one program per entry recomputing ``X``.  Few entries are
-    where atomic adds collide most (T5's 32 buckets: every tile's adds meet ~32
-    addresses)."""
-    if not allowed():
-        return frozenset()
-    out = set()
-    for d in program.defs:
-        if d.body.op == "sum":
-            out |= {m for m, _, _ in _sifting(d.body.args[0], d.axes, d.body.val)
-                    if program.extents[m] <= HISTOGRAM_MAX}
-    return frozenset(out)
+            if m in free_axes(f) or m in free_axes(body) or names[axes.index(m)] not in out_axes \
+                    or loop not in free_axes(f):
+                continue  # (an index fixed along the loop -- a per-head slope's
+                # ``where(h == m)`` -- is a row-wise sum: no adds needed)
+            rows = tuple(a for a in axes if a != m)
+            own = tuple(axes[names.index(a)] for a in out_axes)
+            return IndexScattered(name, Term("sum", (body,), loop), rows, own, m, f,
+                                  program.extents[m])
+    return None
 
 
 def _conjuncts(c: Term) -> list[Term]:

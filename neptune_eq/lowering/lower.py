@@ -333,13 +333,11 @@ def _row_axes(program: Program, folds: list[Fold]) -> tuple[str, ...]:
     """Row axes: kept by every fold that has the first output's leading axis, in the
     order of the output's axes.  A fold without it (Σ_j w[j, e] in a centered matmul)
     must fit in registers and is recomputed by every program."""
-    held = index_scatter.histogram_axes(program)  # (whole in registers, never rows)
-    order = [a for a in list(program.definition(program.outputs[0]).axes) + [
+    order = list(program.definition(program.outputs[0]).axes) + [
         a for d in program.defs for a in d.axes] + [a for f in folds for a in f.state_axes]
-        if a not in held]
     lead = order[0]
     rowed = [f for f in folds if lead in f.state_axes] or folds
-    common = set.intersection(*(set(f.state_axes) for f in rowed)) - held
+    common = set.intersection(*(set(f.state_axes) for f in rowed))
     row_axes = tuple(dict.fromkeys(a for a in order if a in common))
     if not row_axes:
         raise LoweringError("The folds share no spatial axis to parallelise over; expected "
