@@ -168,7 +168,7 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
             n = iters * row_blocks * grid
             dot, sfu, alu = dot + d * n, sfu + s * n, alu + a * n
             width = math.prod(plan.whole_axes.get(x, 1) for x in sc.axes if x != sc.loop_axis)
-            if getattr(sc, "computed", None):  # at a computed index: one add per pair
+            if getattr(sc, "at", None):  # at a computed index: one add per pair
                 width = block_rows
             atomics += 4.0 * block_keys * width * n
     col_passes = [e for e in plan.epilogue if e.loop_axes]

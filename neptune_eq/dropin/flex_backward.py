@@ -24,17 +24,23 @@ its gradients are zero (never NaN).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import backward_plan, flex
 from ..frontend.autodiff import backward_program
 from ..frontend.backward_forms import (note_prepared, only_outputs, with_constant_input,
+                                       with_spread_output,
                                        with_definition_as_input, with_fp32_output,
                                        with_guarded_reads)
 from ..ir import MASKED, ProgramError
 from ..sizes import bucket_of
 
 SAVED = ("mx", "den", "o")
+# A table of fewer entries than SPREAD_TO (T5's 32 buckets a head) has its gradient's
+# atomic adds spread over up to MAX_COPIES copies by query row (``_at_computed_index``).
+SPREAD_TO, MAX_COPIES = 8192, 64
 UNSEEN_ROW_SHIFT = -MASKED  # s − m <= −1e30 on a row with no visible key: P = 0
 
 
@@ -387,7 +393,17 @@ def _at_computed_index(bw, wrt: tuple[str, ...]) -> list:
     wide = with_fp32_output(bw, name, "added into by atomic adds, one per score, at the "
                             "index the mod computes")
     found = index_scatter.find(wide.program)
-    return [(wide, 0)] if [sc.name for sc, _ in found] == [name] else []
+    if [sc.name for sc, _ in found] != [name]:
+        return []
+    ((sc, part),) = found
+    entries = math.prod(wide.program.shape_of(name))
+    if entries >= SPREAD_TO or part is None:
+        return [(wide, 0)]
+    copies = min(MAX_COPIES, 1 << (-(-SPREAD_TO // entries) - 1).bit_length())
+    spread = with_spread_output(wide, name, part, sc.state_axes[-1], copies, (
+        f"{entries} entries take every score's add: spread by query row over copies, "
+        "summed after the kernel, the adds collide that many times less"))
+    return [(spread, 1)]
 
 
 def _loop_role(prog) -> frozenset:

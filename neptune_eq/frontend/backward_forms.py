@@ -212,3 +212,33 @@ def note_prepared(meta: dict, step: str, why: str) -> dict:
     """``meta`` with ``step`` (and its reason) appended to ``meta["prepared"]``: the forms
     applied before saturation, which ``Kernel.explain`` lists above the derivation."""
     return dict(meta, prepared=[*meta.get("prepared", []), f"{step}: {why}" if why else step])
+
+
+def with_spread_output(bw: Backward, name: str, part: str, row: str, copies: int,
+                       why: str = "") -> Backward:
+    """``bw`` whose output ``name[a…] = Σ_s part[…]``, over ``part[b…] = Σ_j where(c, X,
+    0)``, gains a trailing axis of ``copies`` entries: ``part``'s terms of row ``i`` (its
+    axis ``row``) go to copy ``i mod copies`` (``where(c & (i mod n = r), X, 0)``), so
+    the output is the old one split into ``copies`` parts whose sum (the caller's) is the
+    old one.  Terms added into few entries by atomic adds collide; spread over copies by
+    row they collide ``copies`` times less."""
+    p = bw.program
+    d, q = p.definition(name), p.definition(part)
+    inner = q.body.args[0] if q.body.op == "sum" else None
+    if inner is None or inner.op != "where" or row not in q.axes or name not in p.outputs:
+        raise ProgramError(f"Expected {name} = Σ {part}[…] over {part} = Σ_j where(c, X, 0) "
+                           f"with a row axis {row!r}, got {name} = {d.body}.")
+    rep = ir._fresh("copy", set(p.extents))
+    pick = Term("eq", (Term("mod", (ir.var(row), const(copies))), ir.var(rep)))
+    body = Term("sum", (Term("where", (Term("and", (inner.args[0], pick)), inner.args[1],
+                                        inner.args[2])),), q.body.val)
+    refs = [t for t in d.body.walk() if t.op == "ref" and t.val == part]
+    table = {t: Term("ref", t.args + (ir.var(rep),), part) for t in refs}
+    defs = [Definition(part, q.axes + (rep,), body, q.dtype) if x.name == part else
+            Definition(name, d.axes + (rep,), ir.replace_terms(d.body, table), x.dtype)
+            if x.name == name else x for x in p.defs]
+    prog = Program(list(p.inputs), defs, dict(p.extents, **{rep: copies}), list(p.outputs),
+                   note_prepared(dict(p.meta), f"{name} spread over {copies} copies by row",
+                                 why))
+    ir.validate(prog)
+    return Backward(prog, bw.wrt, bw.saved, bw.cotangents)

@@ -35,14 +35,16 @@ from ..ir import Program, Term, fmt, free_axes
 
 class IndexScattered:
     """Output ``name`` = Σ over ``state_axes`` (the plan's rows) and the loop axis
-    ``term.val`` of ``term.args[0]``, each term added at ``index`` along the output's
-    axis ``computed``; the output's other axes are state axes (``axes`` names them in
-    the output's order, in the state axes' names)."""
+    ``term.val`` of ``term.args[0]``, each term added where ``at`` points: output axis ->
+    its index (the first moves with the loop; others -- a replica picked by the row,
+    ``flex_backward``'s spreading of few entries -- need not); the output's other axes
+    are state axes (``axes`` names them all in the output's order, in the state axes'
+    names); ``extents``: each computed axis's length (an index past it adds nothing)."""
 
     def __init__(self, name: str, term: Term, state_axes: tuple[str, ...], axes: tuple[str, ...],
-                 computed: str, index: Term, extent: int):
+                 at: dict[str, Term], extents: dict[str, object]):
         self.name, self.term, self.state_axes, self.axes = name, term, state_axes, axes
-        self.computed, self.index, self.extent = computed, index, extent
+        self.at, self.extents = at, extents
         self.owner, self.pass_index, self.loop_axis = name, 0, None
 
     @property
@@ -54,9 +56,10 @@ class IndexScattered:
         return self.term.val
 
     def describe(self) -> str:
+        where = ", ".join(f"{a} = {fmt(f)}" for a, f in self.at.items())
         return (f"  + {self.name}[{', '.join(self.axes)}]: each (row, {self.axis}) term added "
-                f"atomically at {self.computed} = {fmt(self.index)} ([f = m]·X holds for one "
-                "m per term: one pass over the terms, not one per entry)")
+                f"atomically at {where} ([f = m]·X holds for one m per term: one pass over "
+                "the terms, not one per entry)")
 
 
 def allowed() -> bool:
@@ -116,29 +119,45 @@ def _bind(program: Program, name: str, out_axes, axes, names, loop: str,
     """The scattered view of output ``name[out_axes]`` = Σ over the ``axes`` that are not
     its own and Σ_loop of ``inner``; ``names[k]``: what the output calls ``axes[k]``
     (its own axis, or one it sums).  None if ``inner`` is not ``where(… & f == m & …, X,
-    0)`` with ``m`` one of the output's axes that only that conjunct reads."""
+    0)`` with ``m`` one of the output's axes that only that conjunct reads and ``f``
+    moving with the loop (an index fixed along the loop -- a per-head slope's
+    ``where(h == m)`` -- is a row-wise sum: no adds needed).  Further conjuncts
+    ``g == r`` of the same kind (``r`` another output axis) are computed axes too."""
     if inner.op != "where" or inner.args[2] != Term("flt", (), 0.0):
         return None
     conds = _conjuncts(inner.args[0])
-    for k, c in enumerate(conds):
+    own = {a for a in axes if names[axes.index(a)] in out_axes}
+
+    def sifting(c: Term, moving: bool):
+        """(axis, index) of conjunct ``c`` read as ``index == axis``, or None."""
         if c.op != "eq":
-            continue
-        for m_side, f in ((c.args[1], c.args[0]), (c.args[0], c.args[1])):
-            if m_side.op != "var" or m_side.val not in axes:
-                continue
-            m = m_side.val
-            body = inner.args[1]
-            for r in reversed(conds[:k] + conds[k + 1:]):
-                body = Term("where", (r, body, Term("flt", (), 0.0)))
-            if m in free_axes(f) or m in free_axes(body) or names[axes.index(m)] not in out_axes \
-                    or loop not in free_axes(f):
-                continue  # (an index fixed along the loop -- a per-head slope's
-                # ``where(h == m)`` -- is a row-wise sum: no adds needed)
-            rows = tuple(a for a in axes if a != m)
-            own = tuple(axes[names.index(a)] for a in out_axes)
-            return IndexScattered(name, Term("sum", (body,), loop), rows, own, m, f,
-                                  program.extents[m])
-    return None
+            return None
+        for side, f in ((c.args[1], c.args[0]), (c.args[0], c.args[1])):
+            if side.op == "var" and side.val in own and side.val not in free_axes(f) and (
+                    loop in free_axes(f) or not moving):
+                return side.val, f
+        return None
+    first = next(((k, got) for k, c in enumerate(conds) for got in [sifting(c, True)] if got),
+                 None)
+    if first is None:
+        return None
+    at = dict([first[1]])
+    rest = conds[:first[0]] + conds[first[0] + 1:]
+    for c in list(rest):
+        got = sifting(c, False)
+        if got and got[0] not in at:
+            at[got[0]] = got[1]
+            rest.remove(c)
+    body = inner.args[1]
+    for r in reversed(rest):
+        body = Term("where", (r, body, Term("flt", (), 0.0)))
+    read = free_axes(body).union(*(free_axes(f) for f in at.values()))
+    if set(at) & read:
+        return None  # a computed axis read beside its equation: not one entry per term
+    rows = tuple(a for a in axes if a not in at)
+    return IndexScattered(name, Term("sum", (body,), loop), rows,
+                          tuple(axes[names.index(a)] for a in out_axes), at,
+                          {a: program.extents[a] for a in at})
 
 
 def _conjuncts(c: Term) -> list[Term]:

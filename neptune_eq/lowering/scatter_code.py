@@ -43,22 +43,29 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
 
 def emit_index_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     """Add this block's terms of ``sc`` (``index_scatter.IndexScattered``) into its
-    output, each at its computed index: one atomic add per (row, key) pair of the tile.
+    output, each at its computed indices: one atomic add per (row, key) pair of the tile.
     A pair whose index falls outside the output, or outside the rows and keys, adds
     nothing (``where(f == m)`` held for no ``m``)."""
     plan = em.plan
     j = sc.term.val
     val = em.f32(em.expr(drop_atoms(rename_axis(sc.term.args[0], j, loop_var), known)))
-    at = em.expr(rename_axis(sc.index, j, loop_var))
     taxes = em.canon((plan.block_axis, LOOP))
-    if set(val.axes) - set(taxes) or set(at.axes) - set(taxes):
+    if set(val.axes) - set(taxes):
         raise AssertionError(f"{sc.name}: a term beyond the [rows x keys] tile")  # find()
-    full = f" + tl.zeros({em.shape(taxes)}, tl.int32)"
-    idx = f"({em.bcast(at, taxes)}{full if set(at.axes) != set(taxes) else ''})"
-    off = " + ".join(f"{idx if a == sc.computed else em.bcast(em.expr(Term('var', (), a)), taxes)}"
-                     f" * {sc.name}_s{k}" for k, a in enumerate(sc.axes))
-    m = f"{em.mask(taxes)} & ({idx} >= 0) & ({idx} < {sc.extent})"
+    idx, inside, covered = {}, [], set()
+    for a in sc.axes:
+        at = em.expr(rename_axis(sc.at[a], j, loop_var) if a in sc.at else Term("var", (), a))
+        if set(at.axes) - set(taxes):
+            raise AssertionError(f"{sc.name}: an index beyond the [rows x keys] tile")
+        covered |= set(at.axes)
+        idx[a] = f"({em.bcast(at, taxes)})"
+        if a in sc.at:
+            inside.append(f"({idx[a]} >= 0) & ({idx[a]} < {sc.extents[a]})")
+    off = " + ".join(f"{idx[a]} * {sc.name}_s{k}" for k, a in enumerate(sc.axes))
+    if covered != set(taxes):  # (atomics broadcast the value to the pointers' shape)
+        off = f"{off} + tl.zeros({em.shape(taxes)}, tl.int32)"
+    m = " & ".join([em.mask(taxes)] + inside)
     code = em.bcast(val, taxes)
-    if set(val.axes) != set(taxes):
+    if set(val.axes) != set(taxes):  # (every pair adds its own term: a full tile)
         code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
     em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {code}, mask={m}, sem='relaxed')")
