@@ -48,6 +48,7 @@ def cases(L: int, S: int, dev: str):
     rel = torch.randn(T, device=dev)
     tab = torch.randn(max(L, S) + 3, device=dev)
     slopes = torch.rand(4, device=dev)
+    t5 = torch.randn(4, 32, device=dev)
     yield "causal L!=S", 4, 4, lambda t: (None, lambda b, h, i, j: i >= j), []
     yield "sigmoid gate", 4, 4, lambda t: (lambda s, b, h, i, j: s * torch.sigmoid(s), None), []
     yield "clamp", 4, 4, lambda t: (lambda s, b, h, i, j: torch.clamp(s, -1.0, 1.0), None), []
@@ -60,6 +61,17 @@ def cases(L: int, S: int, dev: str):
         lambda s, b, h, i, j: s + t[0][i - j + max(L, S)], None), [rel]
     yield "learnable table at q and kv", 4, 4, lambda t: (
         lambda s, b, h, i, j: s + t[0][i] - 2 * t[0][j], None), [tab]
+    yield "learnable t5 buckets, gqa 4/2, causal", 4, 2, lambda t: (
+        lambda s, b, h, i, j: s + t[0][h, t5_bucket(i, j)], lambda b, h, i, j: i >= j), [t5]
+
+
+def t5_bucket(i, j, buckets: int = 32, max_distance: int = 128):
+    """T5's bidirectional relative bucket: half exact, half log-spaced."""
+    n = (i - j).abs()
+    exact = buckets // 2
+    far = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                   * (buckets - exact)).to(torch.int64)
+    return torch.where(n < exact, n, torch.clamp(far, max=buckets - 1))
 
 
 def run_case(name, hq, hkv, make, tables, B, L, S, E, dtype, dev):

@@ -18,22 +18,22 @@ so one pass over the (rows, j) tiles -- the plan of ``X``, rows blocked and a lo
 FlexAttention's backward adds a captured buffer's gradient the same way.
 
 ``find`` recognises the form from the program alone (no attention names): an output
-``d[a…] = Σ_{s…} p[…]`` over a definition ``p[b…] = Σ_j where(c, X, 0)`` read by it
-alone, where one conjunct of ``c`` is ``f == m`` with ``m`` an axis of ``p`` that appears
-nowhere else, ``f`` moves with ``j``, and every other axis of ``p`` is an axis of ``d``
-or one it sums.  The fp32
-adds arrive in no fixed order (not bitwise deterministic), like ``scatter``'s.
+``d[a…] = Σ_{s…} Σ_j where(c, X, 0)`` -- or ``Σ_{s…} p[…]`` over such a ``p`` that only
+it reads -- where one conjunct of ``c`` is ``f == m`` with ``m`` an axis of ``d`` that
+appears nowhere else and ``f`` moving with ``j``; the other axes are the plan's rows.
+The fp32 adds arrive in no fixed order (not bitwise deterministic), like ``scatter``'s.
 """
 from __future__ import annotations
 
 from ..ir import Program, Term, fmt, free_axes
+from .scatter import AddedOutput
 
 # (the plan's fold protocol: ``name``, ``term``, ``state_axes``, ``owner``,
 # ``pass_index``, ``op``, ``axis``; ``lower.plan`` assigns its pass like a fold's and
 # then lets it ride in that pass as a scattered output)
 
 
-class IndexScattered:
+class IndexScattered(AddedOutput):
     """Output ``name`` = Σ over ``state_axes`` (the plan's rows) and the loop axis
     ``term.val`` of ``term.args[0]``, each term added where ``at`` points: output axis ->
     its index (the first moves with the loop; others -- a replica picked by the row,
@@ -46,14 +46,6 @@ class IndexScattered:
         self.name, self.term, self.state_axes, self.axes = name, term, state_axes, axes
         self.at, self.extents = at, extents
         self.owner, self.pass_index, self.loop_axis = name, 0, None
-
-    @property
-    def op(self) -> str:
-        return "sum"
-
-    @property
-    def axis(self) -> str:
-        return self.term.val
 
     def describe(self) -> str:
         where = ", ".join(f"{a} = {fmt(f)}" for a, f in self.at.items())

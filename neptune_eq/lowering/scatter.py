@@ -114,15 +114,10 @@ def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...], ma
     return best[1] if best else None
 
 
-class Scattered:
-    """A scattered output: ``term`` = Σ over the pass's loop axis (``term.val``) of a body
-    whose row axis is the plan's; ``axes`` the output's own axes, ``loop_axis`` the one
-    of them the pass loops over (it reads ``term.val`` there)."""
-
-    def __init__(self, name: str, term: Term, axes: tuple[str, ...], loop_axis: str):
-        self.name, self.term, self.axes, self.loop_axis = name, term, axes, loop_axis
-        self.owner, self.state_axes = name, axes
-        self.pass_index = 0
+class AddedOutput:
+    """An output added into atomically from a pass's loop (the plan's fold protocol:
+    ``name``, ``term`` = Σ over the loop axis ``axis``, ``op``, ``pass_index``)."""
+    term: Term
 
     @property
     def op(self) -> str:
@@ -131,6 +126,17 @@ class Scattered:
     @property
     def axis(self) -> str:
         return self.term.val
+
+
+class Scattered(AddedOutput):
+    """A scattered output: ``term`` = Σ over the pass's loop axis (``term.val``) of a body
+    whose row axis is the plan's; ``axes`` the output's own axes, ``loop_axis`` the one
+    of them the pass loops over (it reads ``term.val`` there)."""
+
+    def __init__(self, name: str, term: Term, axes: tuple[str, ...], loop_axis: str):
+        self.name, self.term, self.axes, self.loop_axis = name, term, axes, loop_axis
+        self.owner, self.state_axes = name, axes
+        self.pass_index = 0
 
 
 def _load_patterns(t: Term, row: str, loop: str, grid: tuple[str, ...], program: Program,
