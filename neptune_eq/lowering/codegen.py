@@ -300,6 +300,14 @@ class Emitter:
         # tensor (``data_indices``); an affine one was checked when the program was traced
         idx = [self.bind(safe_index(i.code, shape[k]), i.axes, "int", scope)
                if reads_data(a) else i for k, (a, i) in enumerate(zip(t.args, idx))]
+        # a computed index moving with the loop (``rel[i - j + n]``) is in range on every
+        # visible pair (checked when traced) but not on the padding lanes the mask covers:
+        # clamped too, so no lane's address leaves the tensor even where a form's mask
+        # would not reach a load (a negative offset faults at an allocation's start)
+        idx = [self.bind(f"tl.minimum(tl.maximum({i.code}, 0), {shape[k]} - 1)", i.axes, "int",
+                         scope) if a.op not in ("var", "int") and LOOP in i.axes and
+               not reads_data(a)
+               else i for k, (a, i) in enumerate(zip(t.args, idx))]
         axes = self.canon(sum((i.axes for i in idx), ()))
         strides = [f"{t.val}_s{k}" for k in range(len(idx))]
         off = " + ".join(f"{self.bcast(i, axes)} * {s}" for i, s in zip(idx, strides)) or "0"
