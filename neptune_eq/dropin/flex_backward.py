@@ -380,12 +380,14 @@ def _atomics_barred(wrt: tuple[str, ...]) -> bool:
 
 
 def _at_computed_index(bw, wrt: tuple[str, ...]) -> list:
-    """[(backward, 0)] where the gradient of a table read at a computed index (a
-    relative-position table ``rel[q_idx - kv_idx + n]``) is the whole kernel's output:
-    each score's gradient added into the table where its index points, one pass over the
-    score tiles (``lowering.index_scatter``), in float32.  Tiled as a row-wise partial,
-    every table entry recomputed all the scores.  [] where it is not that form, or where
-    deterministic algorithms bar atomic adds."""
+    """[(backward, rows)] where the gradient of a table read at a computed index (a
+    relative-position table ``rel[q_idx - kv_idx + n]``, T5's buckets) is the whole
+    kernel's output: each score's gradient added into the table where its index points,
+    one pass over the score tiles (``lowering.index_scatter``), in float32.  Tiled as a
+    row-wise partial, every table entry recomputed all the scores.  A table of fewer
+    than ``SPREAD_TO`` entries gets a trailing axis of copies (``rows`` = 1: summed after
+    the kernel).  [] where it is not that form, or where deterministic algorithms bar
+    atomic adds."""
     from ..lowering import index_scatter
     if len(wrt) != 1 or _atomics_barred(wrt):
         return []
@@ -396,9 +398,11 @@ def _at_computed_index(bw, wrt: tuple[str, ...]) -> list:
     if [sc.name for sc, _ in found] != [name]:
         return []
     ((sc, part),) = found
-    entries = math.prod(wide.program.shape_of(name))
-    if entries >= SPREAD_TO or part is None:
+    shape = wide.program.shape_of(name)
+    if not all(isinstance(n, int) for n in shape) or part is None or \
+            math.prod(shape) >= SPREAD_TO:  # (a table of a named size: its length unknown)
         return [(wide, 0)]
+    entries = math.prod(shape)
     copies = min(MAX_COPIES, 1 << (-(-SPREAD_TO // entries) - 1).bit_length())
     spread = with_spread_output(wide, name, part, sc.state_axes[-1], copies, (
         f"{entries} entries take every score's add: spread by query row over copies, "
