@@ -138,3 +138,19 @@ def test_what_is_not_the_form():
     assert not index_scatter.find(prog(lambda m: ne.where(i - j + 12 == m, a[i] * m, 0.0)))
     assert not index_scatter.find(prog(lambda m: ne.where(i == m, a[i], 0.0), "float16"))
     assert not index_scatter.find(prog(lambda m: ne.where(i <= m, a[j], 0.0)))
+
+
+def test_a_table_read_at_queries_and_keys_of_unequal_lengths_trains():
+    """``t[q_idx] - 2·t[kv_idx]`` at L = 37, S = 53 (a 56-entry table, not cut to one
+    length): the per-key partial reads ``where(j == m)``, an index moving with the keys,
+    and is added at its index; the per-query one stays row-wise.  Both sat in one kernel
+    that held queries and keys whole: "numel exceeds triton maximum" past toy sizes."""
+    torch.manual_seed(3)
+    t_qk = torch.randn(56, requires_grad=True)
+    q = torch.randn(1, 2, 37, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 53, 16, requires_grad=True) for _ in range(2))
+    got = check_grads(q, k, v, t_qk, lambda s, b, h, i, j: s + t_qk[i] - 2 * t_qk[j],
+                      lambda s, t, i, j: s + t[i] - 2 * t[j])
+    assert torch.all(got[3][53:] == 0)
+    assert any("tl.atomic_add(d_t_qk_ptr" in kn.kernel_source.source
+               for kn in table_kernels("t_qk"))

@@ -352,7 +352,9 @@ def _partial_pieces(bw, wrt: tuple[str, ...]) -> list:
     gradient adds partials of different row roles -- ``t[q_idx]`` summed over the keys
     per query and ``t[kv_idx]`` over the queries per key -- one per partial.  One kernel
     holding both tiled neither (its tile spanned queries and keys whole); each alone is
-    the row-wise reduction ``_partial_only`` computes, and their sum is a torch add."""
+    the row-wise reduction ``_partial_only`` computes -- or, read at an index moving with
+    the keys, the added output ``_at_computed_index`` makes -- and their sum is a torch
+    add."""
     grad = bw.program.definition("d_" + wrt[0]) if len(wrt) == 1 else None
     terms = _added(grad.body) if grad is not None else []
     if len(terms) < 2:
@@ -363,6 +365,11 @@ def _partial_pieces(bw, wrt: tuple[str, ...]) -> list:
             d.__class__(d.name, d.axes, term, d.dtype) if d is grad else d
             for d in bw.program.defs)
         one = type(bw)(prog, bw.wrt, bw.saved, bw.cotangents)
+        scattered = _at_computed_index(one, wrt)  # (``t[kv_idx]`` beside ``t[q_idx]``, L ≠ S)
+        if scattered:
+            pieces += scattered
+            roles.add(("added at its index", len(pieces)))
+            continue
         piece = _partial_only(one, wrt)
         if not piece[1]:  # a term that is not a row-wise partial: keep them in one kernel
             return [_partial_only(bw, wrt)]
