@@ -296,7 +296,7 @@ def split_out(program: Program, pick, dtype: str | None = None) -> Program:
     for d in program.defs:
         table: dict[Term, Term] = {}
         for t in pick(d):
-            name = _fresh(f"{d.name}_{t.op}", taken)
+            name = fresh_name(f"{d.name}_{t.op}", taken)
             axes = tuple(a for a in d.axes if a in free_axes(t))
             defs.append(Definition(name, axes, t, dtype or d.dtype))
             table[t] = Term("ref", tuple(var(a) for a in axes), name)
@@ -313,7 +313,8 @@ def replace_terms(t: Term, table: dict[Term, Term]) -> Term:
     return t.map_args(lambda a: replace_terms(a, table))
 
 
-def _fresh(base: str, taken: set[str]) -> str:
+def fresh_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base2``, ``base3``, … -- the first not in ``taken`` (which gains it)."""
     name, k = base, 1
     while name in taken:
         k += 1

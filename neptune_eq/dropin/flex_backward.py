@@ -406,10 +406,9 @@ def _at_computed_index(bw, wrt: tuple[str, ...]) -> list:
         return []
     ((sc, part),) = found
     shape = wide.program.shape_of(name)
-    if not all(isinstance(n, int) for n in shape) or part is None or \
-            math.prod(shape) >= SPREAD_TO:  # (a table of a named size: its length unknown)
+    entries = math.prod(shape) if all(isinstance(n, int) for n in shape) else None
+    if entries is None or part is None or entries >= SPREAD_TO:  # (None: a named size)
         return [(wide, 0)]
-    entries = math.prod(shape)
     copies = min(MAX_COPIES, 1 << (-(-SPREAD_TO // entries) - 1).bit_length())
     spread = with_spread_output(wide, name, part, sc.state_axes[-1], copies, (
         f"{entries} entries take every score's add: spread by query row over copies, "

@@ -228,7 +228,7 @@ def with_spread_output(bw: Backward, name: str, part: str, row: str, copies: int
     if inner is None or inner.op != "where" or row not in q.axes or name not in p.outputs:
         raise ProgramError(f"Expected {name} = Σ {part}[…] over {part} = Σ_j where(c, X, 0) "
                            f"with a row axis {row!r}, got {name} = {d.body}.")
-    rep = ir._fresh("copy", set(p.extents))
+    rep = ir.fresh_name("copy", set(p.extents))
     pick = Term("eq", (Term("mod", (ir.var(row), const(copies))), ir.var(rep)))
     body = Term("sum", (Term("where", (Term("and", (inner.args[0], pick)), inner.args[1],
                                         inner.args[2])),), q.body.val)

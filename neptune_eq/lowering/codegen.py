@@ -294,20 +294,8 @@ class Emitter:
         same = self._same_load(t)
         if same is not None:
             return same
-        idx = [self.expr(a) for a in t.args]
         shape = self.p.shape_of(t.val)
-        # an index read from data (offsets[doc[i]]) under torch's rule, never outside the
-        # tensor (``data_indices``); an affine one was checked when the program was traced
-        idx = [self.bind(safe_index(i.code, shape[k]), i.axes, "int", scope)
-               if reads_data(a) else i for k, (a, i) in enumerate(zip(t.args, idx))]
-        # a computed index moving with the loop (``rel[i - j + n]``) is in range on every
-        # visible pair (checked when traced) but not on the padding lanes the mask covers:
-        # clamped too, so no lane's address leaves the tensor even where a form's mask
-        # would not reach a load (a negative offset faults at an allocation's start)
-        idx = [self.bind(f"tl.minimum(tl.maximum({i.code}, 0), {shape[k]} - 1)", i.axes, "int",
-                         scope) if a.op not in ("var", "int") and LOOP in i.axes and
-               not reads_data(a)
-               else i for k, (a, i) in enumerate(zip(t.args, idx))]
+        idx = [self._index(a, n, scope) for a, n in zip(t.args, shape)]
         axes = self.canon(sum((i.axes for i in idx), ()))
         strides = [f"{t.val}_s{k}" for k in range(len(idx))]
         off = " + ".join(f"{self.bcast(i, axes)} * {s}" for i, s in zip(idx, strides)) or "0"
@@ -322,6 +310,22 @@ class Emitter:
         tile = Tile(var, axes, kind) if var else self.bind(code, axes, kind, scope)
         self.scopes[scope][1][("load", self._load_signature(t))] = (t, tile)
         return tile
+
+    def _index(self, a: Term, n, scope: int) -> Tile:
+        """The tile of index ``a`` into a dim of ``n`` entries.  An index read from data
+        (offsets[doc[i]]) follows torch's rule, never outside the tensor
+        (``data_indices``); an affine one was checked when the program was traced -- on
+        every visible pair, not on the padding lanes the mask covers, so one moving with
+        the loop (``rel[i - j + n]``) is clamped too: no lane's address leaves the tensor
+        even where a form's mask would not reach the load (a negative offset faults at an
+        allocation's start)."""
+        i = self.expr(a)
+        if reads_data(a):
+            return self.bind(safe_index(i.code, n), i.axes, "int", scope)
+        if a.op not in ("var", "int") and LOOP in i.axes:
+            return self.bind(f"tl.minimum(tl.maximum({i.code}, 0), {n} - 1)", i.axes, "int",
+                             scope)
+        return i
 
     def _load_signature(self, t: Term) -> tuple:
         """A load's identity up to the names of whole axes of equal extent: the backward's

@@ -28,10 +28,6 @@ from __future__ import annotations
 from ..ir import Program, Term, fmt, free_axes
 from .scatter import AddedOutput
 
-# (the plan's fold protocol: ``name``, ``term``, ``state_axes``, ``owner``,
-# ``pass_index``, ``op``, ``axis``; ``lower.plan`` assigns its pass like a fold's and
-# then lets it ride in that pass as a scattered output)
-
 
 class IndexScattered(AddedOutput):
     """Output ``name`` = Σ over ``state_axes`` (the plan's rows) and the loop axis

@@ -183,13 +183,7 @@ class TilePlan:
                 lines.append("  a·(j − i) in the scores: the key lanes' term made once, a shift per "
                              "row and block that joins the row max (a·(j − i) = a·c + "
                              "a·(l0 − m0 − r); with a per row, a lane tile a·(c − r))")
-            for sc in p.scattered:
-                if isinstance(sc, index_scatter.IndexScattered):
-                    lines.append(sc.describe())
-                    continue
-                lines.append(f"  + {sc.name}[{', '.join(sc.axes)}]: a sum over the rows; each "
-                             f"program adds its row block's term atomically per step of the "
-                             f"loop, which runs over its {sc.loop_axis} (no second kernel)")
+            lines += [sc.describe() for sc in p.scattered]
         for a in sorted(self.chunked):
             lines.append(f"inner contraction over {a} ({self.program.extents[a]}): a loop of "
                          f"its own in chunks of {self.whole_axes[a]}, inside the pass reading it")

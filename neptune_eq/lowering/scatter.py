@@ -116,7 +116,8 @@ def bind(program: Program, g, f, block_axis: str, grid_axes: tuple[str, ...], ma
 
 class AddedOutput:
     """An output added into atomically from a pass's loop (the plan's fold protocol:
-    ``name``, ``term`` = Σ over the loop axis ``axis``, ``op``, ``pass_index``)."""
+    ``name``, ``term`` = Σ over the loop axis ``axis``, ``op``, ``state_axes``, ``owner``,
+    ``pass_index``; and ``describe()``, its line of the plan)."""
     term: Term
 
     @property
@@ -137,6 +138,11 @@ class Scattered(AddedOutput):
         self.name, self.term, self.axes, self.loop_axis = name, term, axes, loop_axis
         self.owner, self.state_axes = name, axes
         self.pass_index = 0
+
+    def describe(self) -> str:
+        return (f"  + {self.name}[{', '.join(self.axes)}]: a sum over the rows; each program "
+                f"adds its row block's term atomically per step of the loop, which runs over "
+                f"its {self.loop_axis} (no second kernel)")
 
 
 def _load_patterns(t: Term, row: str, loop: str, grid: tuple[str, ...], program: Program,
