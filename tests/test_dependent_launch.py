@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 import neptune_eq as ne
-from neptune_eq.lowering.dependent_launch import (WAIT_FOR_PREPASS, wait_before_reads,
-                                                   wait_then_release)
+from neptune_eq.lowering.dependent_launch import (MAKES_DESCRIPTOR, WAIT_FOR_PREPASS,
+                                                   wait_before_reads, wait_then_release)
 from neptune_eq.lowering.gluon_tiles import gl_main, key_range
 from neptune_eq.runtime import launcher as launcher_mod
 from neptune_eq.runtime.launch import dependent_launch, dependent_options
@@ -120,6 +120,29 @@ def test_each_launch_waits_for_the_one_before_and_only_its_reads(monkeypatch):
     fused = _body(ks.source, f"{ks.name}_fused")
     assert sum(WAIT in ln for ln in fused) == 1 and not any(RELEASE in ln for ln in fused)
     assert dependent_options({"num_warps": 4}, False) == {"num_warps": 4}
+
+
+def test_a_combine_after_partials_that_make_descriptors_waits_before_making_its_own():
+    """Device-made descriptors live in a per-launch scratch that torch frees (and may hand
+    to the next launch) while the kernel still runs; the combine, launched dependent,
+    would overwrite its partials' descriptors if it made its own before its wait (an
+    illegal memory access or a hang on an H200, session 59).  A kernel after a pre-pass,
+    which makes none, keeps making them before its wait (its overlap with the pre-pass)."""
+    row = _split_row(ne.superoptimize(ne.attention(1, 2, 300, 517, 64, "bfloat16"),
+                                      target="interpreter", cache=False))
+    ks = row.kernel
+    partial, comb = _body(ks.source, f"{ks.name}_partial"), _body(ks.source, f"{ks.name}_combine")
+    assert any(MAKES_DESCRIPTOR in ln for ln in partial)
+    made = next(k for k, ln in enumerate(comb) if MAKES_DESCRIPTOR in ln)
+    assert next(k for k, ln in enumerate(comb) if WAIT in ln) < made
+    body = ["    d = tl.make_tensor_descriptor(o_ptr, shape=[n], strides=[1], block_shape=[B])",
+            "    x = tl.load(ws_ptr)"]
+    assert wait_before_reads(body, ["ws"])[0] == body[0]  # the kernel before makes none
+    assert WAIT in wait_before_reads(body, ["ws"], after_descriptors=True)[1]
+    doc = _doc_attention(L=300, S=300).kernel_source  # pre-pass, then the main kernel
+    main = _body(doc.source, doc.name)
+    assert (next(k for k, ln in enumerate(main) if MAKES_DESCRIPTOR in ln)
+            < next(k for k, ln in enumerate(main) if WAIT in ln))
 
 
 def test_a_plain_decode_s_combine_waits_for_its_partials(monkeypatch):

@@ -8,7 +8,8 @@ plainly, the second starts only after the first has finished and the GPU's launc
 run.  Launched dependent (Triton's ``launch_pdl``), its programs become resident while the
 first runs and stop at ``griddepcontrol.wait`` (Triton's ``gdc_wait``), which returns once
 the first kernel has completed and its writes are visible; everything before the wait --
-the launch, descriptors, the row tile's load -- overlaps the kernel before.
+the launch, the row tile's load, descriptors unless the kernel before makes its own
+(``MAKES_DESCRIPTOR``) -- overlaps the kernel before.
 
 This module writes the device side: the ``PDL`` constexpr every kernel of such a module
 takes (False in the interpreter and wherever no launch of the module is dependent, so no
@@ -68,14 +69,32 @@ def release_first(kernel: list[str], wait: bool = False) -> list[str]:
     return kernel[:at] + opening + kernel[at:]
 
 
-def wait_before_reads(body: list[str], written: list[str]) -> list[str]:
+# A tensor descriptor made on the device (``tl.make_tensor_descriptor``) is written into the
+# launch's global scratch, which Triton asks torch for at launch and frees when the launch
+# call returns -- while the kernel still runs.  The next launch's scratch can then be the
+# same bytes (the caching allocator reuses them in stream order), so a dependent launch
+# that makes its descriptors before its wait overwrites the descriptors of the kernel
+# before while that kernel still reads through them.  On an H200 a split-k TMA forward
+# at 300 x 517 keys (the combine making its output's descriptor before its wait) faulted
+# with an illegal memory access or hung in its graph replay (session 59,
+# ``bench/probe/fault_locate_gpu.py``).  So after a kernel that makes descriptors, a
+# dependent waits before making its own.
+MAKES_DESCRIPTOR = "tl.make_tensor_descriptor("
+
+
+def wait_before_reads(body: list[str], written: list[str],
+                      after_descriptors: bool = False) -> list[str]:
     """``body`` (a kernel's lines, statements at 4 spaces) with ``if PDL: gdc_wait()``
     before the top-level statement holding its first read of a buffer the kernel before
     wrote (a name of ``written``, read through ``<name>_ptr``): nothing before it may
-    depend on that kernel, everything after may.  A body that reads none is returned as it
-    is."""
+    depend on that kernel, everything after may.  ``after_descriptors``: the kernel
+    before makes descriptors on the device, so the wait also comes before this kernel
+    makes its first (``MAKES_DESCRIPTOR``).  A body that reads none is returned as it is."""
     pat = re.compile(r"\b(" + "|".join(re.escape(f"{n}_ptr") for n in written) + r")\b")
-    first = next((k for k, ln in enumerate(body) if pat.search(ln)), None) if written else None
+
+    def hazard(line: str) -> bool:
+        return bool(pat.search(line)) or (after_descriptors and MAKES_DESCRIPTOR in line)
+    first = next((k for k, ln in enumerate(body) if hazard(ln)), None) if written else None
     if first is None:
         return body
     while first > 0 and not re.match(r"    [^\s#]", body[first]):  # the enclosing statement

@@ -347,11 +347,13 @@ def _gluon_form(plan: TilePlan, name: str):
     return None, "; ".join(whys)
 
 
-def _kernel_text(name: str, sig: list[str], em: Emitter, waits_for: list = ()) -> list[str]:
+def _kernel_text(name: str, sig: list[str], em: Emitter, waits_for: list = (),
+                 after_descriptors: bool = False) -> list[str]:
     """The kernel's text; ``waits_for``: what the kernel launched before it wrote (summary
-    or scratch names), waited for before its first read (``wait_before_reads``)."""
+    or scratch names), waited for before its first read (``wait_before_reads``), and
+    before its first descriptor where that kernel makes descriptors too."""
     body = em.pop()
-    body = wait_before_reads(em.pop() + body, list(waits_for))
+    body = wait_before_reads(em.pop() + body, list(waits_for), after_descriptors)
     return ["", "", "@triton.jit", f"def {name}(", *[f"    {s}," for s in sig], "):", *body]
 
 
@@ -446,7 +448,8 @@ def generate(plan: TilePlan, name: str = "", bf16_dot_in_fp32: bool = False,
     epilogue(em)
     comb = _kernel_text(f"{name}_combine", ptrs + ws + stride_args + ["NSPLIT"] + consts
                         + [f"B_{SPLIT}: tl.constexpr", f"{COMBINE_ROWS}: tl.constexpr"], em,
-                        list(scratch))  # launched dependent on the partials, on Hopper
+                        list(scratch),  # launched dependent on the partials, on Hopper
+                        after_descriptors=bool(descriptors.collect(states)))
     states.append(em.desc)
     # ... or both in one launch
     em = Emitter(plan, name, bf16_dot_in_fp32, fp32_dot)
