@@ -57,7 +57,9 @@ def test_a_relative_table_gradient_is_one_pass_of_atomic_adds(lq):
     for kern in kerns:
         src = kern.kernel_source.source
         assert "tl.atomic_add(d_rel_ix_ptr" in src and src.count("tl.dot(") >= 2
-        assert "added atomically at" in kern.explain()
+        # i - j + 12 reads queries and keys only through their difference: a tile's
+        # terms are summed along its diagonals, one add per diagonal
+        assert "tl.gather(" in src and "summed along its diagonals" in kern.explain()
 
 
 def t5_bucket(i, j, buckets=8, max_distance=40):
@@ -71,10 +73,11 @@ def t5_bucket(i, j, buckets=8, max_distance=40):
 
 def test_t5_buckets_per_head_many_scores_meet_one_entry():
     """A per-head table read at T5's log buckets, with GQA: many scores add into one of
-    few entries, and the head axis addresses the table's rows.  The adds collide there
-    (H200, 4096 keys, 32 buckets a head: 88.9 ms fwd+bwd against 1.3 with the table
-    detached), so they are spread over copies of the table by query row
-    (``backward_forms.with_spread_output``), summed after the kernel."""
+    few entries, and the head axis addresses the table's rows.  One add per score
+    collided there (H200, 4096 keys, 32 buckets a head: 88.9 ms fwd+bwd against 1.3 with
+    the table detached); the bucket reads queries and keys only through their
+    difference, so a tile's terms are summed along its diagonals first (one add per
+    diagonal), and the table needs no copies."""
     torch.manual_seed(1)
     t5_rows = torch.randn(4, 8, requires_grad=True)
     q = torch.randn(1, 4, 29, 16, requires_grad=True)
@@ -87,7 +90,23 @@ def test_t5_buckets_per_head_many_scores_meet_one_entry():
                 group=2)
     (kern,) = table_kernels("t5_rows")
     assert "tl.atomic_add(d_t5_rows_ptr" in kern.kernel_source.source
-    # 32 entries: the adds spread over 64 copies by query row (summed after the kernel)
+    assert "tl.gather(" in kern.kernel_source.source and "copy =" not in kern.explain()
+
+
+def test_few_entries_at_an_index_off_the_diagonals_spread_over_copies():
+    """``t[(q_idx + kv_idx) % 8]`` reads queries and keys not only through their
+    difference: each score adds on its own, and 8 entries take them all, so the adds are
+    spread over 64 copies of the table by query row (``backward_forms.with_spread_output``),
+    summed after the kernel."""
+    torch.manual_seed(4)
+    t_anti = torch.randn(8, requires_grad=True)
+    q = torch.randn(1, 2, 21, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 19, 16, requires_grad=True) for _ in range(2))
+    check_grads(q, k, v, t_anti, lambda s, b, h, i, j: s + t_anti[(i + j) % 8],
+                lambda s, t, i, j: s + t[(i + j) % 8])
+    (kern,) = table_kernels("t_anti")
+    assert "tl.atomic_add(d_t_anti_ptr" in kern.kernel_source.source
+    assert "tl.gather(" not in kern.kernel_source.source
     assert "copy = (i" in kern.explain() and "% 64)" in kern.explain()
 
 
@@ -123,6 +142,48 @@ def test_a_cross_correlation_is_one_pass():
     want = np.correlate(x.double().numpy(), y.double().numpy(), "full")[:17]
     assert np.abs(kern(x, y).double().numpy() - want).max() < 1e-5
     assert "tl.atomic_add(c_ptr" in kern.kernel_source.source
+
+
+@pytest.mark.parametrize("rows, keys", [(16, 16), (32, 16), (16, 32), (64, 16)])
+def test_diagonal_sums_at_unequal_row_and_key_blocks(rows, keys):
+    """The full cross-correlation of 45 and 37 values (81 entries, i − j + 36) at row
+    blocks taller, shorter and equal to the key blocks: the skew's diagonals ``t + qK``
+    for every ``q`` the rows reach, ragged blocks on both axes, against numpy."""
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import TileConfig
+    a = ne.placeholder((45,), "float32", "a")
+    b = ne.placeholder((37,), "float32", "b")
+    i, j = ne.reduce_axis(45, "i"), ne.reduce_axis(37, "j")
+    c = ne.compute((81,), lambda m: ne.sum(ne.sum(
+        ne.where(i - j + 36 == m, a[i] * b[j], 0.0), axis=j), axis=i), "c")
+    kern = ne.superoptimize(c, target="interpreter", cache=False)
+    assert "tl.gather(" in kern.kernel_source.source
+    x, y = torch.randn(45), torch.randn(37)
+    want = np.correlate(x.double().numpy(), y.double().numpy(), "full")
+    out = torch.full((81,), float("nan"))
+    blocks = {k: (rows if k == f"B_{kern.kernel_source.block_axis}" else keys)
+              for k in kern.kernel_source.tunables}
+    la = Launcher(kern.program, kern.kernel_source, "interpreter", TileConfig(blocks, 4, 2))
+    la({"a": x, "b": y, "c": out})
+    assert np.abs(out.double().numpy() - want).max() < 1e-5
+
+
+def test_an_index_through_the_difference_alone_is_summed_along_diagonals():
+    """``diagonal_row`` proves ``f(i, j) = g(i − j)`` by substituting ``i = δ + j``: the
+    index's arithmetic cancels ``j``, any other operation is a function of its
+    arguments."""
+    a = ne.placeholder((13,), "float32", "a")
+    i, j = ne.reduce_axis(13, "i"), ne.reduce_axis(13, "j")
+
+    def row(index, n=25):
+        out = ne.compute((n,), lambda m: ne.sum(ne.sum(
+            ne.where(index == m, a[i] * a[j], 0.0), axis=j), axis=i), "c")
+        (sc, _), = index_scatter.find(ne.build_program(out))
+        return index_scatter.diagonal_row(sc)
+    assert row(i - j + 12).startswith("i") and row(12 - (j - i)).startswith("i")
+    assert row(2 * (i + 6) - 2 * j, 50) and row((i - j + 12) // 2, 13)
+    assert row(i + j) is None and row(i - 2 * j + 24, 38) is None
+    assert row(i * j - j * i + j) is None  # (cancels to j alone: moves with the keys)
 
 
 def test_what_is_not_the_form():

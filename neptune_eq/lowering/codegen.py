@@ -193,7 +193,8 @@ class Emitter:
         not move with a loop."""
         if any(n.kind == "access" and n.op != "load" for n in t.walk()):
             return -1
-        loop_vars = {v for v, ax in self.env.items() if isinstance(ax, str) and ax in (LOOP, ECOL)}
+        loop_vars = {v for v, ax in self.env.items() if (ax in (LOOP, ECOL) if isinstance(ax, str)
+                     else isinstance(ax, Tile) and {LOOP, ECOL} & set(ax.axes))}
         loop_vars |= self.plan.chunked  # a chunk of a wide contraction exists inside its loop
         return 0 if not (free_axes(t) & loop_vars) else -1
 

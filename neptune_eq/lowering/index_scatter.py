@@ -17,6 +17,15 @@ so one pass over the (rows, j) tiles -- the plan of ``X``, rows blocked and a lo
 ``f`` falls outside ``d`` never met an ``m`` and are dropped; so are masked pairs.
 FlexAttention's backward adds a captured buffer's gradient the same way.
 
+Where every index reads the rows and ``j`` only through their difference -- ``f = g(i −
+j)``, as a relative table's and T5's do -- the terms of one [rows × keys] tile are summed
+along its diagonals first (``diagonal_row``; ``scatter_code``), by the same identity one
+level down:
+
+    Σ_{i,j} [g(i − j) = m]·X[i, j] = Σ_δ [g(δ) = m] · Σ_{i − j = δ} X[i, j]
+
+so a tile makes one add per diagonal (rows + keys of them) instead of one per term.
+
 ``find`` recognises the form from the program alone (no attention names): an output
 ``d[a…] = Σ_{s…} Σ_j where(c, X, 0)`` -- or ``Σ_{s…} p[…]`` over such a ``p`` that only
 it reads -- where one conjunct of ``c`` is ``f == m`` with ``m`` an axis of ``d`` that
@@ -24,6 +33,11 @@ appears nowhere else and ``f`` moving with ``j``; the other axes are the plan's 
 The fp32 adds arrive in no fixed order (not bitwise deterministic), like ``scatter``'s.
 """
 from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import sympy
 
 from ..ir import Program, Term, fmt, free_axes
 from .scatter import AddedOutput
@@ -45,9 +59,13 @@ class IndexScattered(AddedOutput):
 
     def describe(self) -> str:
         where = ", ".join(f"{a} = {fmt(f)}" for a, f in self.at.items())
-        return (f"  + {self.name}[{', '.join(self.axes)}]: each (row, {self.axis}) term added "
-                f"atomically at {where} ([f = m]·X holds for one m per term: one pass over "
-                "the terms, not one per entry)")
+        row = diagonal_row(self)
+        how = (f"each tile's terms summed along its diagonals first, one atomic add per "
+               f"diagonal at {where} (it reads {row} and {self.axis} only as "
+               f"{row} − {self.axis})" if row else
+               f"each (row, {self.axis}) term added atomically at {where}")
+        return (f"  + {self.name}[{', '.join(self.axes)}]: {how} ([f = m]·X holds for one m "
+                "per term: one pass over the terms, not one per entry)")
 
 
 def allowed() -> bool:
@@ -150,3 +168,57 @@ def _bind(program: Program, name: str, out_axes, axes, names, loop: str,
 
 def _conjuncts(c: Term) -> list[Term]:
     return _conjuncts(c.args[0]) + _conjuncts(c.args[1]) if c.op == "and" else [c]
+
+
+# NEPTUNE_EQ_DIAGONAL_ADDS=0: one add per term even where the diagonals could be summed
+# first (for A/B runs: ``bench/probe/table_grad_gpu.py``; in the cache key).
+DIAGONALS = os.environ.get("NEPTUNE_EQ_DIAGONAL_ADDS", "1") != "0"
+
+
+def diagonal_row(sc: IndexScattered) -> str | None:
+    """The row axis ``r`` of ``sc`` through which, with the loop axis ``j``, every
+    computed index reads the two only as ``r − j`` -- each index unchanged when both move
+    by one -- or None.  Proved in sympy: with ``r = δ + j`` substituted, ``j`` cancels
+    from each index's arithmetic, every other operation (abs, log, min, a load, a cast)
+    kept as an uninterpreted function of its arguments, which reads ``j`` only if an
+    argument does."""
+    if not DIAGONALS:
+        return None
+    return _diagonal_row(tuple(sc.at.values()), sc.axis, tuple(sc.state_axes))
+
+
+@lru_cache(maxsize=256)
+def _diagonal_row(indices: tuple, loop: str, rows: tuple) -> str | None:
+    for r in rows:
+        j, d = sympy.Symbol(loop), sympy.Symbol("delta_")
+        try:
+            moved = [_symbolic(f, {r: d + j}) for f in indices]
+        except _NotIndex:
+            return None
+        if all(j not in e.free_symbols for e in moved) and any(d in e.free_symbols for e in moved):
+            return r
+    return None
+
+
+class _NotIndex(Exception):
+    pass
+
+
+_ARITHMETIC = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b,
+               "mul": lambda a, b: a * b, "neg": lambda a: -a}
+
+
+def _symbolic(t: Term, subst: dict) -> sympy.Expr:
+    """``t`` in sympy, integer arithmetic expanded (so ``(δ + j) − j`` cancels), any
+    other operation an undefined function of its arguments."""
+    if t.op == "var":
+        return subst.get(t.val, sympy.Symbol(str(t.val)))
+    if t.op in ("int", "flt"):
+        return sympy.Integer(t.val) if t.op == "int" else sympy.Float(t.val)
+    if t.kind in ("reduce", "fold"):
+        raise _NotIndex(t.op)  # (an index summing over something: not this form's)
+    args = [_symbolic(a, subst) for a in t.args]
+    if t.op in _ARITHMETIC:
+        return sympy.expand(_ARITHMETIC[t.op](*args))
+    name = f"{t.op}_{t.val}" if t.val is not None else t.op
+    return sympy.Function(name)(*args)

@@ -8,7 +8,7 @@ are relaxed: the output is read only after the kernel ends.
 """
 from __future__ import annotations
 
-from ..ir import Term, rename_axis
+from ..ir import Term, free_axes, rename_axis
 from .codegen import LOOP, Emitter, Tile
 from .lower import drop_atoms
 
@@ -43,15 +43,18 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
 
 def emit_index_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     """Add this block's terms of ``sc`` (``index_scatter.IndexScattered``) into its
-    output, each at its computed indices: one atomic add per (row, key) pair of the tile.
-    A pair whose index falls outside the output, or outside the rows and keys, adds
-    nothing (``where(f == m)`` held for no ``m``)."""
+    output, each at its computed indices: one atomic add per (row, key) pair of the tile,
+    or per diagonal where the indices read rows and keys only through their difference
+    (``_along_diagonals``).  A pair whose index falls outside the output, or outside the
+    rows and keys, adds nothing (``where(f == m)`` held for no ``m``)."""
     plan = em.plan
     j = sc.term.val
     val = em.f32(em.expr(drop_atoms(rename_axis(sc.term.args[0], j, loop_var), known)))
     taxes = em.canon((plan.block_axis, LOOP))
     if set(val.axes) - set(taxes):
         raise AssertionError(f"{sc.name}: a term beyond the [rows x keys] tile")  # find()
+    if _along_diagonals(em, sc, val, taxes):
+        return
     idx, inside, covered = {}, [], set()
     for a in sc.axes:
         at = em.expr(rename_axis(sc.at[a], j, loop_var) if a in sc.at else Term("var", (), a))
@@ -69,3 +72,60 @@ def emit_index_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> No
     if set(val.axes) != set(taxes):  # (every pair adds its own term: a full tile)
         code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
     em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {code}, mask={m}, sem='relaxed')")
+
+
+def _along_diagonals(em: Emitter, sc, val: Tile, taxes: tuple) -> bool:
+    """Emit ``sc``'s adds one per diagonal of the tile, where every index is ``g(r − j)``
+    (``index_scatter.diagonal_row``) for the row axis ``r`` the row block tiles; False,
+    with nothing emitted, elsewhere.
+
+    The tile ``x[R, K]`` is skewed by ``tl.gather`` -- ``y[r, t] = x[r, (r − t) mod K]``
+    -- so its column ``t`` holds the diagonals ``r − c = t + qK``, one per ``q =
+    ⌊(r − t)/K⌋`` (``q`` from −1 to ⌊(R − 1)/K⌋): each masked column sum is one
+    diagonal's total, added at ``g`` of its ``r − j``, computed on the K diagonals'
+    differences with ``r`` bound to them and ``j`` to 0.  A 64 × 64 tile makes 128 adds,
+    not 4096."""
+    from .index_scatter import diagonal_row
+    ba = em.plan.block_axis
+    row = diagonal_row(sc)
+    if row is None or em.env.get(row) != ba or ba not in em.aranges or LOOP not in em.aranges \
+            or taxes != (ba, LOOP):
+        return False
+    scalars = {a for f in sc.at.values() for a in free_axes(f)} - {row, sc.term.val}
+    scalars |= {a for a in sc.axes if a not in sc.at}
+    if any(not isinstance(em.env.get(a), str) or em.env.get(a) in em.order for a in scalars):
+        return False  # (an index or output axis that moves within the tile)
+    R, K = em.block(ba), em.block(LOOP)
+    x = em.new("dg_x")
+    full = em.bcast(val, taxes)
+    if set(val.axes) != set(taxes):
+        full = f"({full} + tl.zeros({em.shape(taxes)}, tl.float32))"
+    em.emit(f"{x} = tl.where({em.mask(taxes)}, {full}, 0.0)")
+    u = em.new("dg_u")  # r − t + K: at least 1, so // and % round as floor does
+    em.emit(f"{u} = tl.arange(0, {R})[:, None] - tl.arange(0, {K})[None, :] + {K}")
+    y = em.new("dg_y")
+    em.emit(f"{y} = tl.gather({x}, {u} % {K}, 1)")
+    q = em.new("dg_q")
+    em.emit(f"for {q} in tl.static_range(({R} - 1) // {K} + 2):  # q + 1 = ⌊(r − t)/K⌋ + 1")
+    em.push(em.scopes[-1][2] + "    ")
+    total = em.new("dg_sum")
+    em.emit(f"{total} = tl.sum(tl.where({u} // {K} == {q}, {y}, 0.0), 0)")
+    (row0, _), (l0, _) = em.aranges[ba], em.aranges[LOOP]
+    diff = Tile(f"({row0} - {l0} + tl.arange(0, {K}) + ({q} - 1) * {K})", (LOOP,), "int")
+    r_name, j_name = f"{row}_diag_{q}", f"{sc.term.val}_diag_{q}"
+    em.env[r_name], em.env[j_name] = diff, Tile("0", (), "int")
+    idx, inside = {}, []
+    for a in sc.axes:
+        f = sc.at.get(a, Term("var", (), a))
+        at = em.expr(rename_axis(rename_axis(f, row, r_name), sc.term.val, j_name))
+        idx[a] = f"({em.bcast(at, (LOOP,))})"
+        if a in sc.at:
+            inside.append(f"({idx[a]} >= 0) & ({idx[a]} < {sc.extents[a]})")
+    off = " + ".join(f"{idx[a]} * {sc.name}_s{k}" for k, a in enumerate(sc.axes))
+    off = f"{off} + tl.zeros([{K}], tl.int32)"  # (the pointers take the sums' shape)
+    m = " & ".join([f"({total} != 0.0)"] + inside)  # (a diagonal no term reached adds 0)
+    em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {total}, mask={m}, sem='relaxed')")
+    for line in em.pop():  # (its scope's cache goes with it: the bindings are this q's)
+        em.scopes[-1][0].append(line)
+    em.env.pop(r_name), em.env.pop(j_name)
+    return True
