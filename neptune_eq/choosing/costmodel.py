@@ -168,9 +168,12 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
             n = iters * row_blocks * grid
             dot, sfu, alu = dot + d * n, sfu + s * n, alu + a * n
             width = math.prod(plan.whole_axes.get(x, 1) for x in sc.axes if x != sc.loop_axis)
-            if getattr(sc, "at", None):  # at a computed index: one add per pair
-                width = block_rows
-            atomics += 4.0 * block_keys * width * n
+            adds = block_keys * width
+            if getattr(sc, "at", None):  # at a computed index: one add per pair, or per
+                # diagonal where the index reads rows and keys only through r − j
+                adds = block_keys * ((block_rows - 1) // block_keys + 2 if sc.diagonal()
+                                     else block_rows)
+            atomics += 4.0 * adds * n
     col_passes = [e for e in plan.epilogue if e.loop_axes]
     for e in col_passes:  # softmax's normalisation re-reads its input
         read = {n.val for n in e.expr.walk() if n.op == "load"}

@@ -57,9 +57,14 @@ class IndexScattered(AddedOutput):
         self.at, self.extents = at, extents
         self.owner, self.pass_index, self.loop_axis = name, 0, None
 
+    def diagonal(self) -> str | None:
+        """``diagonal_row`` of this output: the row axis its indices read only through
+        the difference with the loop axis, or None."""
+        return diagonal_row(self)
+
     def describe(self) -> str:
         where = ", ".join(f"{a} = {fmt(f)}" for a, f in self.at.items())
-        row = diagonal_row(self)
+        row = self.diagonal()
         how = (f"each tile's terms summed along its diagonals first, one atomic add per "
                f"diagonal at {where} (it reads {row} and {self.axis} only as "
                f"{row} − {self.axis})" if row else
