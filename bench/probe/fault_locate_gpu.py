@@ -9,9 +9,10 @@ take the later ones with it.  Steps: the relative-table forward, the q/k/v gradi
 with the table detached, the table's gradient.  Environments: as shipped, without
 tensor descriptors (NEPTUNE_EQ_TMA=0), without the Gluon form (NEPTUNE_EQ_GLUON=0).
 Each launch is announced before it runs and a hung child prints its stack every 40 s,
-so the last lines name a launch that never returns.  Cheaper than CUDA_LAUNCH_BLOCKING=1, which also serialises
-every timing launch of a cold choice.  Writes DIR/fault_locate.jsonl, and the faulting
-kernel's source beside it."""
+so the last lines name a launch that never returns, or whose fault surfaced later (in a
+timing graph's replay, where no synchronise can be put between launches).  Cheaper than
+CUDA_LAUNCH_BLOCKING=1, which also serialises every timing launch of a cold choice.
+Writes DIR/fault_locate.jsonl, and the faulting kernel's source beside it."""
 from __future__ import annotations
 
 import argparse
