@@ -24,8 +24,8 @@ from .sizes import size  # noqa: E402
 # Eager, and light (the DSL and torch only): a lazy ``attention`` would lose to its own
 # submodule if the two shared a name (they no longer do: it lives in ``frontend``).
 from .frontend.attention import attention  # noqa: E402
-from .errors import (ProgramError, RuleFileError, TranslationValidationError,  # noqa: E402
-                     UnsoundRuleError)
+from .errors import (DeviceFaultError, ProgramError, RuleFileError,  # noqa: E402
+                     TranslationValidationError, UnsoundRuleError)
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from . import rules
@@ -44,6 +44,7 @@ __all__ = [
     "superoptimize", "Kernel", "Limits", "rules", "differentiable",
     # errors
     "ProgramError", "RuleFileError", "UnsoundRuleError", "TranslationValidationError",
+    "DeviceFaultError",
 ]
 
 # name -> (module, attribute or None for the module itself): loaded on first access.

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .ir import ProgramError
 
-__all__ = ["ProgramError", "RuleFileError", "UnsoundRuleError", "TranslationValidationError"]
+__all__ = ["ProgramError", "RuleFileError", "UnsoundRuleError", "TranslationValidationError",
+           "DeviceFaultError"]
 
 
 class RuleFileError(ValueError):
@@ -21,3 +22,9 @@ class UnsoundRuleError(RuleFileError):
 class TranslationValidationError(RuntimeError):
     """The chosen program (or its kernel) disagrees with the input program on random
     inputs: never returned, always raised, naming the rules on the derivation path."""
+
+
+class DeviceFaultError(RuntimeError):
+    """A kernel faulted on the GPU (an illegal memory access, a trap): the process's CUDA
+    context is lost, so nothing more can run in it.  Raised where the fault is met while
+    timing a config, naming the kernel and the config; not a number, not a later crash."""

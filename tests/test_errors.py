@@ -1,6 +1,8 @@
 """The error catalogue: every kind of bad input gets a clear error (what was expected,
 what was given, what to try) or a recorded fallback -- never a crash deep inside egglog or
 Triton, never wrong numbers."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -147,3 +149,38 @@ def test_bad_options():
         ne.Limits(match_limit=0)
     with pytest.raises(ValueError, match="Expected Limits.rows to be a positive int, got -5"):
         ne.Limits(rows=-5)
+
+
+def test_a_kernel_that_faults_the_gpu_while_timed_is_a_device_fault_error(monkeypatch):
+    """A config whose kernel faults (an illegal memory access: the CUDA context is lost)
+    stops the timer with ``DeviceFaultError`` naming the kernel and the config -- every
+    later config, check and call would fail too, further from the cause (session 58's
+    fault surfaced in translation validation).  A config that merely fails (a compile,
+    shared memory) with the context alive is recorded and the next one timed."""
+    from neptune_eq.dropin import flex_backward
+    from neptune_eq.runtime import tuning
+    kern = ne.superoptimize(examples.attention(1, 1, 16, 32, 16, "float16"), target="interpreter",
+                            cache=False)
+    ins = {n: torch.randn(kern.program.shape_of(n)).half() for n in ("q", "k", "v", "o")}
+
+    class Faulting:
+        def __init__(self, *a, **k):
+            pass
+
+        def __call__(self, tensors):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+    monkeypatch.setattr(tuning, "make_launcher", Faulting)
+    monkeypatch.setattr(tuning, "context_lost", lambda: False)
+    res = tuning.time_configs(kern.program, kern.kernel_source, "cuda", ins, [kern.config])
+    assert res == [(kern.config, None, "failed: more")]
+    monkeypatch.setattr(tuning, "context_lost", lambda: True)
+    with pytest.raises(ne.DeviceFaultError, match=r"faulted while config .* of kernel "
+                       r"neptune_o .*an illegal memory access.*new process"):
+        tuning.time_configs(kern.program, kern.kernel_source, "cuda", ins, [kern.config])
+
+    def fault(*a, **k):  # ... and the flex backward passes it on as it is
+        raise ne.DeviceFaultError("faulted")
+    monkeypatch.setattr("neptune_eq.api.superoptimize", fault)
+    with pytest.raises(ne.DeviceFaultError, match="^faulted$"):
+        flex_backward._superoptimize(SimpleNamespace(target="cuda", fp32_precision="highest"),
+                                     kern, ("q",), {}, None)

@@ -34,6 +34,7 @@ from ..frontend.backward_forms import (note_prepared, only_outputs, with_constan
                                        with_spread_output,
                                        with_definition_as_input, with_fp32_output,
                                        with_guarded_reads)
+from ..errors import DeviceFaultError
 from ..ir import MASKED, ProgramError
 from ..sizes import bucket_of
 
@@ -141,6 +142,8 @@ def _superoptimize(st, bw, wrt, sizes, example):
         return superoptimize(bw.program, target=st.target, sizes={
             n: sizes[n] for n in named} if named else None, example_inputs=example,
             float32_matmul_precision=st.fp32_precision)
+    except DeviceFaultError:
+        raise  # (it says what happened; the process cannot go on)
     except Exception as e:  # noqa: BLE001 - named here, not deep in triton
         hint = ("report it with the mods that raised it" if set(wrt) <= {"q", "k", "v"}
                 else "detach that captured tensor to train q, k and v meanwhile")

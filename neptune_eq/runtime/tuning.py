@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from ..errors import DeviceFaultError
 from ..ir import Program
 from ..lowering.kernelgen import KernelSource
 from .bound_call import BoundCall
@@ -159,10 +160,31 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
             out.append((cfg, float(ms), "ok"))
         except Exception as e:  # a config that does not compile (e.g. out of shared memory)
             msg = str(e).strip().splitlines()
+            if target == "cuda" and context_lost():
+                raise DeviceFaultError(
+                    f"The GPU faulted while config {cfg} of kernel {ks.name} ran "
+                    f"({msg[0] if msg else type(e).__name__}); this process's CUDA context "
+                    "is lost and nothing more can run in it. Start a new process; "
+                    "NEPTUNE_EQ_TMA=0 (no tensor descriptors) or NEPTUNE_EQ_GLUON=0 (no "
+                    "Gluon forms) leave forms out, and bench/probe/fault_locate_gpu.py "
+                    "names the launch. Please report it with this message.") from e
             out.append((cfg, None, f"failed: {msg[-1] if msg else type(e).__name__}"))
     if all(ms is None for _, ms, _ in out):
         warnings.warn("No tile config compiled on the GPU: " + "; ".join(s for *_, s in out))
     return out
+
+
+def context_lost() -> bool:
+    """Whether the CUDA context is dead: a failed config that only failed to compile or
+    ran out of resources leaves it working, a kernel that faulted (a sticky error) does
+    not, and then every later config, check and call would fail too -- further from the
+    cause."""
+    import torch
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - any error here is the context's
+        return True
+    return False
 
 
 def _disagreement(tensors: dict, reference: dict | None, outputs: list[str]) -> str:
