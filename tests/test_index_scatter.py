@@ -128,16 +128,21 @@ def test_deterministic_algorithms_keep_the_row_wise_form():
     assert kerns and all("atomic_add" not in kn.kernel_source.source for kn in kerns)
 
 
+def correlation(n: int, k: int, out: int):
+    """``c[m] = Σ_i Σ_j [i − j + k − 1 = m]·a[i]·b[j]`` over ``out`` entries, built."""
+    a = ne.placeholder((n,), "float32", "a")
+    b = ne.placeholder((k,), "float32", "b")
+    i, j = ne.reduce_axis(n, "i"), ne.reduce_axis(k, "j")
+    c = ne.compute((out,), lambda m: ne.sum(ne.sum(
+        ne.where(i - j + (k - 1) == m, a[i] * b[j], 0.0), axis=j), axis=i), "c")
+    return ne.superoptimize(c, target="interpreter", cache=False)
+
+
 def test_a_cross_correlation_is_one_pass():
     """Nothing here names attention: ``c[m] = Σ_i Σ_j [i − j + 8 = m]·a[i]·b[j]`` (numpy's
     full correlation, cut to 17 of its 21 entries: the terms that would land past the
     output are dropped) lowers to rows over i, a loop over j and adds at i − j + 8."""
-    a = ne.placeholder((13,), "float32", "a")
-    b = ne.placeholder((9,), "float32", "b")
-    i, j = ne.reduce_axis(13, "i"), ne.reduce_axis(9, "j")
-    c = ne.compute((17,), lambda m: ne.sum(ne.sum(
-        ne.where(i - j + 8 == m, a[i] * b[j], 0.0), axis=j), axis=i), "c")
-    kern = ne.superoptimize(c, target="interpreter", cache=False)
+    kern = correlation(13, 9, 17)
     x, y = torch.randn(13), torch.randn(9)
     want = np.correlate(x.double().numpy(), y.double().numpy(), "full")[:17]
     assert np.abs(kern(x, y).double().numpy() - want).max() < 1e-5
@@ -151,12 +156,7 @@ def test_diagonal_sums_at_unequal_row_and_key_blocks(rows, keys):
     for every ``q`` the rows reach, ragged blocks on both axes, against numpy."""
     from neptune_eq.runtime.launcher import Launcher
     from neptune_eq.runtime.tile_configs import TileConfig
-    a = ne.placeholder((45,), "float32", "a")
-    b = ne.placeholder((37,), "float32", "b")
-    i, j = ne.reduce_axis(45, "i"), ne.reduce_axis(37, "j")
-    c = ne.compute((81,), lambda m: ne.sum(ne.sum(
-        ne.where(i - j + 36 == m, a[i] * b[j], 0.0), axis=j), axis=i), "c")
-    kern = ne.superoptimize(c, target="interpreter", cache=False)
+    kern = correlation(45, 37, 81)
     assert "tl.gather(" in kern.kernel_source.source
     x, y = torch.randn(45), torch.randn(37)
     want = np.correlate(x.double().numpy(), y.double().numpy(), "full")
