@@ -149,6 +149,23 @@ def test_a_cross_correlation_is_one_pass():
     assert "tl.atomic_add(c_ptr" in kern.kernel_source.source
 
 
+def test_a_bucket_read_from_data_at_the_difference_adds_per_pair():
+    """``t[bk[q_idx - kv_idx + 19]]`` (buckets precomputed as a tensor, as some T5 code
+    does) reads queries and keys only through their difference, but through a load: on
+    the diagonals' lanes that load would take the key lanes' mask (its kernel was wrong,
+    translation validation refused it), so each score adds on its own, spread over
+    copies."""
+    torch.manual_seed(5)
+    t_bk = torch.randn(12, requires_grad=True)
+    bk = torch.randint(0, 12, (40,))
+    q = torch.randn(1, 2, 21, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 19, 16, requires_grad=True) for _ in range(2))
+    check_grads(q, k, v, t_bk, lambda s, b, h, i, j: s + t_bk[bk[i - j + 19]],
+                lambda s, t, i, j: s + t[bk[i - j + 19]])
+    (kern,) = table_kernels("t_bk")
+    assert "tl.gather(" not in kern.kernel_source.source and "copy = (i" in kern.explain()
+
+
 @pytest.mark.parametrize("rows, keys", [(16, 16), (32, 16), (16, 32), (64, 16)])
 def test_diagonal_sums_at_unequal_row_and_key_blocks(rows, keys):
     """The full cross-correlation of 45 and 37 values (81 entries, i − j + 36) at row

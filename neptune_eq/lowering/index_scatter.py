@@ -183,7 +183,7 @@ DIAGONALS = os.environ.get("NEPTUNE_EQ_DIAGONAL_ADDS", "1") != "0"
 def diagonal_row(sc: IndexScattered) -> str | None:
     """The row axis ``r`` of ``sc`` through which, with the loop axis ``j``, every
     computed index reads the two only as ``r − j`` -- each index unchanged when both move
-    by one -- or None.  Proved in sympy: with ``r = δ + j`` substituted, ``j`` cancels
+    by one -- and no index reads data, or None.  Proved in sympy: with ``r = δ + j`` substituted, ``j`` cancels
     from each index's arithmetic, every other operation (abs, log, min, a load, a cast)
     kept as an uninterpreted function of its arguments, which reads ``j`` only if an
     argument does."""
@@ -194,6 +194,11 @@ def diagonal_row(sc: IndexScattered) -> str | None:
 
 @lru_cache(maxsize=256)
 def _diagonal_row(indices: tuple, loop: str, rows: tuple) -> str | None:
+    if any(n.op == "load" for f in indices for n in f.walk()):
+        # an index read from data (``rel[bucket[i − j + n]]``): emitted on the diagonals'
+        # lanes its load would take the key lanes' mask (a wrong kernel, which translation
+        # validation refused, when it was tried); one add per pair, spread, there
+        return None
     for r in rows:
         j, d = sympy.Symbol(loop), sympy.Symbol("delta_")
         try:
