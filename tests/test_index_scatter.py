@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import neptune_eq as ne
 from neptune_eq.dropin import flex
@@ -183,6 +184,41 @@ def test_diagonal_sums_at_unequal_row_and_key_blocks(rows, keys):
     la = Launcher(kern.program, kern.kernel_source, "interpreter", TileConfig(blocks, 4, 2))
     la({"a": x, "b": y, "c": out})
     assert np.abs(out.double().numpy() - want).max() < 1e-5
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 40), k=st.integers(1, 40), scale=st.sampled_from([1, 2, -1]),
+       cut=st.integers(0, 6), rows=st.sampled_from([16, 32, 64]),
+       keys=st.sampled_from([16, 32]))
+def test_diagonal_sums_match_a_direct_sum(n, k, scale, cut, rows, keys):
+    """Random lengths, indices ``scale·(i − j) + offset`` (a stride, a reflection, some
+    entries cut off the output's end) and tiles: the diagonal sums equal numpy's direct
+    sum over every pair."""
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import TileConfig
+    lo = scale * (n - 1 if scale < 0 else -(k - 1))  # the least scale·(i − j)
+    size = abs(scale) * (n + k - 2) + 1 - cut
+    if size < 1:
+        return
+    a = ne.placeholder((n,), "float32", "a")
+    b = ne.placeholder((k,), "float32", "b")
+    i, j = ne.reduce_axis(n, "i"), ne.reduce_axis(k, "j")
+    c = ne.compute((size,), lambda m: ne.sum(ne.sum(
+        ne.where(scale * (i - j) - lo == m, a[i] * b[j], 0.0), axis=j), axis=i), "c")
+    kern = ne.superoptimize(c, target="interpreter", cache=False)
+    assert "tl.gather(" in kern.kernel_source.source
+    x, y = torch.randn(n, dtype=torch.float64), torch.randn(k, dtype=torch.float64)
+    want = np.zeros(size)
+    for p in range(n):
+        for r in range(k):
+            if 0 <= scale * (p - r) - lo < size:
+                want[scale * (p - r) - lo] += x[p].item() * y[r].item()
+    out = torch.full((size,), float("nan"))
+    ks = kern.kernel_source
+    blocks = {t: (rows if t == f"B_{ks.block_axis}" else keys) for t in ks.tunables}
+    Launcher(kern.program, ks, "interpreter", TileConfig(blocks, 4, 2))(
+        {"a": x.float(), "b": y.float(), "c": out})
+    assert np.abs(out.double().numpy() - want).max() < 1e-4 * max(1.0, np.abs(want).max())
 
 
 def test_an_index_through_the_difference_alone_is_summed_along_diagonals():
