@@ -125,7 +125,6 @@ def _along_diagonals(em: Emitter, sc, val: Tile, taxes: tuple) -> bool:
     off = f"{off} + tl.zeros([{K}], tl.int32)"  # (the pointers take the sums' shape)
     m = " & ".join([f"({total} != 0.0)"] + inside)  # (a diagonal no term reached adds 0)
     em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {total}, mask={m}, sem='relaxed')")
-    for line in em.pop():  # (its scope's cache goes with it: the bindings are this q's)
-        em.scopes[-1][0].append(line)
+    em.scopes[-2][0].extend(em.pop())  # (its cache goes with it: its bindings are q's)
     em.env.pop(r_name), em.env.pop(j_name)
     return True
