@@ -397,8 +397,8 @@ def _at_computed_index(bw, wrt: tuple[str, ...]) -> list:
     row-wise partial, every table entry recomputed all the scores.  A table of fewer
     than ``SPREAD_TO`` entries gets a trailing axis of copies (``rows`` = 1: summed after
     the kernel), unless its index reads queries and keys only through their difference
-    (each tile then adds once per diagonal, ``index_scatter.diagonal_row``).  [] where it is not that form, or where deterministic algorithms bar
-    atomic adds."""
+    (each tile then adds once per diagonal, ``index_scatter.diagonal_row``).  [] where it
+    is not that form, or where deterministic algorithms bar atomic adds."""
     from ..lowering import index_scatter
     if len(wrt) != 1 or _atomics_barred(wrt):
         return []

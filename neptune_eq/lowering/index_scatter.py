@@ -37,8 +37,6 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-import sympy
-
 from ..ir import Program, Term, fmt, free_axes
 from .scatter import AddedOutput
 
@@ -183,10 +181,10 @@ DIAGONALS = os.environ.get("NEPTUNE_EQ_DIAGONAL_ADDS", "1") != "0"
 def diagonal_row(sc: IndexScattered) -> str | None:
     """The row axis ``r`` of ``sc`` through which, with the loop axis ``j``, every
     computed index reads the two only as ``r − j`` -- each index unchanged when both move
-    by one -- and no index reads data, or None.  Proved in sympy: with ``r = δ + j`` substituted, ``j`` cancels
-    from each index's arithmetic, every other operation (abs, log, min, a load, a cast)
-    kept as an uninterpreted function of its arguments, which reads ``j`` only if an
-    argument does."""
+    by one -- and no index reads data; else None.  Proved in sympy: with ``r = δ + j``
+    substituted, ``j`` cancels from each index's arithmetic, every other operation (abs,
+    log, min, a cast) kept as an uninterpreted function of its arguments, which reads
+    ``j`` only if an argument does."""
     if not DIAGONALS:
         return None
     return _diagonal_row(tuple(sc.at.values()), sc.axis, tuple(sc.state_axes))
@@ -199,8 +197,9 @@ def _diagonal_row(indices: tuple, loop: str, rows: tuple) -> str | None:
         # lanes its load would take the key lanes' mask (a wrong kernel, which translation
         # validation refused, when it was tried); one add per pair, spread, there
         return None
+    import sympy  # (here: a warm call that loads a cached kernel never needs it)
+    j, d = sympy.Symbol(loop), sympy.Symbol("delta_")
     for r in rows:
-        j, d = sympy.Symbol(loop), sympy.Symbol("delta_")
         try:
             moved = [_symbolic(f, {r: d + j}) for f in indices]
         except _NotIndex:
@@ -218,9 +217,10 @@ _ARITHMETIC = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b,
                "mul": lambda a, b: a * b, "neg": lambda a: -a}
 
 
-def _symbolic(t: Term, subst: dict) -> sympy.Expr:
+def _symbolic(t: Term, subst: dict):
     """``t`` in sympy, integer arithmetic expanded (so ``(δ + j) − j`` cancels), any
     other operation an undefined function of its arguments."""
+    import sympy
     if t.op == "var":
         return subst.get(t.val, sympy.Symbol(str(t.val)))
     if t.op in ("int", "flt"):
