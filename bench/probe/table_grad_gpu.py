@@ -11,7 +11,9 @@ Three mods, B=1, H=8, D=64, bf16 (self-attention, L = S):
 * ``t5``: T5's log-spaced relative buckets, one row of 32 per head
   (``rel[h, bucket(q_idx - kv_idx)]``): many scores meet one entry.
 Each row also times fwd+bwd with the table detached (q, k, v gradients only), so the
-table gradient's own cost reads off.  Writes DIR/table_grad_gpu.json; prints one row
+table gradient's own cost reads off; ``--per-score`` also times the step with one atomic
+add per score (no diagonal sums) in turn with the diagonal sums, rebuilt in the same
+process.  Writes DIR/table_grad_gpu.json; prints one row
 per (mod, S)."""
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ def dense_grad(q, k, v, mod, go):
     return torch.softmax(s, -1) @ vd
 
 
-def run(name: str, S: int, dev="cuda", dtype=torch.bfloat16, flex: bool = True) -> dict:
+def run(name: str, S: int, dev="cuda", dtype=torch.bfloat16, flex: bool = True,
+        per_score: bool = False) -> dict:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8, S, 64, device=dev, dtype=dtype, requires_grad=True)
                for _ in range(3))
@@ -100,6 +103,25 @@ def run(name: str, S: int, dev="cuda", dtype=torch.bfloat16, flex: bool = True) 
                     row[key] = round(min(ms, row.get(key, ms)), 4)
         except Exception as e:  # noqa: BLE001 - recorded
             row[who] = f"{type(e).__name__}: {str(e)[:200]}"
+    if per_score:  # the same step with one add per score (no diagonal sums), in turn
+        from neptune_eq.dropin import flex as flex_mod
+        from neptune_eq.lowering import index_scatter
+
+        def timed(diagonals: bool) -> float:
+            index_scatter.DIAGONALS = diagonals  # (in the kernel cache's key)
+            flex_mod.STRUCTURES.clear()
+            step(ne.flex_attention)()  # its build: cold the first time, then from disk
+            return do_bench(step(ne.flex_attention), warmup=3, rep=20)
+        try:
+            for _ in range(2):
+                for key, diagonals in (("ms_ours_per_score", False), ("ms_ours", True)):
+                    ms = timed(diagonals)
+                    row[key] = round(min(ms, row.get(key, ms)), 4)
+        except Exception as e:  # noqa: BLE001 - recorded
+            row["per_score"] = f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            index_scatter.DIAGONALS = True
+            flex_mod.STRUCTURES.clear()
     return row
 
 
@@ -109,12 +131,15 @@ def main():
     ap.add_argument("--mods", nargs="+", default=["at q and kv", "relative", "t5"])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--no-flex", action="store_true", help="time ours alone")
+    ap.add_argument("--per-score", action="store_true",
+                    help="also time one add per score (NEPTUNE_EQ_DIAGONAL_ADDS=0's kernels), "
+                         "in turn with the diagonal sums, in this process")
     a = ap.parse_args()
     rows = []
     for S in a.S:
         for name in a.mods:
             try:
-                row = run(name, S, flex=not a.no_flex)
+                row = run(name, S, flex=not a.no_flex, per_score=a.per_score)
             except Exception as e:  # noqa: BLE001 - recorded
                 row = {"mod": name, "S": S, "raised": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append(row)
