@@ -222,7 +222,7 @@ def test_diagonal_sums_match_a_direct_sum(n, k, scale, cut, rows, keys):
 
 
 def test_an_index_through_the_difference_alone_is_summed_along_diagonals():
-    """``diagonal_row`` proves ``f(i, j) = g(i − j)`` by substituting ``i = δ + j``: the
+    """``IndexScattered.diagonal`` proves ``f(i, j) = g(i − j)`` by substituting ``i = δ + j``: the
     index's arithmetic cancels ``j``, any other operation is a function of its
     arguments."""
     a = ne.placeholder((13,), "float32", "a")
@@ -232,7 +232,7 @@ def test_an_index_through_the_difference_alone_is_summed_along_diagonals():
         out = ne.compute((n,), lambda m: ne.sum(ne.sum(
             ne.where(index == m, a[i] * a[j], 0.0), axis=j), axis=i), "c")
         (sc, _), = index_scatter.find(ne.build_program(out))
-        return index_scatter.diagonal_row(sc)
+        return sc.diagonal()
     assert row(i - j + 12).startswith("i") and row(12 - (j - i)).startswith("i")
     assert row(2 * (i + 6) - 2 * j, 50) and row((i - j + 12) // 2, 13)
     assert row(i + j) is None and row(i - 2 * j + 24, 38) is None

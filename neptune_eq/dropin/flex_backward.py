@@ -397,7 +397,7 @@ def _at_computed_index(bw, wrt: tuple[str, ...]) -> list:
     row-wise partial, every table entry recomputed all the scores.  A table of fewer
     than ``SPREAD_TO`` entries gets a trailing axis of copies (``rows`` = 1: summed after
     the kernel), unless its index reads queries and keys only through their difference
-    (each tile then adds once per diagonal, ``index_scatter.diagonal_row``).  [] where it
+    (each tile then adds once per diagonal, ``IndexScattered.diagonal``).  [] where it
     is not that form, or where deterministic algorithms bar atomic adds."""
     from ..lowering import index_scatter
     if len(wrt) != 1 or _atomics_barred(wrt):
@@ -413,7 +413,7 @@ def _at_computed_index(bw, wrt: tuple[str, ...]) -> list:
     entries = math.prod(shape) if all(isinstance(n, int) for n in shape) else None
     if entries is None or part is None or entries >= SPREAD_TO:  # (None: a named size)
         return [(wide, 0)]
-    if index_scatter.diagonal_row(sc) is not None:  # a tile's adds: one per diagonal, few
+    if sc.diagonal() is not None:  # a tile's adds: one per diagonal, few
         return [(wide, 0)]
     copies = min(MAX_COPIES, 1 << (-(-SPREAD_TO // entries) - 1).bit_length())
     spread = with_spread_output(wide, name, part, sc.state_axes[-1], copies, (

@@ -19,7 +19,7 @@ FlexAttention's backward adds a captured buffer's gradient the same way.
 
 Where every index reads the rows and ``j`` only through their difference -- ``f = g(i −
 j)``, as a relative table's and T5's do -- the terms of one [rows × keys] tile are summed
-along its diagonals first (``diagonal_row``; ``scatter_code``), by the same identity one
+along its diagonals first (``IndexScattered.diagonal``; ``scatter_code``), by the same identity one
 level down:
 
     Σ_{i,j} [g(i − j) = m]·X[i, j] = Σ_δ [g(δ) = m] · Σ_{i − j = δ} X[i, j]
@@ -56,9 +56,15 @@ class IndexScattered(AddedOutput):
         self.owner, self.pass_index, self.loop_axis = name, 0, None
 
     def diagonal(self) -> str | None:
-        """``diagonal_row`` of this output: the row axis its indices read only through
-        the difference with the loop axis, or None."""
-        return diagonal_row(self)
+        """The row axis ``r`` through which, with the loop axis ``j``, every computed
+        index reads the two only as ``r − j`` -- each index unchanged when both move by
+        one -- and no index reads data; else None.  Proved in sympy (``_diagonal_row``):
+        with ``r = δ + j`` substituted, ``j`` cancels from each index's arithmetic, every
+        other operation (abs, log, min, a cast) kept as an uninterpreted function of its
+        arguments, which reads ``j`` only if an argument does."""
+        if not DIAGONALS:
+            return None
+        return _diagonal_row(tuple(self.at.values()), self.axis, tuple(self.state_axes))
 
     def describe(self) -> str:
         where = ", ".join(f"{a} = {fmt(f)}" for a, f in self.at.items())
@@ -176,18 +182,6 @@ def _conjuncts(c: Term) -> list[Term]:
 # NEPTUNE_EQ_DIAGONAL_ADDS=0: one add per term even where the diagonals could be summed
 # first (for A/B runs: ``bench/probe/table_grad_gpu.py``; in the cache key).
 DIAGONALS = os.environ.get("NEPTUNE_EQ_DIAGONAL_ADDS", "1") != "0"
-
-
-def diagonal_row(sc: IndexScattered) -> str | None:
-    """The row axis ``r`` of ``sc`` through which, with the loop axis ``j``, every
-    computed index reads the two only as ``r − j`` -- each index unchanged when both move
-    by one -- and no index reads data; else None.  Proved in sympy: with ``r = δ + j``
-    substituted, ``j`` cancels from each index's arithmetic, every other operation (abs,
-    log, min, a cast) kept as an uninterpreted function of its arguments, which reads
-    ``j`` only if an argument does."""
-    if not DIAGONALS:
-        return None
-    return _diagonal_row(tuple(sc.at.values()), sc.axis, tuple(sc.state_axes))
 
 
 @lru_cache(maxsize=256)

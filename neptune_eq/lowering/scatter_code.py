@@ -76,7 +76,7 @@ def emit_index_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> No
 
 def _along_diagonals(em: Emitter, sc, val: Tile, taxes: tuple) -> bool:
     """Emit ``sc``'s adds one per diagonal of the tile, where every index is ``g(r − j)``
-    (``index_scatter.diagonal_row``) for the row axis ``r`` the row block tiles; False,
+    (``IndexScattered.diagonal``) for the row axis ``r`` the row block tiles; False,
     with nothing emitted, elsewhere.
 
     The tile ``x[R, K]`` is skewed by ``tl.gather`` -- ``y[r, t] = x[r, (r − t) mod K]``
@@ -85,9 +85,8 @@ def _along_diagonals(em: Emitter, sc, val: Tile, taxes: tuple) -> bool:
     diagonal's total, added at ``g`` of its ``r − j``, computed on the K diagonals'
     differences with ``r`` bound to them and ``j`` to 0.  A 64 × 64 tile makes 128 adds,
     not 4096."""
-    from .index_scatter import diagonal_row
     ba = em.plan.block_axis
-    row = diagonal_row(sc)
+    row = sc.diagonal()
     if row is None or em.env.get(row) != ba or ba not in em.aranges or LOOP not in em.aranges \
             or taxes != (ba, LOOP):
         return False
