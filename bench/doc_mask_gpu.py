@@ -211,9 +211,7 @@ def fresh_start() -> None:
     import os
     import tempfile
     from neptune_eq.dropin import eager_env
-    ne_flex.STRUCTURES.clear()
-    eager_env._EAGER_PLANS.clear()
-    eager_env._FLAT_HITS.clear()
+    eager_env.forget()
     os.environ["NEPTUNE_EQ_CACHE"] = tempfile.mkdtemp(prefix="neptune_eq_case_")
 
 

@@ -77,8 +77,8 @@ def test_t5_buckets_per_head_many_scores_meet_one_entry():
     few entries, and the head axis addresses the table's rows.  One add per score
     collided there (H200, 4096 keys, 32 buckets a head: 88.9 ms fwd+bwd against 1.3 with
     the table detached); the bucket reads queries and keys only through their
-    difference, so a tile's terms are summed along its diagonals first (one add per
-    diagonal), and the table needs no copies."""
+    difference, so a tile's terms are summed along its diagonals first, then per entry
+    of the head's 8 (one add per entry a tile), and the table needs no copies."""
     torch.manual_seed(1)
     t5_rows = torch.randn(4, 8, requires_grad=True)
     q = torch.randn(1, 4, 29, 16, requires_grad=True)
@@ -92,6 +92,7 @@ def test_t5_buckets_per_head_many_scores_meet_one_entry():
     (kern,) = table_kernels("t5_rows")
     assert "tl.atomic_add(d_t5_rows_ptr" in kern.kernel_source.source
     assert "tl.gather(" in kern.kernel_source.source and "copy =" not in kern.explain()
+    assert "then per entry of" in kern.explain() and "dg_acc" in kern.kernel_source.source
 
 
 def test_few_entries_at_an_index_off_the_diagonals_spread_over_copies():
@@ -186,14 +187,15 @@ def test_diagonal_sums_at_unequal_row_and_key_blocks(rows, keys):
     assert np.abs(out.double().numpy() - want).max() < 1e-5
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 40), k=st.integers(1, 40), scale=st.sampled_from([1, 2, -1]),
        cut=st.integers(0, 6), rows=st.sampled_from([16, 32, 64]),
-       keys=st.sampled_from([16, 32]))
-def test_diagonal_sums_match_a_direct_sum(n, k, scale, cut, rows, keys):
+       keys=st.sampled_from([16, 32]), per_entry=st.booleans())
+def test_diagonal_sums_match_a_direct_sum(n, k, scale, cut, rows, keys, per_entry):
     """Random lengths, indices ``scale·(i − j) + offset`` (a stride, a reflection, some
-    entries cut off the output's end) and tiles: the diagonal sums equal numpy's direct
-    sum over every pair."""
+    entries cut off the output's end) and tiles: the diagonal sums -- added one per
+    diagonal, or, for an output of at most 64 entries, summed per entry first -- equal
+    numpy's direct sum over every pair."""
     from neptune_eq.runtime.launcher import Launcher
     from neptune_eq.runtime.tile_configs import TileConfig
     lo = scale * (n - 1 if scale < 0 else -(k - 1))  # the least scale·(i − j)
@@ -205,8 +207,13 @@ def test_diagonal_sums_match_a_direct_sum(n, k, scale, cut, rows, keys):
     i, j = ne.reduce_axis(n, "i"), ne.reduce_axis(k, "j")
     c = ne.compute((size,), lambda m: ne.sum(ne.sum(
         ne.where(scale * (i - j) - lo == m, a[i] * b[j], 0.0), axis=j), axis=i), "c")
-    kern = ne.superoptimize(c, target="interpreter", cache=False)
+    was, index_scatter.ENTRY_SUMS = index_scatter.ENTRY_SUMS, per_entry
+    try:
+        kern = ne.superoptimize(c, target="interpreter", cache=False)
+    finally:
+        index_scatter.ENTRY_SUMS = was
     assert "tl.gather(" in kern.kernel_source.source
+    assert ("dg_acc" in kern.kernel_source.source) == (per_entry and size <= 64)
     x, y = torch.randn(n, dtype=torch.float64), torch.randn(k, dtype=torch.float64)
     want = np.zeros(size)
     for p in range(n):

@@ -11,10 +11,10 @@ Three mods, B=1, H=8, D=64, bf16 (self-attention, L = S):
 * ``t5``: T5's log-spaced relative buckets, one row of 32 per head
   (``rel[h, bucket(q_idx - kv_idx)]``): many scores meet one entry.
 Each row also times fwd+bwd with the table detached (q, k, v gradients only), so the
-table gradient's own cost reads off; ``--per-score`` also times the step with one atomic
-add per score (no diagonal sums) in turn with the diagonal sums, rebuilt in the same
-process.  Writes DIR/table_grad_gpu.json; prints one row
-per (mod, S)."""
+table gradient's own cost reads off; ``--forms per-score per-diagonal per-entry`` also
+times the step with each form of the table's adds (one per score; one per diagonal of a
+tile; a tile's diagonals summed per entry of a small table), in turn, each rebuilt in the
+same process.  Writes DIR/table_grad_gpu.json; prints one row per (mod, S)."""
 from __future__ import annotations
 
 import argparse
@@ -64,8 +64,30 @@ def dense_grad(q, k, v, mod, go):
     return torch.softmax(s, -1) @ vd
 
 
+# a table gradient's forms: (index_scatter.DIAGONALS, index_scatter.ENTRY_SUMS)
+FORMS = {"per-score": (False, False), "per-diagonal": (True, False), "per-entry": (True, True)}
+
+
+def table_kernels(dump: Path | None) -> list[str]:
+    """The chosen tiles of every backward kernel that adds into a table (its source under
+    ``dump`` when given)."""
+    from neptune_eq.dropin import flex as flex_mod
+    got = []
+    for st in flex_mod.STRUCTURES.values():
+        for key, val in st.backward.items():
+            kern = val[1] if isinstance(val, tuple) and len(val) > 1 else None
+            src = getattr(getattr(kern, "kernel_source", None), "source", "")
+            if "tl.atomic_add(d_" not in src:
+                continue
+            got += kern.buckets
+            if dump:
+                dump.mkdir(parents=True, exist_ok=True)
+                Path(dump, f"kernel_{len(got)}.py").write_text(src)
+    return got
+
+
 def run(name: str, S: int, dev="cuda", dtype=torch.bfloat16, flex: bool = True,
-        per_score: bool = False) -> dict:
+        forms: tuple = (), dump: str | None = None) -> dict:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8, S, 64, device=dev, dtype=dtype, requires_grad=True)
                for _ in range(3))
@@ -80,6 +102,8 @@ def run(name: str, S: int, dev="cuda", dtype=torch.bfloat16, flex: bool = True,
     ref = dense_grad(q, k, v, mods(S, td)[name], go)
     (want,) = torch.autograd.grad(ref, (td,), go.double())
     row["grad_err"] = float((g_t.double() - want).abs().max() / want.abs().max())
+    row["grad_nans"] = int(torch.isnan(g_t).sum())
+    row["table_kernels"] = table_kernels(dump and Path(dump, f"{name}_{S}"))
 
     tdet = t.detach()
     try:  # FlexAttention's own table gradient, against the same fp64 reference
@@ -103,25 +127,31 @@ def run(name: str, S: int, dev="cuda", dtype=torch.bfloat16, flex: bool = True,
                     row[key] = round(min(ms, row.get(key, ms)), 4)
         except Exception as e:  # noqa: BLE001 - recorded
             row[who] = f"{type(e).__name__}: {str(e)[:200]}"
-    if per_score:  # the same step with one add per score (no diagonal sums), in turn
-        from neptune_eq.dropin import flex as flex_mod
+    if forms:  # the same step with each form of the table's adds, in turn
+        from neptune_eq.dropin import eager_env
         from neptune_eq.lowering import index_scatter
 
-        def timed(diagonals: bool) -> float:
-            index_scatter.DIAGONALS = diagonals  # (in the kernel cache's key)
-            flex_mod.STRUCTURES.clear()
-            step(ne.flex_attention)()  # its build: cold the first time, then from disk
+        def timed(form: str) -> float:
+            # (both switches are in the kernel cache's key)
+            index_scatter.DIAGONALS, index_scatter.ENTRY_SUMS = FORMS[form]
+            eager_env.forget()
+            # its build (cold the first time, then from disk), and its gradient checked
+            (g,) = torch.autograd.grad(ne.flex_attention(q, k, v, mods(S, t)[name]), (t,), go)
+            tag = form.replace('-', '_')
+            row[f"grad_err_{tag}"] = float((g.double() - want).abs().max() / want.abs().max())
+            row[f"table_kernels_{tag}"] = table_kernels(dump and Path(dump, f"{name}_{S}_{tag}"))
             return do_bench(step(ne.flex_attention), warmup=3, rep=20)
         try:
             for _ in range(2):
-                for key, diagonals in (("ms_ours_per_score", False), ("ms_ours", True)):
-                    ms = timed(diagonals)
+                for form in forms:
+                    key = f"ms_ours_{form.replace('-', '_')}"
+                    ms = timed(form)
                     row[key] = round(min(ms, row.get(key, ms)), 4)
         except Exception as e:  # noqa: BLE001 - recorded
-            row["per_score"] = f"{type(e).__name__}: {str(e)[:200]}"
+            row["forms"] = f"{type(e).__name__}: {str(e)[:200]}"
         finally:
-            index_scatter.DIAGONALS = True
-            flex_mod.STRUCTURES.clear()
+            index_scatter.DIAGONALS, index_scatter.ENTRY_SUMS = True, True
+            eager_env.forget()
     return row
 
 
@@ -131,15 +161,16 @@ def main():
     ap.add_argument("--mods", nargs="+", default=["at q and kv", "relative", "t5"])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--no-flex", action="store_true", help="time ours alone")
-    ap.add_argument("--per-score", action="store_true",
-                    help="also time one add per score (NEPTUNE_EQ_DIAGONAL_ADDS=0's kernels), "
-                         "in turn with the diagonal sums, in this process")
+    ap.add_argument("--forms", nargs="+", default=[], choices=sorted(FORMS),
+                    help="also time the step with each form of the table's adds (one per "
+                         "score, per diagonal, per entry), in turn, in this process")
+    ap.add_argument("--dump", help="write each table kernel's source under this folder")
     a = ap.parse_args()
     rows = []
     for S in a.S:
         for name in a.mods:
             try:
-                row = run(name, S, flex=not a.no_flex, per_score=a.per_score)
+                row = run(name, S, flex=not a.no_flex, forms=tuple(a.forms), dump=a.dump)
             except Exception as e:  # noqa: BLE001 - recorded
                 row = {"mod": name, "S": S, "raised": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append(row)

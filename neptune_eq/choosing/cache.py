@@ -68,9 +68,10 @@ def lowering_switches() -> dict:
     tiles are walked, how many consumers a program has, whether they take turns, whether
     each computes only its rows' key blocks, whether the output goes by TMA; whether an
     output at a computed index may be added into atomically: not under torch's
-    deterministic algorithms; and whether its adds are summed along diagonals first).  The
-    benches flip them to A/B a form in one process; a kernel chosen under one setting is
-    not the kernel the other emits, so a cache entry must not serve both."""
+    deterministic algorithms; and whether its adds are summed along diagonals, and per
+    entry, first).  The benches flip them to A/B a form in one process; a kernel chosen
+    under one setting is not the kernel the other emits, so a cache entry must not serve
+    both."""
     from ..lowering import (block_shift, gluon_epilogue, gluon_sums, gluon_tiles, gluon_ws,
                             index_scatter, lower)
     return {"max_before_scale": lower.MAX_BEFORE_SCALE, "block_shift": block_shift.ENABLED,
@@ -83,7 +84,8 @@ def lowering_switches() -> dict:
             "ws_own_consumers": gluon_ws.OWN_CONSUMERS,
             "ws_tma_store": gluon_epilogue.TMA_STORE,
             "sums_persistent": gluon_sums.PERSISTENT,
-            "index_scatter": index_scatter.allowed(), "diagonal_adds": index_scatter.DIAGONALS}
+            "index_scatter": index_scatter.allowed(), "diagonal_adds": index_scatter.DIAGONALS,
+            "entry_sums": index_scatter.ENTRY_SUMS}
 
 
 def _path(key: str) -> Path:

@@ -170,9 +170,13 @@ def estimate(plan: TilePlan, device: Device, block_rows: int, block_keys: int,
             width = math.prod(plan.whole_axes.get(x, 1) for x in sc.axes if x != sc.loop_axis)
             adds = block_keys * width
             if getattr(sc, "at", None):  # at a computed index: one add per pair, or per
-                # diagonal where the index reads rows and keys only through r − j
-                adds = block_keys * ((block_rows - 1) // block_keys + 2 if sc.diagonal()
-                                     else block_rows)
+                # diagonal where the index reads rows and keys only through r − j, or per
+                # entry of a small table summed along its diagonals
+                per, levels = sc.entry_sums(), (block_rows - 1) // block_keys + 2
+                adds = per[1] if per else block_keys * (
+                    levels if sc.diagonal() else block_rows)
+                if per:  # the [keys × entries] select a q-level
+                    alu += block_keys * (1 << (per[1] - 1).bit_length()) * levels * n
             atomics += 4.0 * adds * n
     col_passes = [e for e in plan.epilogue if e.loop_axes]
     for e in col_passes:  # softmax's normalisation re-reads its input

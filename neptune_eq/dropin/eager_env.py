@@ -29,6 +29,19 @@ _EAGER_PLANS_MAX = 256   # mod environments remembered (least recently used goes
 _FLAT_HITS: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
 
+def forget() -> None:
+    """Forget every structure, the eager calls' remembered environments and the backward
+    plans, as a new process would start (the kernel cache on disk stays): the next call
+    traces, builds and plans anew.  Benches call it between settings of a lowering
+    switch -- a structure key does not name the switches, so a structure, an environment
+    hit or a backward plan kept from before would run the other setting's kernels."""
+    from . import backward_plan
+    flex.STRUCTURES.clear()
+    _EAGER_PLANS.clear()
+    _FLAT_HITS.clear()
+    backward_plan.clear()
+
+
 def eager_structure(score_mod, mask_mod, spec: "flex.Spec", sizes: dict[str, int]
                     ) -> tuple[str, list]:
     """The structure key and captured tensors of an eager call.  A call whose environment

@@ -66,12 +66,24 @@ class IndexScattered(AddedOutput):
             return None
         return _diagonal_row(tuple(self.at.values()), self.axis, tuple(self.state_axes))
 
+    def entry_sums(self) -> tuple[str, int] | None:
+        """(axis, length) where a tile summed along its diagonals is summed per entry too
+        before its adds: the output's one computed axis, of at most ``ENTRY_SUMS_UP_TO``
+        entries (T5's 32 buckets, which most far diagonals share: their adds would meet
+        one address ~R + K times a tile); else None."""
+        if not ENTRY_SUMS or len(self.at) != 1 or self.diagonal() is None:
+            return None
+        ((axis, n),) = self.extents.items()
+        return (axis, n) if isinstance(n, int) and 0 < n <= ENTRY_SUMS_UP_TO else None
+
     def describe(self) -> str:
         where = ", ".join(f"{a} = {fmt(f)}" for a, f in self.at.items())
         row = self.diagonal()
-        how = (f"each tile's terms summed along its diagonals first, one atomic add per "
-               f"diagonal at {where} (it reads {row} and {self.axis} only as "
-               f"{row} − {self.axis})" if row else
+        per = self.entry_sums()
+        how = ("each tile's terms summed along its diagonals first"
+               + (f", then per entry of {per[0]}: one atomic add per entry at {where}"
+                  if per else f", one atomic add per diagonal at {where}")
+               + f" (it reads {row} and {self.axis} only as {row} − {self.axis})" if row else
                f"each (row, {self.axis}) term added atomically at {where}")
         return (f"  + {self.name}[{', '.join(self.axes)}]: {how} ([f = m]·X holds for one m "
                 "per term: one pass over the terms, not one per entry)")
@@ -182,6 +194,11 @@ def _conjuncts(c: Term) -> list[Term]:
 # NEPTUNE_EQ_DIAGONAL_ADDS=0: one add per term even where the diagonals could be summed
 # first (for A/B runs: ``bench/probe/table_grad_gpu.py``; in the cache key).
 DIAGONALS = os.environ.get("NEPTUNE_EQ_DIAGONAL_ADDS", "1") != "0"
+# NEPTUNE_EQ_ENTRY_SUMS=0: a small table's diagonal sums added one per diagonal, not
+# summed per entry first (A/B as above; in the cache key).  The per-entry sum costs a
+# [keys × entries] select a q-level, so only tables up to this length take it.
+ENTRY_SUMS = os.environ.get("NEPTUNE_EQ_ENTRY_SUMS", "1") != "0"
+ENTRY_SUMS_UP_TO = 64
 
 
 @lru_cache(maxsize=256)

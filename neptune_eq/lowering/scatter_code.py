@@ -84,7 +84,9 @@ def _along_diagonals(em: Emitter, sc, val: Tile, taxes: tuple) -> bool:
     ⌊(r − t)/K⌋`` (``q`` from −1 to ⌊(R − 1)/K⌋): each masked column sum is one
     diagonal's total, added at ``g`` of its ``r − j``, computed on the K diagonals'
     differences with ``r`` bound to them and ``j`` to 0.  A 64 × 64 tile makes 128 adds,
-    not 4096."""
+    not 4096.  Where the output has one computed axis of few entries (``entry_sums``:
+    T5's 32 buckets), the diagonals are summed per entry too and the tile adds once per
+    entry."""
     ba = em.plan.block_axis
     row = sc.diagonal()
     if row is None or em.env.get(row) != ba or ba not in em.aranges or LOOP not in em.aranges \
@@ -104,6 +106,12 @@ def _along_diagonals(em: Emitter, sc, val: Tile, taxes: tuple) -> bool:
     em.emit(f"{u} = tl.arange(0, {R})[:, None] - tl.arange(0, {K})[None, :] + {K}")
     y = em.new("dg_y")
     em.emit(f"{y} = tl.gather({x}, {u} % {K}, 1)")
+    entries = sc.entry_sums()  # (computed axis, its length) or None
+    if entries:
+        ent, acc = em.new("dg_entry"), em.new("dg_acc")
+        width = 1 << (entries[1] - 1).bit_length()
+        em.emit(f"{ent} = tl.arange(0, {width})")
+        em.emit(f"{acc} = tl.zeros([{width}], tl.float32)")
     q = em.new("dg_q")
     em.emit(f"for {q} in tl.static_range(({R} - 1) // {K} + 2):  # q + 1 = ⌊(r − t)/K⌋ + 1")
     em.push(em.scopes[-1][2] + "    ")
@@ -120,10 +128,19 @@ def _along_diagonals(em: Emitter, sc, val: Tile, taxes: tuple) -> bool:
         idx[a] = f"({em.bcast(at, (LOOP,))})"
         if a in sc.at:
             inside.append(f"({idx[a]} >= 0) & ({idx[a]} < {sc.extents[a]})")
-    off = " + ".join(f"{idx[a]} * {sc.name}_s{k}" for k, a in enumerate(sc.axes))
-    off = f"{off} + tl.zeros([{K}], tl.int32)"  # (the pointers take the sums' shape)
-    m = " & ".join([f"({total} != 0.0)"] + inside)  # (a diagonal no term reached adds 0)
-    em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {total}, mask={m}, sem='relaxed')")
+    if entries:  # Σ_t [g_t = e]·sum_t for every entry e: an index past the table meets none
+        hit = f"(({idx[entries[0]]} + tl.zeros([{K}], tl.int32))[:, None] == {ent}[None, :])"
+        em.emit(f"{acc} += tl.sum(tl.where({hit}, {total}[:, None], 0.0), 0)")
+    else:
+        off = " + ".join(f"{idx[a]} * {sc.name}_s{k}" for k, a in enumerate(sc.axes))
+        off = f"{off} + tl.zeros([{K}], tl.int32)"  # (the pointers take the sums' shape)
+        m = " & ".join([f"({total} != 0.0)"] + inside)  # (a diagonal no term reached adds 0)
+        em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {total}, mask={m}, sem='relaxed')")
     em.scopes[-2][0].extend(em.pop())  # (its cache goes with it: its bindings are q's)
     em.env.pop(r_name), em.env.pop(j_name)
+    if entries:  # the other axes are the program's (a head): one add per entry of its row
+        off = " + ".join(f"{ent if a == entries[0] else em.expr(Term('var', (), a)).code}"
+                         f" * {sc.name}_s{k}" for k, a in enumerate(sc.axes))
+        m = f"({ent} < {entries[1]}) & ({acc} != 0.0)"
+        em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {acc}, mask={m}, sem='relaxed')")
     return True
