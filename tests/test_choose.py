@@ -352,8 +352,8 @@ def test_near_ties_are_timed_again_and_ranked_by_median(monkeypatch):
     Gluon 1.84-1.95 ms over three rounds, the tl tiles 2.06-2.12, and a cold choice took
     the tl tiles).  Configs within ``RETIME_SPREAD`` of the fastest are timed
     ``RETIME_ROUNDS`` more times and ranked by median; a config standing alone is not
-    timed again; a Gluon config timed again runs after a tl one (its outputs are checked
-    against it)."""
+    timed again; the re-timings check nothing (every config was checked against the plain
+    launch when first timed), so a Gluon config runs alone."""
     from types import SimpleNamespace
     from neptune_eq.choosing import choose as ch
     from neptune_eq.runtime.tile_configs import TileConfig
@@ -364,7 +364,8 @@ def test_near_ties_are_timed_again_and_ranked_by_median(monkeypatch):
     script = {id(tl_a): [2.10, 2.12], id(gl): [1.84, 1.86]}  # the re-timed rounds
     calls = []
 
-    def fake_time(program, ks, target, tensors, configs, values=None, host=False):
+    def fake_time(program, ks, target, tensors, configs, values=None, host=False, check=True):
+        assert not check
         calls.append([c for c in configs])
         return [(c, script[id(c)].pop(0) if id(c) in script else 3.0, "ok") for c in configs]
     monkeypatch.setattr(ch, "time_configs", fake_time)
@@ -377,7 +378,7 @@ def test_near_ties_are_timed_again_and_ranked_by_median(monkeypatch):
     assert gl_row.timings[1][1] == 1.86 and gl_row.timings[0][1] == 2.6
     assert len(calls) == 2 * ch.RETIME_ROUNDS
     assert all(cs == [tl_a] for cs in calls[0::2])            # tl_b (2.5) is not near
-    assert all(cs == [tl_c, gl] for cs in calls[1::2])  # a tl run before the Gluon one
+    assert all(cs == [gl] for cs in calls[1::2])
     calls.clear()
     tl_d = TileConfig({"B_i": 64, "B_L": 128}, 4, 2)
     tl_e = TileConfig({"B_i": 32, "B_L": 128}, 4, 3)

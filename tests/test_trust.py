@@ -283,3 +283,46 @@ def test_a_kernel_as_close_to_fp64_as_the_program_in_fp32_is_trusted():
     s = doubled((ref[0] @ kx.transpose(-1, -2)) / E ** 0.5, bb, None, None, jj)
     want = torch.autograd.grad((torch.softmax(s, -1) @ vx).sum(), ref)
     assert all((a - w).abs().max() < 1e-4 for a, w in zip(grads, want))
+
+
+def test_the_timer_drops_a_config_that_disagrees_with_the_plain_launch(monkeypatch):
+    """Every timed config's outputs must agree with the plain launch's (pointer loads, one
+    stage, split-k in two launches) on the timing inputs.  On an H200, Triton 3.6, T5's
+    split-k forward at S = 1024 came back wrong in every row at 4 warps and 3 stages and
+    right at one stage; the timer had chosen it, and translation validation -- the
+    source in the interpreter -- could not see it.  Here the launches are faked: the
+    pipelined config writes a wrong row and is recorded as failed, the other is timed."""
+    from dataclasses import replace
+    from neptune_eq.runtime import timing, tuning
+    kern = ne.superoptimize(examples.attention(1, 1, 16, 32, 16, "float16"),
+                            target="interpreter", cache=False)
+    ins = {n: torch.randn(kern.program.shape_of(n)).half() for n in ("q", "k", "v", "o")}
+    want = torch.randn(kern.program.shape_of("o")).half()
+    launched = []
+
+    class Fake:
+        def __init__(self, program, ks, target, cfg, size_args):
+            self.cfg = cfg
+
+        def __call__(self, tensors):
+            launched.append(self.cfg)
+            tensors["o"].copy_(want)
+            if self.cfg.num_stages == 3:  # the miscompiled form
+                tensors["o"][0, 0, 5] += 1.0
+    monkeypatch.setattr(tuning, "make_launcher", Fake)
+    monkeypatch.setattr(tuning, "_on_gpu", lambda tensors: True)
+    monkeypatch.setattr(tuning, "context_lost", lambda: False)
+
+    def no_replay(*a):
+        raise ValueError("a form the replay does not cover")
+    monkeypatch.setattr(tuning, "BoundCall", no_replay)
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: 0)
+    monkeypatch.setattr(timing, "device_ms", lambda call, copies: 0.5)
+    good, bad = replace(kern.config, num_stages=2), replace(kern.config, num_stages=3)
+    res = tuning.time_configs(kern.program, kern.kernel_source, "cuda", ins, [bad, good])
+    assert launched[0] == tuning.plain_config([bad, good]) and launched[0].num_stages == 1
+    assert res[0][1] is None and "differs from the plain launch's" in res[0][2]
+    assert res[1] == (good, 0.5, "ok")
+    launched.clear()  # a re-timing of checked configs runs no plain launch
+    tuning.time_configs(kern.program, kern.kernel_source, "cuda", ins, [good], check=False)
+    assert launched == [good]

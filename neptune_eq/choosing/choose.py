@@ -292,20 +292,13 @@ def _retime_near_ties(rows: list[CandidateRow], target: str, tensors: dict | Non
         return
     keep = {(n, cid) for _, n, cid in ranked}
     near = {id(r): [c for c, ms, _ in r.timings if (n, id(c)) in keep] for n, r in enumerate(rows)}
-    runs = {}
-    for r in rows:
-        cs = sorted(near[id(r)], key=lambda c: c.gluon_ws)  # a Gluon config is checked
-        if cs and cs[0].gluon_ws:                           # against a tl run before it
-            ref = next((c for c, ms, _ in r.timings if not c.gluon_ws and ms is not None), None)
-            cs = [ref, *cs] if ref is not None else cs
-        runs[id(r)] = cs
     samples: dict[tuple, list[float]] = {}
     for _ in range(RETIME_ROUNDS):
         for r in rows:
-            if near[id(r)]:
-                got = time_configs(r.program, r.kernel, target, tensors, runs[id(r)], values,
-                                   host=host)
-                for c, (_, ms, _) in zip(runs[id(r)], got):
+            if near[id(r)]:  # (each was checked against the plain launch when first timed)
+                got = time_configs(r.program, r.kernel, target, tensors, near[id(r)], values,
+                                   host=host, check=False)
+                for c, (_, ms, _) in zip(near[id(r)], got):
                     if ms is not None:
                         samples.setdefault((id(r), id(c)), []).append(ms)
     for r in rows:

@@ -2,9 +2,18 @@
 
 Each config's launcher comes from ``gluon_launch.make_launcher``: a ``tl`` kernel's
 ``Launcher`` or, for a ``gluon_ws`` config, the warp-specialised Gluon form's.
+
+Every config is checked before it is timed: its outputs on the timing inputs must agree
+with those of the same kernel launched plainly (``plain_config``: pointer loads, no
+software pipelining, split-k in two launches).  Translation validation runs the kernel's
+source in the interpreter at small sizes; what the GPU compiler makes of a pipelined
+loop it never sees.  On an H200 (Triton 3.6) T5's split-k forward at S = 1024 -- 64 × 64
+tiles, 4 warps, 3 stages -- came back wrong in every row, and right at 1 stage or 8
+warps (session 60, ``bench/probe/splitk_fused_check_gpu.py``); the timer had chosen it.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -96,14 +105,29 @@ def gluon_short_ms(device_ms: float, host_ms: float, reference_host_ms: float = 
     return host_ms if slow else device_ms
 
 
+def plain_config(configs: list[TileConfig]) -> TileConfig | None:
+    """The launch every config is checked against: the first ``tl`` config's tiles and
+    warps (the first config's, if all are Gluon), with pointer loads, no software
+    pipelining and split-k's combine in its own launch -- the form closest to the source
+    that translation validation ran."""
+    if not configs:
+        return None
+    first = next((c for c in configs if not c.gluon_ws), configs[0])
+    return dataclasses.replace(first, num_stages=1, loop_stages=0, tma=False,
+                               warp_specialize=False, gluon_ws=False, fused=False,
+                               per_tile=False, heads_first=False, dynamic=False)
+
+
 def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
-                 configs: list[TileConfig], values: dict | None = None, host: bool = False
-                 ) -> list[tuple[TileConfig, float | None, str]]:
+                 configs: list[TileConfig], values: dict | None = None, host: bool = False,
+                 check: bool = True) -> list[tuple[TileConfig, float | None, str]]:
     """Time every config on the GPU (median ms per call); failures are recorded, not
     raised.  ``values``: the named sizes of ``tensors`` when the kernel takes them at run
     time.  The time is the GPU's (``runtime.timing.device_ms``: replayed from a CUDA
     graph, over copies of the inputs that exceed L2); ``host=True`` times the call from
-    the host instead (``timing.host_ms``: host launch path included, for reports)."""
+    the host instead (``timing.host_ms``: host launch path included, for reports).
+    ``check``: each config's outputs must first agree with ``plain_config``'s on these
+    inputs, or it fails (a re-timing of configs already checked passes False)."""
     from ..sizes import bind
     from . import timing
     values = values or {}
@@ -115,8 +139,10 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     out = []
     tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
     copies = None
-    reference = None  # the first tl config's outputs: what a Gluon config is checked by
-    ref_call, ref_host = None, None  # that config's call, and its time from the host (lazy)
+    # the plain launch's outputs, what every config is checked by (None: not checked)
+    reference, plain_why = _plain_outputs(program, ks, target, tensors, configs, values,
+                                          size_args) if check else (None, "")
+    ref_call, ref_host = None, None  # the first tl config's call, its host time (lazy)
     for cfg in configs:
         if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
             out.append((cfg, None, f"skipped: {TMA_NEEDS} (these inputs do not)"))
@@ -131,14 +157,13 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
         try:
             la = make_launcher(program, ks, target, cfg.at(values), size_args)
             la(tensors)  # compiles, and checks the direct launch under this key
-            if cfg.gluon_ws:  # a second kernel form: it must agree with the tl one
-                why = _disagreement(tensors, reference, program.outputs)
+            if check:
+                why = (_disagreement(tensors, reference, program.outputs) if reference
+                       else plain_why if cfg.gluon_ws else "")
                 if why:
                     out.append((cfg, None, f"failed: {why}"))
                     continue
-            is_reference = not cfg.gluon_ws and reference is None
-            if is_reference:
-                reference = {n: tensors[n].clone() for n in program.outputs}
+            is_reference = not cfg.gluon_ws and ref_call is None
             # Timed as a call will run: replayed (``bound_call``).
             try:
                 call = BoundCall(la, names, tensors, program.outputs)
@@ -161,17 +186,21 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
         except Exception as e:  # a config that does not compile (e.g. out of shared memory)
             msg = str(e).strip().splitlines()
             if target == "cuda" and context_lost():
-                raise DeviceFaultError(
-                    f"The GPU faulted while config {cfg} of kernel {ks.name} ran "
-                    f"({msg[0] if msg else type(e).__name__}); this process's CUDA context "
-                    "is lost and nothing more can run in it. Start a new process; "
-                    "NEPTUNE_EQ_TMA=0 (no tensor descriptors) or NEPTUNE_EQ_GLUON=0 (no "
-                    "Gluon forms) leave forms out, and bench/probe/fault_locate_gpu.py "
-                    "names the launch. Please report it with this message.") from e
+                raise _fault(cfg, ks, msg) from e
             out.append((cfg, None, f"failed: {msg[-1] if msg else type(e).__name__}"))
     if all(ms is None for _, ms, _ in out):
         warnings.warn("No tile config compiled on the GPU: " + "; ".join(s for *_, s in out))
     return out
+
+
+def _fault(cfg: TileConfig, ks: KernelSource, msg: list[str]) -> DeviceFaultError:
+    return DeviceFaultError(
+        f"The GPU faulted while config {cfg} of kernel {ks.name} ran "
+        f"({msg[0] if msg else 'no message'}); this process's CUDA context is lost and "
+        "nothing more can run in it. Start a new process; NEPTUNE_EQ_TMA=0 (no tensor "
+        "descriptors) or NEPTUNE_EQ_GLUON=0 (no Gluon forms) leave forms out, and "
+        "bench/probe/fault_locate_gpu.py names the launch. Please report it with this "
+        "message.")
 
 
 def context_lost() -> bool:
@@ -187,22 +216,44 @@ def context_lost() -> bool:
     return False
 
 
-def _disagreement(tensors: dict, reference: dict | None, outputs: list[str]) -> str:
-    """Why the Gluon form's outputs cannot be trusted on the timing inputs, or "".  Both
-    forms compute the plan's terms; they differ by accumulation order and the Gluon form's
-    SFU tanh, so they agree within a few 16-bit roundings of the output's scale.  A
-    translation-validated tl config must have run first (``prune_configs`` orders them)."""
-    if reference is None:
-        return "no tl config ran first to check the Gluon form against"
+def _plain_outputs(program: Program, ks: KernelSource, target: str, tensors: dict,
+                   configs: list[TileConfig], values: dict, size_args: tuple
+                   ) -> tuple[dict | None, str]:
+    """({output: its value} of ``plain_config`` on ``tensors``, "") -- or (None, why it
+    did not run): then the ``tl`` configs go unchecked, as before this check, and the
+    Gluon ones fail (a second kernel form with nothing to agree with)."""
+    cfg = plain_config(configs)
+    if cfg is None or target != "cuda" or not _on_gpu(tensors):  # (the interpreter runs
+        return None, "no plain launch ran to check it against"  # the source as written)
+    try:
+        make_launcher(program, ks, target, cfg.at(values), size_args)(tensors)
+    except Exception as e:  # noqa: BLE001 - the configs are then left unchecked
+        msg = str(e).strip().splitlines()
+        if context_lost():
+            raise _fault(cfg, ks, msg) from e
+        return None, f"its plain launch ({cfg}) failed: {msg[-1] if msg else type(e).__name__}"
+    return {n: tensors[n].clone() for n in program.outputs}, ""
+
+
+def _on_gpu(tensors: dict) -> bool:
+    return any(getattr(t, "is_cuda", False) for t in tensors.values())
+
+
+def _disagreement(tensors: dict, reference: dict, outputs: list[str]) -> str:
+    """Why a config's outputs cannot be trusted on the timing inputs, or "".  It and the
+    plain launch compute the plan's terms; they differ by accumulation order (and a Gluon
+    form's SFU tanh), so they agree within a few 16-bit roundings of the output's scale;
+    a wrong kernel is off by O(1), or NaN."""
     for n in outputs:
         got, ref = tensors[n].float(), reference[n].float()
         if not bool((got.isfinite() == ref.isfinite()).all()):
-            return f"the Gluon form's {n} has NaN/inf where the tl form's has none"
+            return f"its {n} has NaN/inf where the plain launch's has none, or none where it has"
         fin = ref.isfinite()
         scale = max(1.0, ref[fin].abs().max().item()) if fin.any() else 1.0
         err = (got[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
         if err > _AGREE.get(str(tensors[n].dtype), 1e-2) * scale:
-            return f"the Gluon form's {n} differs from the tl form's by {err:.3g} (scale {scale:.3g})"
+            return (f"its {n} differs from the plain launch's (pointer loads, one stage) by "
+                    f"{err:.3g} (scale {scale:.3g}): a miscompile, not used")
     return ""
 
 
