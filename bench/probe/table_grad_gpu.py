@@ -32,24 +32,26 @@ import neptune_eq as ne
 FLEX = torch.compile(flex_attention)
 
 
-def t5_bucket(i, j, buckets: int = 32, max_distance: int = 128):
+def t5_bucket(i, j, buckets: int = 32, max_distance: int = 128, itype=torch.int64):
     """T5's relative-position bucket (bidirectional; half the buckets exact, the rest
     log-spaced up to ``max_distance``), as users write it in a score_mod."""
     n = (i - j).abs()
     exact = buckets // 2
     far = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-                   * (buckets - exact)).to(torch.int64)
+                   * (buckets - exact)).to(itype)
     return torch.where(n < exact, n, torch.clamp(far, max=buckets - 1))
 
 
 def mods(S: int, t):
     return {"at q and kv": lambda s, b, h, i, j: s + t[i] - t[j],
             "relative": lambda s, b, h, i, j: s + t[i - j + S],
-            "t5": lambda s, b, h, i, j: s + t[h, t5_bucket(i, j)]}
+            "t5": lambda s, b, h, i, j: s + t[h, t5_bucket(i, j)],
+            # (the log bucket cast to int32: session 60's probes of the int64 form)
+            "t5 int32": lambda s, b, h, i, j: s + t[h, t5_bucket(i, j, itype=torch.int32)]}
 
 
 def table(name: str, S: int, dev) -> torch.Tensor:
-    shape = {"at q and kv": (S,), "relative": (2 * S,), "t5": (8, 32)}[name]
+    shape = {"at q and kv": (S,), "relative": (2 * S,), "t5": (8, 32), "t5 int32": (8, 32)}[name]
     return torch.randn(*shape, device=dev, requires_grad=True)
 
 

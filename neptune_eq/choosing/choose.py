@@ -23,7 +23,7 @@ from ..lowering.kernelgen import KernelSource, generate
 from ..lowering.lower import LoweringError, TilePlan, plan as make_plan
 from ..runtime.launcher import load_kernel
 from ..runtime.tile_configs import TileConfig, candidate_configs
-from ..runtime.tuning import compile_in_parallel, time_configs
+from ..runtime.tuning import compile_in_parallel, plain_config, time_configs
 
 
 @dataclass
@@ -253,8 +253,12 @@ def _time_candidates(timed: list[CandidateRow], target: str, tensors: dict | Non
     fastest candidate (its ``config`` and ``measured_ms`` set), or None if none compiled."""
     configs_of = {id(r): prune_configs(r.plan, candidate_configs(r.kernel, target, sms), device)
                   for r in timed}
-    compile_in_parallel([(r.program, r.kernel, c) for r in timed for c in configs_of[id(r)]],
-                        target, tensors, values)
+    jobs = [(r.program, r.kernel, c) for r in timed for c in configs_of[id(r)]]
+    if target == "cuda":  # each candidate's plain launch, which its configs are checked by
+        jobs += [(r.program, r.kernel, p) for r in timed
+                 for p in [plain_config(configs_of[id(r)])]
+                 if p is not None and p not in configs_of[id(r)]]
+    compile_in_parallel(jobs, target, tensors, values)
     for n, r in enumerate(timed, 1):
         configs = configs_of[id(r)]
         if progress:
