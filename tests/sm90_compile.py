@@ -8,7 +8,7 @@ tensor descriptors, warp-specialised loops -- is checked for structure on CPU.  
 run without ``TRITON_INTERPRET`` (which turns ``@triton.jit`` into the interpreter), hence
 a subprocess.  JSON_SPEC: {"dtypes": {param: "*fp16" | "i32"}, "constexprs": {...},
 "num_warps": 4, "num_stages": 3, "options": {more of Triton's options, e.g. maxnreg},
-"dump": DIR (optional: write KERNEL.ttgir and KERNEL.sass there), "divisible": [params
+"dump": DIR (optional: write KERNEL.ttgir, .ptx and .sass there), "divisible": [params
 Triton's launch would specialise as multiples of 16]}.  Prints one JSON line: ok, error, and what the PTX
 uses; with ``"resources": true`` in the spec also registers per thread, spill bytes and
 whether ptxas serialized the wgmma pipeline (its C7513 reason, else None), from ``ptxas -v`` (the one Triton compiles sm_90 with) on that PTX (``bench/static_sm90.py``).
@@ -86,6 +86,7 @@ def main():
         dump = Path(spec["dump"])
         dump.mkdir(parents=True, exist_ok=True)
         (dump / f"{kernel}.ttgir").write_text(ck.asm["ttgir"])
+        (dump / f"{kernel}.ptx").write_text(ptx)
         (dump / f"{kernel}.sass").write_text(get_sass(ck.asm["cubin"]))
         out["dumped"] = str(dump)
     print(json.dumps(out))

@@ -244,6 +244,17 @@ def test_an_untimed_bucket_takes_the_config_the_nearest_timed_bucket_chose(monke
                                            first.program))  # another candidate's timing
     assert dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev,
                                   known=[other]).config == configs[0]
+    # with the call's tensors, the pick is checked against the plain launch on them
+    # (``tuning.agreeing_config``, faked here: it turns the pick down)
+    asked = []
+
+    def agreeing(program, ks, target, tensors, config, cfgs, values):
+        asked.append((config, tensors, values))
+        return configs[0]
+    monkeypatch.setattr(dispatch, "agreeing_config", agreeing)
+    got = dispatch.choose_bucket(pool, {"S": 12000}, "cuda", dev, known=known,
+                                 call_tensors=lambda: {"the": "call"})
+    assert got.config == configs[0] and asked == [(far, {"the": "call"}, {"S": 12000})]
 
 
 def test_an_untimed_buckets_config_is_timed_once_when_a_choice_needs_its_time(monkeypatch):

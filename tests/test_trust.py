@@ -285,6 +285,27 @@ def test_a_kernel_as_close_to_fp64_as_the_program_in_fp32_is_trusted():
     assert all((a - w).abs().max() < 1e-4 for a, w in zip(grads, want))
 
 
+def _fake_gpu_launches(monkeypatch, tuning, want, wrong_at_stages=3):
+    """Launches faked on CPU tensors taken for GPU ones: every config writes ``want`` into
+    ``o``, one at ``wrong_at_stages`` stages a wrong row (the miscompiled form); returns
+    the list the launched configs go to."""
+    launched = []
+
+    class Fake:
+        def __init__(self, program, ks, target, cfg, size_args):
+            self.cfg = cfg
+
+        def __call__(self, tensors):
+            launched.append(self.cfg)
+            tensors["o"].copy_(want)
+            if self.cfg.num_stages == wrong_at_stages:
+                tensors["o"][0, 0, 5] += 1.0
+    monkeypatch.setattr(tuning, "make_launcher", Fake)
+    monkeypatch.setattr(tuning, "_on_gpu", lambda tensors: True)
+    monkeypatch.setattr(tuning, "context_lost", lambda: False)
+    return launched
+
+
 def test_the_timer_drops_a_config_that_disagrees_with_the_plain_launch(monkeypatch):
     """Every timed config's outputs must agree with the plain launch's (pointer loads, one
     stage, split-k in two launches) on the timing inputs.  On an H200, Triton 3.6, T5's
@@ -298,20 +319,7 @@ def test_the_timer_drops_a_config_that_disagrees_with_the_plain_launch(monkeypat
                             target="interpreter", cache=False)
     ins = {n: torch.randn(kern.program.shape_of(n)).half() for n in ("q", "k", "v", "o")}
     want = torch.randn(kern.program.shape_of("o")).half()
-    launched = []
-
-    class Fake:
-        def __init__(self, program, ks, target, cfg, size_args):
-            self.cfg = cfg
-
-        def __call__(self, tensors):
-            launched.append(self.cfg)
-            tensors["o"].copy_(want)
-            if self.cfg.num_stages == 3:  # the miscompiled form
-                tensors["o"][0, 0, 5] += 1.0
-    monkeypatch.setattr(tuning, "make_launcher", Fake)
-    monkeypatch.setattr(tuning, "_on_gpu", lambda tensors: True)
-    monkeypatch.setattr(tuning, "context_lost", lambda: False)
+    launched = _fake_gpu_launches(monkeypatch, tuning, want)
 
     def no_replay(*a):
         raise ValueError("a form the replay does not cover")
@@ -326,3 +334,25 @@ def test_the_timer_drops_a_config_that_disagrees_with_the_plain_launch(monkeypat
     launched.clear()  # a re-timing of checked configs runs no plain launch
     tuning.time_configs(kern.program, kern.kernel_source, "cuda", ins, [good], check=False)
     assert launched == [good]
+
+
+def test_a_bucket_chosen_untimed_is_checked_against_the_plain_launch(monkeypatch):
+    """A bucket met at call time and not timed (a short call) launches the config the
+    cost model or a nearby bucket picked; it is checked on the call's tensors as a timed
+    config is, and where it disagrees with the plain launch, the plain config runs there,
+    with a warning.  Faked launches, as above."""
+    from dataclasses import replace
+    from neptune_eq.runtime import tuning
+    kern = ne.superoptimize(examples.attention(1, 1, 16, 32, 16, "float16"),
+                            target="interpreter", cache=False)
+    ins = {n: torch.randn(kern.program.shape_of(n)).half() for n in ("q", "k", "v", "o")}
+    launched = _fake_gpu_launches(monkeypatch, tuning, torch.randn(kern.program.shape_of("o")).half())
+    good, bad = replace(kern.config, num_stages=2), replace(kern.config, num_stages=3)
+    args = (kern.program, kern.kernel_source, "cuda", ins)
+    assert tuning.agreeing_config(*args, good, [bad, good]) == good
+    with pytest.warns(UserWarning, match="was not taken .* plain launch"):
+        got = tuning.agreeing_config(*args, bad, [bad, good])
+    assert got == tuning.plain_config([bad]) and got.num_stages == 1
+    assert launched[-2].num_stages == 1 and launched[-1] == bad  # the plain launch first
+    monkeypatch.setattr(tuning, "_on_gpu", lambda tensors: False)  # no plain launch: kept
+    assert tuning.agreeing_config(*args, bad, [bad, good]) == bad

@@ -31,7 +31,7 @@ from ..runtime.gluon_launch import make_launcher
 from ..runtime.launcher import Launcher
 from ..runtime.tile_configs import TileConfig, candidate_configs
 from ..runtime.timing import timing_tensors
-from ..runtime.tuning import time_configs
+from ..runtime.tuning import agreeing_config, time_configs
 from ..sizes import Guards, bind, bucket_of, specialise
 
 
@@ -86,10 +86,21 @@ def choose_bucket(pool: list[Candidate], values: dict[str, int], target: str, de
         configs = candidate_configs(row.kernel, target, device.sms)
         row.config = config_like(origin[id(row.program)][1], configs, values, known) or configs[0]
         row.chosen = True
+        # untimed, but checked as a timed config is: against the plain launch, on the call
+        checked = _call_tensors_fitting(call_tensors) if call_tensors is not None and \
+            not _capturing() else None
+        if checked is not None:
+            row.config = agreeing_config(row.program, row.kernel, target, checked, row.config,
+                                         configs, values)
     else:
         row = choose(rows, target, tensors, top_k, device.sms, progress, values, device)
     guards, program = origin[id(row.program)]
     return BucketChoice(guards, program, row, row.config, dict(values), rows)
+
+
+def _capturing() -> bool:
+    import torch
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _call_tensors_fitting(call_tensors: Callable[[], dict]) -> dict | None:

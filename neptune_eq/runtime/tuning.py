@@ -216,6 +216,41 @@ def context_lost() -> bool:
     return False
 
 
+def agreeing_config(program: Program, ks: KernelSource, target: str, tensors: dict,
+                    config: TileConfig, configs: list[TileConfig], values: dict | None = None
+                    ) -> TileConfig:
+    """A bucket chosen untimed (``dispatch.choose_bucket``) launches ``config`` unmeasured;
+    it is still checked as a timed config is: on ``tensors`` its outputs must agree with
+    the plain launch's (``plain_config`` of ``configs``), else the plain config is taken,
+    with a warning.  Where the plain launch cannot run, ``config`` stays (as before this
+    check).  Two launches, nothing timed."""
+    from ..sizes import bind
+    values = values or {}
+    if ks.size_params:
+        program, ks = bind(program, values), ks.concrete(values)
+    size_args = tuple(values[s] for s in ks.size_params)
+    plain = plain_config([config, *configs])
+    if config == plain:
+        return config
+    reference, _ = _plain_outputs(program, ks, target, tensors, [config, *configs], values,
+                                  size_args)
+    if reference is None:
+        return config
+    try:
+        make_launcher(program, ks, target, config.at(values), size_args)(tensors)
+        why = _disagreement(tensors, reference, program.outputs)
+    except Exception as e:  # noqa: BLE001 - a config that cannot launch here is not taken
+        msg = str(e).strip().splitlines()
+        if context_lost():
+            raise _fault(config, ks, msg) from e
+        why = f"it failed: {msg[-1] if msg else type(e).__name__}"
+    if not why:
+        return config
+    warnings.warn(f"Kernel {ks.name}: config {config} was not taken at sizes {values} ({why}); "
+                  f"the plain launch {plain} runs there instead.")
+    return plain
+
+
 def _plain_outputs(program: Program, ks: KernelSource, target: str, tensors: dict,
                    configs: list[TileConfig], values: dict, size_args: tuple
                    ) -> tuple[dict | None, str]:
