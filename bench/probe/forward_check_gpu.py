@@ -19,7 +19,7 @@ import torch
 import neptune_eq as ne
 from neptune_eq.dropin import flex as flex_mod
 
-from table_grad_gpu import mods, table
+from table_grad_gpu import dense_scores, mods, table
 
 
 def check(name: str, S: int, dev: str = "cuda", dtype=torch.bfloat16) -> dict:
@@ -29,11 +29,8 @@ def check(name: str, S: int, dev: str = "cuda", dtype=torch.bfloat16) -> dict:
     mod = (lambda s, b, h, i, j: s) if name == "none" else mods(S, t)[name]
     out, lse = ne.flex_attention(q, k, v, mod, return_lse=True)
     qd, kd, vd = (x.double() for x in (q, k, v))
-    i = torch.arange(S, device=dev).view(1, 1, S, 1)
-    j = torch.arange(S, device=dev).view(1, 1, 1, S)
-    h = torch.arange(8, device=dev).view(1, -1, 1, 1)
-    tm = (lambda s, b, hh, ii, jj: s) if name == "none" else mods(S, t.double())[name]
-    sc = tm(qd @ kd.transpose(-1, -2) / 8.0, None, h, i, j)
+    sc = dense_scores(qd, kd, (lambda s, b, hh, ii, jj: s) if name == "none"
+                      else mods(S, t.double())[name])
     ref_o, ref_lse = torch.softmax(sc, -1) @ vd, torch.logsumexp(sc, -1)
     do = (out.double() - ref_o).abs().nan_to_num(float("inf")).amax(-1)
     dl = (lse.double() - ref_lse).abs().nan_to_num(float("inf"))

@@ -19,22 +19,10 @@ from pathlib import Path
 import torch
 
 import neptune_eq as ne
-from neptune_eq import api
 from neptune_eq.runtime.launcher import Launcher
 
-from table_grad_gpu import mods, table
-
-CALLS: list = []
-
-
-def _record():
-    orig = api.Kernel.__call__
-
-    def call(self, *args, **kwargs):
-        if "_fused(" in self.kernel_source.source and not CALLS:
-            CALLS.append((self, args))
-        return orig(self, *args, **kwargs)
-    api.Kernel.__call__ = call
+from table_grad_configs_gpu import CALLS, _record, recorded
+from table_grad_gpu import dense_scores, mods, table
 
 
 def check(name: str, S: int, variants: list[dict], dev: str = "cuda") -> list[dict]:
@@ -44,10 +32,7 @@ def check(name: str, S: int, variants: list[dict], dev: str = "cuda") -> list[di
     CALLS.clear()
     out, lse = ne.flex_attention(q, k, v, mods(S, t)[name], return_lse=True)
     qd, kd, vd = (x.double() for x in (q, k, v))
-    i = torch.arange(S, device=dev).view(1, 1, S, 1)
-    j = torch.arange(S, device=dev).view(1, 1, 1, S)
-    h = torch.arange(8, device=dev).view(1, -1, 1, 1)
-    sc = mods(S, t.double())[name](qd @ kd.transpose(-1, -2) / 8.0, None, h, i, j)
+    sc = dense_scores(qd, kd, mods(S, t.double())[name])
     ref = {"o": torch.softmax(sc, -1) @ vd, "lse": torch.logsumexp(sc, -1)}
 
     def errs(env: dict) -> dict:
@@ -64,12 +49,10 @@ def check(name: str, S: int, variants: list[dict], dev: str = "cuda") -> list[di
             got[f"{n}_err"], got[f"{n}_rows_off"] = float(d.max()), int((d > 0.05).sum())
         return got
     rows = [{"mod": name, "S": S, "variant": "as called", **errs({"o": out, "lse": lse})}]
-    if not CALLS:
-        rows[0]["note"] = "no split-k kernel was called"
+    got = recorded(rows[0], "split-k")
+    if got is None:
         return rows
-    kern, args = CALLS[0]
-    _, chosen = kern._bind_symbolic(args, {})
-    rows[0]["chosen"] = str(chosen.config)
+    kern, args, chosen = got
     for over in variants:
         cfg = dataclasses.replace(chosen.config, **over)
         row = {"mod": name, "S": S, "variant": str(over), "config": str(cfg)}
@@ -116,7 +99,7 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--force-split", action="store_true", help="take split-k where offered")
     a = ap.parse_args()
-    _record()
+    _record("_fused(")
     if a.force_split:
         force_split_k()
     rows = []

@@ -25,19 +25,35 @@ from neptune_eq.dropin import eager_env
 from neptune_eq.lowering import index_scatter
 from neptune_eq.runtime.launcher import Launcher
 
-from table_grad_gpu import FORMS, dense_grad, mods, table
+from table_grad_gpu import FORMS, dense_grad, dense_scores, mods, table
 
-CALLS: list = []
+CALLS: list = []  # [(kernel, its call's arguments)]: the first call recorded
+MARK = {"text": "dg_"}  # what the recorded kernel's source holds
 
 
-def _record():
+def _record(mark: str = "dg_"):
+    """Record the first call of a kernel whose source holds ``mark`` in ``CALLS`` (the
+    probes relaunch it on the same inputs)."""
+    MARK["text"] = mark
     orig = api.Kernel.__call__
 
     def call(self, *args, **kwargs):
-        if "dg_" in self.kernel_source.source and not CALLS:
+        if MARK["text"] in self.kernel_source.source and not CALLS:
             CALLS.append((self, args))
         return orig(self, *args, **kwargs)
     api.Kernel.__call__ = call
+
+
+def recorded(first_row: dict, what: str):
+    """(kernel, its arguments, the launcher it chose) of the recorded call, its config
+    written into ``first_row``; None, with a note there, where no such kernel ran."""
+    if not CALLS:
+        first_row["note"] = f"no {what} kernel was called"
+        return None
+    kern, args = CALLS[0]
+    chosen = kern._bind_symbolic(args, {})[1]
+    first_row["chosen"] = str(chosen.config)
+    return kern, args, chosen
 
 
 def run(name: str, S: int, form: str, dev: str = "cuda", grid=None) -> list[dict]:
@@ -58,19 +74,14 @@ def run(name: str, S: int, form: str, dev: str = "cuda", grid=None) -> list[dict
         return float((g.double() - want).abs().max() / want.abs().max())
     rows = [{"form": form, "S": S, "config": "as called", "err": err(g_t),
              "nans": int(torch.isnan(g_t).sum())}]
-    if not CALLS:
-        rows[0]["note"] = "no diagonal-sum kernel was called"
+    got = recorded(rows[0], "diagonal-sum")
+    if got is None:
         return rows
-    kern, args = CALLS[0]
-    bound, chosen = kern._bind_symbolic(args, {})
-    rows[0]["chosen"] = str(chosen.config)
+    kern, args, chosen = got
     # the kernel's inputs from the forward (its output o and row statistic mx, the lse)
     # against fp64: a wrong input makes every config's gradient wrong alike
     qd, kd, vd = (x.detach().double() for x in (q, k, v))
-    i = torch.arange(S, device=dev).view(1, 1, S, 1)
-    j = torch.arange(S, device=dev).view(1, 1, 1, S)
-    h = torch.arange(8, device=dev).view(1, -1, 1, 1)
-    sc = mods(S, t.detach().double())[name](qd @ kd.transpose(-1, -2) / 8.0, None, h, i, j)
+    sc = dense_scores(qd, kd, mods(S, t.detach().double())[name])
     ref = {"o": torch.softmax(sc, -1) @ vd, "mx": torch.logsumexp(sc, -1)}
     for ph, x in zip(kern.input_program.inputs, args):
         if ph.name in ref:

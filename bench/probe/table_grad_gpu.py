@@ -55,15 +55,20 @@ def table(name: str, S: int, dev) -> torch.Tensor:
     return torch.randn(*shape, device=dev, requires_grad=True)
 
 
+def dense_scores(q, k, mod):
+    """The scores ``mod(q·kᵀ/√D)`` in the inputs' precision (fp64 for a reference), the
+    mod called on broadcast indices."""
+    L, S = q.shape[2], k.shape[2]
+    i = torch.arange(L, device=q.device).view(1, 1, L, 1)
+    j = torch.arange(S, device=q.device).view(1, 1, 1, S)
+    h = torch.arange(q.shape[1], device=q.device).view(1, -1, 1, 1)
+    return mod(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, None, h, i, j)
+
+
 def dense_grad(q, k, v, mod, go):
     """fp64 autograd of the plain attention with ``mod`` on broadcast indices."""
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    S = q.shape[2]
-    i = torch.arange(S, device=q.device).view(1, 1, S, 1)
-    j = torch.arange(S, device=q.device).view(1, 1, 1, S)
-    h = torch.arange(q.shape[1], device=q.device).view(1, -1, 1, 1)
-    s = mod(qd @ kd.transpose(-1, -2) / q.shape[-1] ** 0.5, None, h, i, j)
-    return torch.softmax(s, -1) @ vd
+    return torch.softmax(dense_scores(qd, kd, mod), -1) @ vd
 
 
 # a table gradient's forms: (index_scatter.DIAGONALS, index_scatter.ENTRY_SUMS)
