@@ -139,7 +139,7 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     out = []
     tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
     copies = None
-    # the plain launch's outputs, what every config is checked by (None: not checked)
+    # the plain launch's outputs, what every config is checked by
     reference, plain_why = _plain_outputs(program, ks, target, tensors, configs, values,
                                           size_args) if check else (None, "")
     ref_call, ref_host = None, None  # the first tl config's call, its host time (lazy)
@@ -163,6 +163,9 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
                 if why:
                     out.append((cfg, None, f"failed: {why}"))
                     continue
+                if reference is None and target == "cuda" and not cfg.gluon_ws:
+                    # no plain launch ran: the first tl config that did checks the rest
+                    reference = {n: tensors[n].clone() for n in program.outputs}
             is_reference = not cfg.gluon_ws and ref_call is None
             # Timed as a call will run: replayed (``bound_call``).
             try:
@@ -282,13 +285,15 @@ def _disagreement(tensors: dict, reference: dict, outputs: list[str]) -> str:
     for n in outputs:
         got, ref = tensors[n].float(), reference[n].float()
         if not bool((got.isfinite() == ref.isfinite()).all()):
-            return f"its {n} has NaN/inf where the plain launch's has none, or none where it has"
+            return (f"its {n} has NaN/inf where the reference launch's has none, or none "
+                    "where it has")
         fin = ref.isfinite()
         scale = max(1.0, ref[fin].abs().max().item()) if fin.any() else 1.0
         err = (got[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
         if err > _AGREE.get(str(tensors[n].dtype), 1e-2) * scale:
-            return (f"its {n} differs from the plain launch's (pointer loads, one stage) by "
-                    f"{err:.3g} (scale {scale:.3g}): a miscompile, not used")
+            return (f"its {n} differs from the reference launch's (the plain launch: pointer "
+                    f"loads, one stage) by {err:.3g} (scale {scale:.3g}): a miscompile, not "
+                    "used")
     return ""
 
 
