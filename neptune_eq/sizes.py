@@ -309,3 +309,23 @@ def names_in(x) -> set[str]:
 
 def prod(xs: Iterable) -> "int | SymInt":
     return math.prod(xs, start=1)
+
+
+# Element offsets past this overflow the kernels' int32 index arithmetic: a program id
+# times a stride (``ax_z * k_s0``) is computed in 32 bits where both are (Triton makes an
+# integer argument 64-bit only when it is >= 2^31 itself), and would address the wrong
+# bytes -- a batched decode over a 256 x 8 x 32768 x 128 KV cache (2^33 elements) is past.
+INDEX_LIMIT = 2 ** 31
+
+
+def check_index_span(name: str, t) -> None:
+    """Raise ``ProgramError`` where tensor ``t``'s last element lies ``INDEX_LIMIT`` or
+    more elements past its first (from its shape and strides: a view counts as it is
+    addressed), saying how to split the call."""
+    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0)
+    if span >= INDEX_LIMIT:
+        raise ProgramError(
+            f"Expected {name} to span fewer than 2^31 elements (the generated kernels compute "
+            f"element offsets in 32-bit integers), got shape {tuple(t.shape)} with strides "
+            f"{tuple(t.stride())}: its last element is {span} elements past its first. Split "
+            "the call along the batch or heads so that each piece stays under 2^31.")

@@ -184,3 +184,21 @@ def test_a_kernel_that_faults_the_gpu_while_timed_is_a_device_fault_error(monkey
     with pytest.raises(ne.DeviceFaultError, match="^faulted$"):
         flex_backward._superoptimize(SimpleNamespace(target="cuda", fp32_precision="highest"),
                                      kern, ("q",), {}, None)
+
+
+def test_an_input_past_32_bit_offsets_is_refused():
+    """The kernels compute element offsets in 32-bit integers (a program id times a
+    stride): an input whose last element lies 2^31 or more past its first -- a batched
+    decode's KV cache of 256 x 8 x 32768 x 128 -- would be addressed wrongly, so the call
+    refuses it, saying how to split it.  Meta tensors: the shapes without the memory."""
+    kern = ne.superoptimize(ne.attention(1, 2, "S", "S", 16, "float32"), target="interpreter",
+                            cache=False, sizes={"S": 40})
+    under = torch.empty((1, 2, 2 ** 26, 16), device="meta")  # 2^31 - 1 past: allowed
+    with pytest.raises(ne.ProgramError, match="Expected q on cpu"):
+        kern(under, under, under)
+    over = torch.empty((1, 2, 2 ** 27, 16), device="meta")
+    with pytest.raises(ne.ProgramError, match=r"span fewer than 2\^31 elements .* shape "
+                       r"\(1, 2, 134217728, 16\) .* Split the call"):
+        kern(over, over, over)
+    with pytest.raises(ne.ProgramError, match="Expected query to span fewer than 2"):
+        ne.flex_attention(over, over, over)  # (before its first call times any kernel)

@@ -30,7 +30,7 @@ import torch
 
 from ..frontend import dsl
 from ..ir import MASKED, ExtentError, ProgramError, canonical_text
-from ..sizes import as_extent, symbols
+from ..sizes import as_extent, check_index_span, symbols
 
 SIZES = ("B", "L", "S")   # batch, query length, key length: named, so any value runs
 
@@ -233,6 +233,7 @@ def check(q, k, v, scale, enable_gqa, want_max) -> Spec:
         if t.dim() != 4:
             raise ValueError(f"Expected {n} of rank 4 (B, H, seq, head_dim), got shape "
                              f"{tuple(t.shape)}; add the missing dims with .unsqueeze/.view.")
+        check_index_span(n, t)  # (before a first call times any kernel on it)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"Expected query, key and value of one dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}; convert them with .to(query.dtype).")

@@ -26,6 +26,7 @@ from .launch import (FastLaunch, _triton_int_specialisation, class_launch_key, c
                      dependent_launch, dependent_options, first_launch_dependent, launch_key,
                      written_outputs)
 from ..ir import Program, ProgramError
+from ..sizes import check_index_span
 from .index_check import check_data_indices
 from .triton_mode import check_interpreter_importable, enable_interpreter
 from .tile_configs import TileConfig
@@ -487,7 +488,9 @@ def check_inputs(program: Program, args, kwargs, target: str, symbolic: bool = F
             raise ProgramError(f"Expected {ph.name} with dtype {ph.dtype}, got "
                                f"{str(t.dtype).replace('torch.', '')}; convert it with "
                                f".to(torch.{ph.dtype}).")
+        check_index_span(ph.name, t)
         if t.device.type != want_device:
             raise ProgramError(f"Expected {ph.name} on {want_device} (target {target}), got "
                                f"{t.device}; move it with .to('{want_device}').")
     return bound
+
