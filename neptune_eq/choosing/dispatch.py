@@ -75,8 +75,9 @@ def choose_bucket(pool: list[Candidate], values: dict[str, int], target: str, de
     spec, origin = specialised_pool(pool, values)
     rows = rank(spec, device, bf16_dot_in_fp32=(target == "interpreter"), fp32_dot=fp32_dot)
     lowerable = [r for r in rows if r.kernel is not None]
-    if tensors is None and call_tensors is not None and lowerable and \
-            time_new_buckets(target, lowerable[0].predicted_us):
+    timed_here = tensors is None and call_tensors is not None and bool(lowerable) and \
+        time_new_buckets(target, lowerable[0].predicted_us)
+    if timed_here:
         tensors = _call_tensors_fitting(call_tensors)
     if target == "cuda" and tensors is None:  # a bucket met at call time, untimed
         if not lowerable:
@@ -87,8 +88,9 @@ def choose_bucket(pool: list[Candidate], values: dict[str, int], target: str, de
         row.config = config_like(origin[id(row.program)][1], configs, values, known) or configs[0]
         row.chosen = True
         # untimed, but checked as a timed config is: against the plain launch, on the call
+        # (not where the call's tensors were just found not to fit)
         checked = _call_tensors_fitting(call_tensors) if call_tensors is not None and \
-            not _capturing() else None
+            not timed_here and not _capturing() else None
         if checked is not None:
             row.config = agreeing_config(row.program, row.kernel, target, checked, row.config,
                                          configs, values)

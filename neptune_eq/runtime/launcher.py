@@ -493,4 +493,3 @@ def check_inputs(program: Program, args, kwargs, target: str, symbolic: bool = F
             raise ProgramError(f"Expected {ph.name} on {want_device} (target {target}), got "
                                f"{t.device}; move it with .to('{want_device}').")
     return bound
-

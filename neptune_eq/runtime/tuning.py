@@ -140,8 +140,8 @@ def time_configs(program: Program, ks: KernelSource, target: str, tensors: dict,
     tma_here = tma_ok(getattr(ks, "descriptors", {}) or {}, tensors)
     copies = None
     # the plain launch's outputs, what every config is checked by
-    reference, plain_why = _plain_outputs(program, ks, target, tensors, configs, values,
-                                          size_args) if check else (None, "")
+    reference, plain_why = _plain_outputs(program, ks, target, tensors, plain_config(configs),
+                                          values, size_args) if check else (None, "")
     ref_call, ref_host = None, None  # the first tl config's call, its host time (lazy)
     for cfg in configs:
         if cfg.tma and not tma_here:  # it would time the pointer form: say so instead
@@ -235,8 +235,7 @@ def agreeing_config(program: Program, ks: KernelSource, target: str, tensors: di
     plain = plain_config([config, *configs])
     if config == plain:
         return config
-    reference, _ = _plain_outputs(program, ks, target, tensors, [config, *configs], values,
-                                  size_args)
+    reference, _ = _plain_outputs(program, ks, target, tensors, plain, values, size_args)
     if reference is None:
         return config
     try:
@@ -255,12 +254,11 @@ def agreeing_config(program: Program, ks: KernelSource, target: str, tensors: di
 
 
 def _plain_outputs(program: Program, ks: KernelSource, target: str, tensors: dict,
-                   configs: list[TileConfig], values: dict, size_args: tuple
+                   cfg: TileConfig | None, values: dict, size_args: tuple
                    ) -> tuple[dict | None, str]:
-    """({output: its value} of ``plain_config`` on ``tensors``, "") -- or (None, why it
-    did not run): then the ``tl`` configs go unchecked, as before this check, and the
-    Gluon ones fail (a second kernel form with nothing to agree with)."""
-    cfg = plain_config(configs)
+    """({output: its value} of the plain launch ``cfg`` (``plain_config``) on ``tensors``,
+    "") -- or (None, why it did not run): ``time_configs`` then checks the configs against
+    the first ``tl`` config that runs, and a Gluon config before it fails."""
     if cfg is None or target != "cuda" or not _on_gpu(tensors):  # (the interpreter runs
         return None, "no plain launch ran to check it against"  # the source as written)
     try:
