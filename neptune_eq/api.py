@@ -422,7 +422,7 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     trace.validation = validate_translation(
         user_program, first.program, lambda: _blame(trace, chosen),
         lambda small, named, data: _run_small_kernel(small, named, data, target, fp32_dot),
-        values, fp32_dot)
+        values, fp32_dot, target)
     kern = Kernel(user_program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
                   chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
     clock.lap("validate")

@@ -73,7 +73,7 @@ def lowering_switches() -> dict:
     under one setting is not the kernel the other emits, so a cache entry must not serve
     both."""
     from ..lowering import (block_shift, gluon_epilogue, gluon_sums, gluon_tiles, gluon_ws,
-                            index_scatter, lower)
+                            index_scatter, lower, saturated_index)
     return {"max_before_scale": lower.MAX_BEFORE_SCALE, "block_shift": block_shift.ENABLED,
             "ws_persistent": gluon_ws.PERSISTENT, "ws_scheduled": gluon_ws.SCHEDULED,
             "ws_dynamic": gluon_ws.DYNAMIC, "ws_pingpong": gluon_ws.PINGPONG,
@@ -85,7 +85,7 @@ def lowering_switches() -> dict:
             "ws_tma_store": gluon_epilogue.TMA_STORE,
             "sums_persistent": gluon_sums.PERSISTENT,
             "index_scatter": index_scatter.allowed(), "diagonal_adds": index_scatter.DIAGONALS,
-            "entry_sums": index_scatter.ENTRY_SUMS}
+            "entry_sums": index_scatter.ENTRY_SUMS, "far_index": saturated_index.ENABLED}
 
 
 def _path(key: str) -> Path:

@@ -126,6 +126,8 @@ class Analysis:
             return self._where(t, args)
         if any(a is None for a in args):
             return None
+        if op in INCREASING or op == "div":
+            return self._computed(op, args)
         if op == "neg":
             (lo, hi), = args
             return o.binary("sub", 0, hi), o.binary("sub", 0, lo)
@@ -142,7 +144,7 @@ class Analysis:
                 may, must = self.truth(t.args[0])
                 return self._from_truth(may, must)
             if t.val in ("int32", "int64") and _maybe_float(t.args[0]):
-                return None
+                return self._computed("trunc", args)
             return args[0]
         (al, ah), (bl, bh) = args if len(args) == 2 else (args[0], (None, None))
         if op == "add":
@@ -166,7 +168,26 @@ class Analysis:
             same = o.binary("and", nonneg, o.binary("eq", o.floordiv(al, c), o.floordiv(ah, c)))
             return (o.select(same, o.mod(al, c), o.select(nonneg, 0, -(c - 1))),
                     o.select(same, o.mod(ah, c), c - 1))
-        return None  # div, transcendental, bit ops: no bound (sound: block kept, masked)
+        return None  # bit ops, tanh, ...: no bound (sound: block kept, masked)
+
+    def _computed(self, op: str, args) -> Bounds:
+        """Bounds through an op a kernel's block test never evaluates -- an increasing
+        function (log, exp, sqrt), a division by a positive constant, a float -> int cast
+        (truncation: monotone) -- each end mapped on its own.  Only where the algebra offers
+        ``monotone(op, x, upper)`` (``saturated_index.IndexOps``: on the host, each end
+        widened past the device's fp32 rounding); None (no bound) elsewhere, as before."""
+        o = self.o
+        if not hasattr(o, "monotone"):
+            return None
+        (lo, hi) = args[0]
+        if op == "div":
+            (cl, ch) = args[1]
+            if cl != ch or not isinstance(cl, (int, float)) or cl <= 0:
+                return None
+            lo, hi = lo / cl, hi / cl  # (x / c for a constant c > 0 is increasing)
+            op = "id"
+        a, b = o.monotone(op, lo, False), o.monotone(op, hi, True)
+        return None if a is None or b is None else (a, b)
 
     def _where(self, t: Term, args) -> Bounds:
         o = self.o
@@ -215,6 +236,10 @@ class Analysis:
         o = self.o
         return (1 if must is True else 0 if must is False else o.select(must, 1, 0),
                 1 if may is True else 0 if may is False else o.select(may, 1, 0))
+
+
+# increasing functions of one argument: an interval's ends bound them (``_computed``)
+INCREASING = ("log", "exp", "exp2", "sqrt")
 
 
 def _and(o: Ops, a, b):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .codegen import _TL_DTYPE, ECOL, LOOP, Emitter, Tile
 from ..ir import Term, accessed, rename_axis
 from .index_scatter import IndexScattered
+from .saturated_index import FarSide
 from .scatter_code import emit_index_scattered, emit_scattered
 from .lower import Fold, LoweringError, drop_atoms, replace_folds
 
@@ -33,11 +34,19 @@ def fold_order(folds: list[Fold]) -> list[Fold]:
 
 def loop_body(em: Emitter, k: int, loop_var: str, known: frozenset) -> None:
     """Every fold of pass ``k`` updated by the current key block; ``known``: mask atoms
-    that hold on the whole block (dropped from the body)."""
+    that hold on the whole block (dropped from the body), and the far side of a
+    computed index the block lies on (``saturated_index.FarSide``: the index is its
+    constant)."""
     ps = em.plan.passes[k]
     em.env[loop_var] = LOOP
-    atoms = frozenset(rename_axis(t, "@j", loop_var) for t in known)
-    folds = [Fold(f.name, drop_atoms(rename_axis(f.term, f.axis, loop_var), atoms), f.state_axes,
+    far = [s for s in known if isinstance(s, FarSide)]
+    atoms = frozenset(rename_axis(t, "@j", loop_var) for t in known if isinstance(t, Term))
+
+    def on_block(t: Term) -> Term:
+        for side in far:
+            t = side.substitute(t, em.plan.block_axis, loop_var)
+        return drop_atoms(t, atoms)
+    folds = [Fold(f.name, on_block(rename_axis(f.term, f.axis, loop_var)), f.state_axes,
                   f.owner, f.pass_index) for f in ps.folds]
     ordered = fold_order(folds)
     for f in ordered:
@@ -68,7 +77,7 @@ def loop_body(em: Emitter, k: int, loop_var: str, known: frozenset) -> None:
         em.emit(f"{f.name}_new = {fold_update(f.op, f.name, partc, rebase)}")
     for sc in ps.scattered:  # outputs summed over the rows: this block's term, atomically
         if isinstance(sc, IndexScattered):  # ... or each pair's term at its own index
-            emit_index_scattered(em, sc, loop_var, atoms)
+            emit_index_scattered(em, sc, loop_var, atoms, far)
         else:
             emit_scattered(em, sc, loop_var, atoms)
     for f in ordered:

@@ -29,7 +29,9 @@ from .summary_kernel import prepass_source
 from .split_combine import combine_partials, grid_size, renamed_locals, store_partials
 from .split_plan import combine_min_rows
 from .split_share import shared_split_loops
+from .saturated_index import far_sides
 from .lower import Fold, LoweringError, TilePlan, combine_width_axis
+from ..ir import Term
 from ..sizes import value
 
 # (constexprs) the main key loop covers every block, the ragged last one included: the
@@ -211,7 +213,7 @@ def _tested_loops(em: Emitter, k: int, lo: str, hi: str, split: bool) -> None:
     em.emit(f"{whole} = {hi} if ({WHOLE_ALL}) else tl.maximum(tl.minimum({hi}, "
             f"({ps.extent} // B_{LOOP}) * B_{LOOP}), {lo})")
     if not ps.bound_atoms:
-        _loop(em, k, lo, whole, frozenset(), main=True, whole=True)
+        _main_loops(em, k, lo, whole, frozenset())
         _ragged_tail(em, k, whole, hi)
         return
     # interior: keys visible to every row of the block, aligned to whole key blocks
@@ -227,11 +229,45 @@ def _tested_loops(em: Emitter, k: int, lo: str, hi: str, split: bool) -> None:
     em.emit(f"j_in_wh{k} = tl.maximum(tl.minimum({b}, {whole}), {a})")
     if a != lo:
         _loop(em, k, lo, a, frozenset())
-    _loop(em, k, a, f"j_in_wh{k}", ps.bound_atoms, main=True, whole=True)
+    _main_loops(em, k, a, f"j_in_wh{k}", ps.bound_atoms)
     if b != hi:
         _loop(em, k, f"j_in_wh{k}", hi, frozenset())
     else:  # interior to the end: only a ragged last block is left
         _ragged_tail(em, k, f"j_in_wh{k}", hi)
+
+
+def _main_loops(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None:
+    """The main loop over the whole key blocks [lo, hi) -- cut, where a computed index
+    stops moving far from the diagonal (``saturated_index``), into the blocks whose
+    every pair lies past it on one side, the band between, and those past it on the
+    other: the far loops know the index's constant (``FarSide`` in ``known``).  Cut
+    points stay on the loop's block grid (from ``lo``), so the blocks are the same.
+    All three are main loops: a far side comes with a table's pointer load, which rules
+    warp specialisation out (``descriptors.warp_specializable``), so none is."""
+    sides = {s.sign: s for s in far_sides(em.plan, k)}
+    if not sides:
+        _loop(em, k, lo, hi, known, main=True, whole=True)
+        return
+    a, b = lo, hi
+    if +1 in sides:  # blocks whose last key lies D₊ or more below the block's first row
+        a = f"j_far_lo{k}"
+        em.emit(f"{a} = tl.minimum({lo} + (tl.maximum(row_first - ({sides[1].distance}) + 1 - "
+                f"{lo}, 0) // B_{LOOP}) * B_{LOOP}, {hi})")
+    if -1 in sides:  # blocks whose first key lies D₋ or more above the block's last row
+        b = f"j_far_hi{k}"
+        em.emit(f"{b} = tl.minimum({a} + ((tl.maximum(row_last + ({sides[-1].distance}) - "
+                f"{a}, 0) + B_{LOOP} - 1) // B_{LOOP}) * B_{LOOP}, {hi})")
+    if a != lo:
+        em.emit(f"# keys far below the rows: the index is {_consts(sides[1])}")
+        _loop(em, k, lo, a, known | {sides[1]}, main=True, whole=True)
+    _loop(em, k, a, b, known, main=True, whole=True)
+    if b != hi:
+        em.emit(f"# keys far above the rows: the index is {_consts(sides[-1])}")
+        _loop(em, k, b, hi, known | {sides[-1]}, main=True, whole=True)
+
+
+def _consts(side) -> str:
+    return ", ".join(str(c) for _, c in side.values) + f" past |i - j| >= {side.distance}"
 
 
 def _ragged_tail(em: Emitter, k: int, lo: str, hi: str) -> None:
@@ -251,7 +287,7 @@ def _loop(em: Emitter, k: int, lo: str, hi: str, known: frozenset, test: bool = 
     ps = em.plan.passes[k]
     head = descriptors.main_loop_header(lo, hi, f"B_{LOOP}") if main else \
         f"for l0 in range({lo}, {hi}, B_{LOOP}):"
-    em.emit(head + ("  # interior: no mask" if known else ""))
+    em.emit(head + ("  # interior: no mask" if any(isinstance(t, Term) for t in known) else ""))
     em.ranges[LOOP] = ("l0", f"{ps.extent}")
     parent = em.scopes[-1]
     inner = parent[2] + "    "

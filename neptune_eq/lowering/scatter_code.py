@@ -41,23 +41,34 @@ def emit_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
     em.emit(line)
 
 
-def emit_index_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> None:
+def emit_index_scattered(em: Emitter, sc, loop_var: str, known: frozenset,
+                         far: list = ()) -> None:
     """Add this block's terms of ``sc`` (``index_scatter.IndexScattered``) into its
     output, each at its computed indices: one atomic add per (row, key) pair of the tile,
     or per diagonal where the indices read rows and keys only through their difference
-    (``_along_diagonals``).  A pair whose index falls outside the output, or outside the
-    rows and keys, adds nothing (``where(f == m)`` held for no ``m``)."""
+    (``_along_diagonals``), or one for the whole tile where the block lies on a far side
+    of its index (``far``: ``saturated_index.FarSide``, the index a constant there).  A
+    pair whose index falls outside the output, or outside the rows and keys, adds
+    nothing (``where(f == m)`` held for no ``m``)."""
     plan = em.plan
     j = sc.term.val
-    val = em.f32(em.expr(drop_atoms(rename_axis(sc.term.args[0], j, loop_var), known)))
+
+    def on_block(t: Term) -> Term:
+        t = rename_axis(t, j, loop_var)
+        for side in far:
+            t = side.substitute(t, plan.block_axis, loop_var)
+        return t
+    val = em.f32(em.expr(drop_atoms(on_block(sc.term.args[0]), known)))
     taxes = em.canon((plan.block_axis, LOOP))
     if set(val.axes) - set(taxes):
         raise AssertionError(f"{sc.name}: a term beyond the [rows x keys] tile")  # find()
+    if far and _one_add(em, sc, val, taxes, on_block):
+        return
     if _along_diagonals(em, sc, val, taxes):
         return
     idx, inside, covered = {}, [], set()
     for a in sc.axes:
-        at = em.expr(rename_axis(sc.at[a], j, loop_var) if a in sc.at else Term("var", (), a))
+        at = em.expr(on_block(sc.at[a]) if a in sc.at else Term("var", (), a))
         if set(at.axes) - set(taxes):
             raise AssertionError(f"{sc.name}: an index beyond the [rows x keys] tile")
         covered |= set(at.axes)
@@ -72,6 +83,26 @@ def emit_index_scattered(em: Emitter, sc, loop_var: str, known: frozenset) -> No
     if set(val.axes) != set(taxes):  # (every pair adds its own term: a full tile)
         code = f"({code} + tl.zeros({em.shape(taxes)}, tl.float32))"
     em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {code}, mask={m}, sem='relaxed')")
+
+
+def _one_add(em: Emitter, sc, val: Tile, taxes: tuple, on_block) -> bool:
+    """Where every index of ``sc`` is one value over the tile (a far side made each
+    computed one a constant; the rest are the program's), the tile's terms summed and
+    added once; False, with nothing emitted, elsewhere."""
+    idx = [em.expr(on_block(sc.at[a]) if a in sc.at else Term("var", (), a)) for a in sc.axes]
+    if any(i.axes for i in idx):
+        return False
+    inside = [f"(({i.code}) >= 0) & (({i.code}) < {sc.extents[a]})"
+              for a, i in zip(sc.axes, idx) if a in sc.at]
+    full = em.bcast(val, taxes)
+    if set(val.axes) != set(taxes):
+        full = f"({full} + tl.zeros({em.shape(taxes)}, tl.float32))"
+    total = em.new("far_sum")
+    em.emit(f"{total} = tl.sum(tl.sum(tl.where({em.mask(taxes)}, {full}, 0.0), 1), 0)")
+    off = " + ".join(f"({i.code}) * {sc.name}_s{k}" for k, i in enumerate(idx))
+    m = " & ".join([f"({total} != 0.0)"] + inside)
+    em.emit(f"tl.atomic_add({sc.name}_ptr + {off}, {total}, mask={m}, sem='relaxed')")
+    return True
 
 
 def _along_diagonals(em: Emitter, sc, val: Tile, taxes: tuple) -> bool:
