@@ -20,6 +20,7 @@ from .lowering.codegen import FP32_DOT
 from .lowering.inline import isolate_reductions
 from .lowering.kernelgen import KernelSource, generate
 from .lowering.lower import TilePlan, plan as make_plan
+from .lowering import saturated_index
 from .runtime.bound_call import BoundCall
 from .runtime.launch import written_outputs
 from .runtime.timing import strided_rows, timing_tensors
@@ -419,9 +420,11 @@ def _build(program, rules, extra_rules, target, limits, example_inputs, top_k, p
     first = choose_bucket(pool, values, target, dev, tensors, top_k, progress, fp32_dot=fp32_dot)
     chosen = first.row
     clock.lap("lower, compile and time")
+    # (a far index's check runs past its distance: the smallest tiles keep that size low)
+    far = saturated_index.far_distance(user_program) is not None
     trace.validation = validate_translation(
         user_program, first.program, lambda: _blame(trace, chosen),
-        lambda small, named, data: _run_small_kernel(small, named, data, target, fp32_dot),
+        lambda small, named, data: _run_small_kernel(small, named, data, target, fp32_dot, far),
         values, fp32_dot, target)
     kern = Kernel(user_program, first.program, chosen.plan, chosen.kernel, trace, first.rows, target,
                   chosen.config, chosen.timings, egraph_json, stage.dot(), device=gpu_name)
@@ -479,15 +482,23 @@ def _blame(trace: Trace, chosen: CandidateRow) -> str:
 
 
 def _run_small_kernel(program: Program, values: dict[str, int], data: dict, target: str,
-                      fp32_dot: str) -> dict:
+                      fp32_dot: str, small_blocks: bool = False) -> dict:
     """The chosen candidate's kernel generated for ``program`` (small sizes; its named
-    sizes, at ``values``, stay runtime arguments as in the real kernel), run once."""
+    sizes, at ``values``, stay runtime arguments as in the real kernel), run once --
+    at the first tile config, or with ``small_blocks`` at the plain config of the
+    smallest tiles (a far index is checked at sizes past its distance plus three of
+    them: ``translation_validation.FAR_MARGIN``)."""
     import torch
     spec = specialise(program, values, Guards())
     kernel = generate(make_plan(spec), bf16_dot_in_fp32=(target == "interpreter"), fp32_dot=fp32_dot)
     conc = kernel.concrete(values)
     program = bind(spec, values)
-    launcher = Launcher(program, conc, target, candidate_configs(conc, target)[0].at(values),
+    configs = candidate_configs(conc, target)
+    config = configs[0]
+    if small_blocks:
+        plain = [c for c in configs if not (c.gluon_ws or c.warp_specialize or c.tma)]
+        config = min(plain or configs, key=lambda c: max(c.blocks.values(), default=0))
+    launcher = Launcher(program, conc, target, config.at(values),
                         tuple(values[s] for s in kernel.size_params))
     dev = "cuda" if target == "cuda" else "cpu"
     bound = {k: v.to(dev) for k, v in data.items()}

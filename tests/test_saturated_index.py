@@ -108,3 +108,22 @@ def test_the_switch_turns_the_far_loops_off(monkeypatch):
     ne.flex_attention(q, k, v, score_mod=mod)
     src = next(iter(flex.STRUCTURES.values())).kernel.kernel_source.source
     assert "far below" not in src and "far above" not in src
+
+
+def test_t5_at_head_dim_64_is_checked_past_the_far_distance():
+    """T5's own 32 buckets up to 128 (one entry past |i − j| >= 113) at head dim 64: the
+    table and the head dim are kept as called in translation validation (the table is
+    read in bounds only at its size), and the far check moves only the lengths past 113
+    -- moving every size above them made a head dim of 540 that could not be lowered."""
+    eager_env.forget()
+    torch.manual_seed(5)
+    t = torch.randn(2, 32)
+    q, k, v = (torch.randn(1, 2, 40, 64) for _ in range(3))
+    out = ne.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + t[h, t5_bucket(i, j, 32, 128)])
+    i, j = torch.arange(40).view(-1, 1), torch.arange(40).view(1, -1)
+    s = q.double() @ k.double().transpose(-1, -2) / 8 + t.double()[:, t5_bucket(i, j, 32, 128)]
+    assert (out.double() - torch.softmax(s, -1) @ v.double()).abs().max().item() < 1e-5
+    kern = next(iter(flex.STRUCTURES.values())).kernel
+    report = kern.trace.validation
+    assert report.far_sizes and all(v < 100 for k, v in report.far_sizes.items() if k in (32, 64))
+    assert "where its far key loops run" in str(report)

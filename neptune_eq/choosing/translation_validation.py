@@ -34,9 +34,12 @@ from ..lowering import saturated_index
 SMALL = 16
 # A table index that stops moving past |i − j| >= D (``lowering.saturated_index``: T5's
 # buckets) gets key loops of its own past D, which sizes of 17 never reach: such a
-# program's two axes are checked at sizes past D + this -- a row block and two key
-# blocks of the checked config's (the interpreter's blocks are 16; a GPU's up to 128).
-FAR_MARGIN = {"interpreter": 3 * 16, "cuda": 3 * 128}
+# program's two axes are checked once more at sizes past D + this -- a row block and two
+# key blocks of the checked config's (the interpreter's are 16; on a GPU the check takes
+# the config of the smallest tiles, 64, ``api._run_small_kernel``).  With a margin of
+# 3 x 128, T5's first call on an H200 took 218 s against 71 without far loops (what of
+# it was this check was not measured apart); the margin of 3 x 64 was not run there.
+FAR_MARGIN = {"interpreter": 3 * 16, "cuda": 3 * 64}
 # label, scale of float inputs, integer inputs drawn from [0, high)
 CASES = (("normal", 1.0, 2), ("large-magnitude", 40.0, 2), ("few-ids", 1.0, 3))
 # The kernel runs on two of them: large magnitudes catch most forward faults (an unshifted
@@ -122,13 +125,26 @@ def size_map(program: Program, small: int = SMALL) -> dict:
 
 
 def _past(sizes: dict, keys: list, least: int) -> dict:
-    """``sizes`` with the checked values of ``keys`` (and every value above them, so the
-    order and equalities stay) moved up to at least ``least`` -- where they were shrunk
-    at all (a call already at most SMALL keeps its sizes)."""
+    """``sizes`` with the checked values of ``keys`` moved up to at least ``least`` --
+    where they were shrunk at all (a call already at most SMALL keeps its sizes).  An
+    int key moves with every int at least as large (their order and equalities stay);
+    a named key takes a fresh odd value; a named size it would meet moves past it."""
     low = min(sizes[k] for k in keys)
     if low <= SMALL or low >= least:
         return sizes
-    return {s: v + least - low if v >= low else v for s, v in sizes.items()}
+    out = dict(sizes)
+    ints = [k for k in keys if isinstance(k, int)]
+    if ints:
+        first, shift = min(ints), least - min(sizes[k] for k in ints)
+        for s in sizes:
+            if isinstance(s, int) and s >= first and shift > 0:
+                out[s] = sizes[s] + shift
+    fresh = max(out.values()) + 1 | 1
+    for s in sorted((s for s in sizes if isinstance(s, Size)), key=lambda s: s.name):
+        clash = any(out[s] == v for t, v in out.items() if t != s)
+        if (s in keys and out[s] < least) or clash:
+            out[s], fresh = max(fresh, least | 1), max(fresh, least | 1) + 2
+    return out
 
 
 def _grid_only(program: Program) -> set:
