@@ -5,6 +5,8 @@ here against torch's own evaluation of the index and against fp64 attention."""
 from __future__ import annotations
 
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -95,8 +97,8 @@ def test_t5_far_key_blocks_read_one_entry_forward_and_gradients(S):
     check_grads(q, k, v, t5_rows, mod, ref_mod)
     st_ = next(iter(flex.STRUCTURES.values()))
     src = st_.kernel.kernel_source.source
-    assert "keys far below the rows: the index is 7 past |i - j| >= 23" in src
-    assert "keys far above the rows: the index is 7 past |i - j| >= 23" in src
+    assert "keys far below the rows: the index is 7 where i - j >= 23" in src
+    assert "keys far above the rows: the index is 7 where j - i >= 23" in src
     (kern,) = table_kernels("t5_rows")
     assert "far_sum" in kern.kernel_source.source
 
@@ -127,3 +129,56 @@ def test_t5_at_head_dim_64_is_checked_past_the_far_distance():
     report = kern.trace.validation
     assert report.far_sizes and all(v < 100 for k, v in report.far_sizes.items() if k in (32, 64))
     assert "where its far key loops run" in str(report)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_t5_decode_reads_the_far_bucket_once(group):
+    """One query at the end of 300 keys (``q_idx + 299``), grouped heads packed or not:
+    every key up to 276 past the query is the last bucket (a negative far distance), and
+    the output matches fp64."""
+    eager_env.forget()
+    torch.manual_seed(6)
+    t = torch.randn(2 * group, 8)
+    q = torch.randn(1, 2 * group, 1, 16)
+    k, v = (torch.randn(1, 2, 300, 16) for _ in range(2))
+    out = ne.flex_attention(q, k, v, enable_gqa=group > 1,
+                            score_mod=lambda s, b, h, i, j: s + t[h, t5_bucket(i + 299, j)])
+    kk, vv = (x.double().repeat_interleave(group, 1) for x in (k, v))
+    j = torch.arange(300).view(1, -1)
+    s = q.double() @ kk.transpose(-1, -2) / 4 + t.double()[:, t5_bucket(torch.tensor([[299]]), j)]
+    assert (out.double() - torch.softmax(s, -1) @ vv).abs().max().item() < 1e-5
+    src = next(iter(flex.STRUCTURES.values())).kernel.kernel_source.source
+    # (q_idx + 299 is one bucket for every key up to 276 past the query: D₊ = -276)
+    assert "the index is 7 where i - j >= -276" in src
+
+
+def test_split_k_chunks_are_cut_at_the_far_distance():
+    """A DSL decode reading a T5-like table at ``q + 159 − kv`` (8 buckets up to 40):
+    split-k's chunk programs each cut their own key range (3 chunks, in partials plus a
+    combine and in one launch), and agree with the reference interpreter."""
+    from neptune_eq.interp import evaluate
+    from neptune_eq.runtime.launcher import Launcher
+    from neptune_eq.runtime.tile_configs import candidate_configs
+
+    S = 160
+    tab = ne.placeholder((4, 8), "float32", "tab")
+
+    def bucket(i, j):  # T5's, written with the DSL's ops
+        n = ne.abs(i + (S - 1) - j)
+        far = 4 + ne.cast(ne.log(ne.maximum(n, 1) / 4) * 4 / math.log(10), "int64")
+        return ne.where(n < 4, n, ne.minimum(far, 7))
+    out = ne.attention(1, 4, 1, S, 16, "float32",
+                       score_mod=lambda s, b, h, i, j: s + tab[h, bucket(i, j)])
+    kern = ne.superoptimize(out, target="interpreter", cache=False)
+    row = next(r for r in kern.candidates if r.plan is not None and r.plan.split)
+    assert "the index is 7 where i - j >= -136" in row.kernel.source
+    torch.manual_seed(7)
+    data = {"q": torch.randn(1, 4, 1, 16), "k": torch.randn(1, 4, S, 16),
+            "v": torch.randn(1, 4, S, 16), "tab": torch.randn(4, 8)}
+    ref = evaluate(kern.input_program, data)["o"]
+    for fused in (False, True):
+        cfg = candidate_configs(row.kernel, "interpreter")[0]
+        cfg.splits, cfg.fused = 3, fused
+        o = torch.empty(1, 4, 1, 16)
+        Launcher(row.program, row.kernel, "interpreter", cfg)({**data, "o": o})
+        assert torch.allclose(o.double(), ref, atol=1e-4)

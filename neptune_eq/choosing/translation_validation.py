@@ -355,7 +355,7 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
             named = {k.name: v for k, v in wide.items() if isinstance(k, Size)}
             kernel_error = max(kernel_error or 0.0, _check_kernel(
                 shrink(chosen, ints_only), named, shrink(chosen, wide), data,
-                evaluate(wide_in, data), run_kernel, f"normal, past |i - j| >= {far[0]}",
+                evaluate(wide_in, data), run_kernel, f"normal, past the far distance {far[0]}",
                 0, blame, fp32_dot))
             report.far_sizes = wide
     if kernel_error is not None:

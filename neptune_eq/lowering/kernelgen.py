@@ -267,7 +267,8 @@ def _main_loops(em: Emitter, k: int, lo: str, hi: str, known: frozenset) -> None
 
 
 def _consts(side) -> str:
-    return ", ".join(str(c) for _, c in side.values) + f" past |i - j| >= {side.distance}"
+    past = "i - j" if side.sign > 0 else "j - i"
+    return ", ".join(str(c) for _, c in side.values) + f" where {past} >= {side.distance}"
 
 
 def _ragged_tail(em: Emitter, k: int, lo: str, hi: str) -> None:

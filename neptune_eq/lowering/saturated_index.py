@@ -101,7 +101,7 @@ def _replace(t: Term, table: dict) -> Term:
 
 def saturation(index: Term) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """((D₊, c₊) or None, (D₋, c₋) or None) of an index over ``ROW`` and ``KEY``: the
-    least distance past which it is the constant, on each side of the diagonal."""
+    least D with the index the constant c for every ±(row − key) >= D, on each side."""
     return _saturation(index)
 
 
@@ -119,7 +119,9 @@ def _saturation(index: Term):
         far = at(*sorted((sign * MAX_DISTANCE, sign * FAR)))
         if far is None or far[0] != far[1]:
             return None
-        lo, hi = 0, MAX_DISTANCE  # least D with [D, FAR] one value (inclusion: monotone)
+        # least D with [D, FAR] one value (inclusion: monotone); D may be negative -- a
+        # decode's q_idx + 299 is one bucket for every key up to 276 past the query
+        lo, hi = -MAX_DISTANCE, MAX_DISTANCE
         while lo < hi:
             mid = (lo + hi) // 2
             b = at(*sorted((sign * mid, sign * FAR)))
