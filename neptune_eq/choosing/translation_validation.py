@@ -40,6 +40,7 @@ SMALL = 16
 # 3 x 128, T5's first call on an H200 took 218 s against 71 without far loops (what of
 # it was this check was not measured apart); the margin of 3 x 64 was not run there.
 FAR_MARGIN = {"interpreter": 3 * 16, "cuda": 3 * 64}
+FAR_OTHERS = 3  # ... and its other named sizes at most this (``_past``)
 # label, scale of float inputs, integer inputs drawn from [0, high)
 CASES = (("normal", 1.0, 2), ("large-magnitude", 40.0, 2), ("few-ids", 1.0, 3))
 # The kernel runs on two of them: large magnitudes catch most forward faults (an unshifted
@@ -128,7 +129,9 @@ def _past(sizes: dict, keys: list, least: int) -> dict:
     """``sizes`` with the checked values of ``keys`` moved up to at least ``least`` --
     where they were shrunk at all (a call already at most SMALL keeps its sizes).  An
     int key moves with every int at least as large (their order and equalities stay);
-    a named key takes a fresh odd value; a named size it would meet moves past it."""
+    a named key takes a fresh odd value; a named size it would meet moves past it.  The
+    other named sizes (a batch) drop to ``FAR_OTHERS``: the check is of the key loops,
+    and a backward's batch of 21 made it 7x the work."""
     low = min(sizes[k] for k in keys)
     if low <= SMALL or low >= least:
         return sizes
@@ -139,6 +142,9 @@ def _past(sizes: dict, keys: list, least: int) -> dict:
         for s in sizes:
             if isinstance(s, int) and s >= first and shift > 0:
                 out[s] = sizes[s] + shift
+    for s in sizes:
+        if isinstance(s, Size) and s not in keys:
+            out[s] = min(out[s], FAR_OTHERS)
     fresh = max(out.values()) + 1 | 1
     for s in sorted((s for s in sizes if isinstance(s, Size)), key=lambda s: s.name):
         clash = any(out[s] == v for t, v in out.items() if t != s)
