@@ -37,7 +37,7 @@ from ..ir import Term, free_axes, rename_axis
 from .block_predicate import Analysis, PyOps
 
 # NEPTUNE_EQ_FAR_INDEX=0: every key block computes its index per pair (A/B runs:
-# ``bench/probe/table_grad_gpu.py``; in the kernel cache key).
+# ``bench/probe/far_index_gpu.py``; in the kernel cache key).
 ENABLED = os.environ.get("NEPTUNE_EQ_FAR_INDEX", "1") != "0"
 WIDEN = 1e-4          # relative margin for the device's fp32 evaluation (module docstring)
 FAR = 2 ** 31 - 1     # δ past every extent a kernel addresses (int32 offsets)
