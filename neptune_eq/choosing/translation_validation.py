@@ -145,11 +145,11 @@ def _past(sizes: dict, keys: list, least: int) -> dict:
     for s in sizes:
         if isinstance(s, Size) and s not in keys:
             out[s] = min(out[s], FAR_OTHERS)
-    fresh = max(out.values()) + 1 | 1
+    fresh = max(max(out.values()) + 1, least) | 1  # odd, above every value and least
     for s in sorted((s for s in sizes if isinstance(s, Size)), key=lambda s: s.name):
         clash = any(out[s] == v for t, v in out.items() if t != s)
         if (s in keys and out[s] < least) or clash:
-            out[s], fresh = max(fresh, least | 1), max(fresh, least | 1) + 2
+            out[s], fresh = fresh, fresh + 2
     return out
 
 
@@ -350,10 +350,9 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
                                            float((r[finite] - c[finite]).abs().max()) / denom)
         report.cases.append(label)
         if run_kernel is not None and label in KERNEL_CASES:
-            ints_only = {k: (k if isinstance(k, Size) else v) for k, v in sizes.items()}
-            named = {k.name: v for k, v in sizes.items() if isinstance(k, Size)}
+            kernel_prog, named = _kernel_sizes(chosen, sizes)
             kernel_error = max(kernel_error or 0.0, _check_kernel(
-                shrink(chosen, ints_only), named, small_out, data, ref, run_kernel, label,
+                kernel_prog, named, small_out, data, ref, run_kernel, label,
                 seed, blame, fp32_dot))
     far = saturated_index.far_distance(input_program)
     if run_kernel is not None and far is not None:
@@ -363,10 +362,9 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
         if wide != sizes and _runs_at(input_program, wide):
             wide_in = shrink(input_program, wide)
             data = consistent_inputs(wide_in, wide, 0, 1.0, 2, tf32=fp32_dot != "ieee")
-            ints_only = {k: (k if isinstance(k, Size) else v) for k, v in wide.items()}
-            named = {k.name: v for k, v in wide.items() if isinstance(k, Size)}
+            kernel_prog, named = _kernel_sizes(chosen, wide)
             kernel_error = max(kernel_error or 0.0, _check_kernel(
-                shrink(chosen, ints_only), named, shrink(chosen, wide), data,
+                kernel_prog, named, shrink(chosen, wide), data,
                 evaluate(wide_in, data), run_kernel, f"normal, past the far distance {far[0]}",
                 0, blame, fp32_dot))
             report.far_sizes = wide
@@ -376,6 +374,13 @@ def validate_translation(input_program: Program, chosen: Program, blame: Callabl
                          f"(max rel. err {kernel_error:.1e})")
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _kernel_sizes(chosen: Program, sizes: dict) -> tuple[Program, dict]:
+    """The program the kernel is generated for at checked ``sizes`` (its ints shrunk, its
+    named sizes kept named, as in the real kernel) and those named sizes' values."""
+    ints_only = {k: (k if isinstance(k, Size) else v) for k, v in sizes.items()}
+    return shrink(chosen, ints_only), {k.name: v for k, v in sizes.items() if isinstance(k, Size)}
 
 
 def _nudged(data: dict, seed: int) -> dict:
